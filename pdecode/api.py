@@ -1,0 +1,256 @@
+"""The public face: `load`, `generate`, `forward_logits`, `save_hf`.
+
+`generate` does the host-side work (tokenize, pad to a length bucket, validate), then runs one compiled function
+for the whole generation. Compiled executables are cached per (method, static options, shapes, shardings), so a
+second call with the same shapes does not recompile; ``stats['compile_s']`` says what the call spent compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdecode import sampling
+from pdecode.checkpoint import hf as hf_ckpt
+from pdecode.config import ModelConfig
+from pdecode.decode import registry
+from pdecode.errors import CheckpointError, InputError
+from pdecode.model import attention
+from pdecode.model.transformer import forward, param_specs, unembed
+from pdecode.tokenizer import Tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def zoo_dir() -> Path:
+    """Where the shipped models live: ``$PDECODE_ZOO`` or the repository's ``zoo/``."""
+    env = os.environ.get("PDECODE_ZOO")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "zoo"
+
+
+def zoo_names() -> list[str]:
+    d = zoo_dir()
+    return sorted(p.name for p in d.iterdir() if (p / "config.json").exists()) if d.is_dir() else []
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, params (a pytree of jax arrays), tokenizer, and where it came from."""
+
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Tokenizer | None = None
+    name: str = ""
+    path: Path | None = None
+    extras: dict = dataclasses.field(default_factory=dict)  # method-specific weights (heads, ...)
+    _sharded: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))
+
+    def on_mesh(self, mesh) -> "Model":
+        """This model with params placed on ``mesh`` by the logical sharding rules (cached per mesh)."""
+        if mesh is None:
+            return self
+        if mesh not in self._sharded:
+            from pdecode.sharding import shard_params
+
+            params = shard_params(self.params, param_specs(self.cfg), mesh)
+            self._sharded[mesh] = dataclasses.replace(self, params=params, _sharded={})
+        return self._sharded[mesh]
+
+
+def resolve_path(name_or_path: str | os.PathLike) -> Path:
+    p = Path(name_or_path)
+    if p.is_dir():
+        return p
+    z = zoo_dir() / str(name_or_path)
+    if z.is_dir():
+        return z
+    avail = ", ".join(zoo_names()) or "none shipped"
+    if p.exists():
+        raise CheckpointError(f"{p} is a file; pass the model directory (config.json + *.safetensors)")
+    raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name (zoo: {avail})")
+
+
+def load(name_or_path: str | os.PathLike, dtype: str = "float32") -> Model:
+    """Load a zoo model by name or an HF directory (config.json + model.safetensors [+ tokenizer.json])."""
+    if dtype not in _DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    path = resolve_path(name_or_path)
+    cfg, np_params = hf_ckpt.load_hf(path, dtype=np.dtype(jnp.dtype(_DTYPES[dtype])))
+    params = jax.tree.map(jnp.asarray, np_params)
+    tok = None
+    if (path / "tokenizer.json").exists():
+        tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
+    return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+
+
+def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
+    """Write the model in HF format (config.json, model.safetensors, tokenizer files) for `transformers`."""
+    dtype = dtype or str(jnp.dtype(m.dtype).name)
+    return hf_ckpt.save_hf(m.cfg, m.params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+
+
+# ------------------------------------------------------------------------------------------------ compile cache
+_COMPILED: dict[Any, Any] = {}
+
+
+def _signature(args) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return (treedef, tuple((tuple(np.shape(a)), str(jnp.result_type(a)), str(getattr(a, "sharding", "")))
+                           for a in leaves))
+
+
+def compiled(fn, static: dict[str, Any], *args):
+    """(executable, seconds spent compiling now): jit + AOT compile once per (fn, static options, signature)."""
+    key = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), _signature(args))
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit, 0.0
+    t0 = time.perf_counter()
+    exe = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static).compile()
+    dt = time.perf_counter() - t0
+    _COMPILED[key] = exe
+    return exe, dt
+
+
+# ------------------------------------------------------------------------------------------------ generate
+@dataclasses.dataclass
+class GenerateOutput:
+    texts: list[str]
+    tokens: list[list[int]]  # per prompt, the NEW ids only (EOS kept, nothing after it)
+    stats: dict[str, Any]
+
+
+def _bucket(n: int, quantum: int = 32) -> int:
+    return max(quantum, -(-n // quantum) * quantum)
+
+
+def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise InputError("no prompts given")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if m.tokenizer is None:
+                raise InputError(f"model {m.name!r} has no tokenizer.json; pass token ids instead of text")
+            ids = m.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise InputError("a prompt encodes to zero tokens; give at least one token")
+        if min(ids) < 0 or max(ids) >= m.cfg.vocab_size:
+            raise InputError(f"prompt token ids must lie in [0, {m.cfg.vocab_size}); got {min(ids)}..{max(ids)}")
+        out.append(ids)
+    return out
+
+
+def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
+             stop_at_eos: bool = True, max_len: int | None = None, **method_options) -> GenerateOutput:
+    """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
+
+    The whole generation, prefill included, is one compiled call. ``mesh`` (a `jax.sharding.Mesh` with ``data`` and
+    ``model`` axes) shards params, caches and the batch. ``stop_at_eos=False`` generates exactly max_new_tokens.
+    """
+    meth = registry.get(method)
+    opts = registry.resolve_options(meth, method_options)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
+    if meth.needs_draft and draft is None:
+        raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
+    ids = encode_prompts(m, prompts)
+    plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh) if draft is not None else None, opts, samp)
+
+    lens = [len(x) for x in ids]
+    p_bucket = _bucket(max(lens))
+    need = max(lens) + max_new_tokens + plan.extra_len
+    limit = m.cfg.max_position_embeddings
+    if need > limit:
+        raise InputError(f"the longest prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens})"
+                         f"{f' + {plan.extra_len} draft slots' if plan.extra_len else ''} = {need} exceeds the model's "
+                         f"context of {limit} tokens; shorten the prompt or lower max_new_tokens")
+    cache_len = max(_bucket(p_bucket + max_new_tokens + plan.extra_len, 64), p_bucket)
+    if max_len is not None:
+        if need > max_len:
+            raise InputError(f"the longest prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) needs a "
+                             f"cache of {need} slots but max_len is {max_len}")
+        cache_len = max(max_len, p_bucket)
+    pad = m.cfg.pad_token_id if m.cfg.pad_token_id is not None else 0
+    prompt = np.full((len(ids), p_bucket), pad, np.int32)
+    for i, x in enumerate(ids):
+        prompt[i, : len(x)] = x
+    prompt_len = np.asarray(lens, np.int32)
+    eos = tuple(sorted(set(m.cfg.eos_token_ids) | set(m.tokenizer.eos_ids if m.tokenizer else ()))) if stop_at_eos \
+        else ()
+
+    prompt_j, len_j = jnp.asarray(prompt), jnp.asarray(prompt_len)
+    if mesh is not None:
+        from pdecode.sharding import batch_sharding
+
+        prompt_j = jax.device_put(prompt_j, batch_sharding(mesh, prompt.shape))
+        len_j = jax.device_put(len_j, batch_sharding(mesh, prompt_len.shape))
+    args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
+    static = dict(plan.static, max_new=max_new_tokens, max_len=cache_len, eos_ids=eos, samp=samp, mesh=mesh)
+    exe, compile_s = compiled(plan.fn, static, *args)
+    t0 = time.perf_counter()
+    out, dev_stats = exe(*args)
+    out = jax.block_until_ready(out)
+    wall = time.perf_counter() - t0
+
+    tokens_np, count_np = np.asarray(out.tokens), np.asarray(out.count)
+    toks = [tokens_np[i, : count_np[i]].tolist() for i in range(len(ids))]
+    texts = [m.tokenizer.decode(t) if m.tokenizer else "" for t in toks]
+    new_tokens = int(count_np.sum())
+    row_fw = int(np.asarray(out.row_forwards).sum())
+    stats: dict[str, Any] = {k: (np.asarray(v).tolist()) for k, v in dev_stats.items()}
+    stats.setdefault("draft_forwards", 0)
+    stats.update(
+        method=method,
+        batch=len(ids),
+        new_tokens=new_tokens,
+        tokens_per_forward=new_tokens / max(row_fw, 1),
+        wall_s=wall,
+        tokens_per_s=new_tokens / wall if wall > 0 else float("inf"),
+        compile_s=compile_s,
+        prompt_tokens=int(sum(lens)),
+        cache_len=cache_len,
+    )
+    if plan.finish_stats:
+        stats = plan.finish_stats(stats)
+    return GenerateOutput(texts=texts, tokens=toks, stats=stats)
+
+
+# ------------------------------------------------------------------------------------------------ plain forward
+def _forward_logits(params, tokens, lengths, *, cfg):
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = attention.padded_self_mask(lengths, t, causal=cfg.causal, window=cfg.sliding_window)
+    return unembed(params, cfg, forward(params, cfg, tokens, pos, mask).hidden)
+
+
+def forward_logits(m: Model, ids) -> jax.Array:
+    """Plain pass over token ids [B, T] -> float32 logits [B, T, V] (causal unless the model is bidirectional)."""
+    tokens = jnp.asarray(ids, jnp.int32)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise InputError(f"ids must be [batch, length], got shape {tokens.shape}")
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    exe, _ = compiled(_forward_logits, {"cfg": m.cfg}, m.params, tokens, lengths)
+    return exe(m.params, tokens, lengths)

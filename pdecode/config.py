@@ -1,0 +1,244 @@
+"""Model configuration: one frozen (hashable, jit-static) dataclass for every decoder family pdecode runs.
+
+`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` (Llama 2/3, Mistral, Qwen2, Qwen3 and the
+pdecode-native families); `to_hf()` writes one that `transformers` loads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pdecode.errors import ConfigError
+
+# HF `model_type` -> our family name. The family only decides naming and a few architectural switches.
+_HF_FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+_HF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (static under jit).
+
+    Families: ``llama`` (Llama 2/3, incl. ``llama3`` rope scaling), ``mistral`` (optional sliding window),
+    ``qwen2`` (q/k/v bias), ``qwen3`` (per-head q/k RMSNorm). ``causal=False`` makes the same network
+    bidirectional (masked diffusion models).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    family: str = "llama"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    # Rope scaling as a sorted tuple of (key, value) pairs so the config stays hashable; None = plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    causal: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    mask_token_id: int | None = None
+    dtype: str = "float32"  # dtype the checkpoint stores (params may be cast at load)
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive (got {getattr(self, name)})")
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for RoPE (got {self.head_dim})")
+        if self.family not in ("llama", "mistral", "qwen2", "qwen3"):
+            problems.append(f"unknown family {self.family!r}; expected one of llama, mistral, qwen2, qwen3")
+        if problems:
+            raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    # ----------------------------------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self) -> int:
+        d, f, v, l_ = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = d * qd * 2 + d * kd * 2 + 3 * d * f + 2 * d
+        if self.attention_bias:
+            per_layer += qd + 2 * kd
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + l_ * per_layer + d + head
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward FLOPs for one token attending to `context` earlier tokens (2 per multiply-add)."""
+        d, f, l_ = self.hidden_size, self.intermediate_size, self.num_layers
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        matmul = l_ * (d * qd * 2 + d * kd * 2 + 3 * d * f) + d * self.vocab_size
+        attn = l_ * 2 * qd * max(context, 1)
+        return 2.0 * (matmul + attn)
+
+    # ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary."""
+        model_type = hf.get("model_type")
+        if model_type not in _HF_FAMILIES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r} in config.json; pdecode loads "
+                f"{', '.join(sorted(_HF_FAMILIES))}")
+        family = _HF_FAMILIES[model_type]
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            cfg_kw: dict[str, Any] = dict(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+        cfg_kw["num_kv_heads"] = int(hf.get("num_key_value_heads") or heads)
+        cfg_kw["head_dim"] = int(hf.get("head_dim") or hidden // heads)
+        # transformers >= 5 nests rope settings in `rope_parameters`; older files use rope_theta/rope_scaling.
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+        scaling = hf.get("rope_scaling") or (rope if rope else None)
+        if scaling:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype == "default":
+                scaling = None
+            elif rtype not in ("llama3", "linear"):
+                raise ConfigError(f"unsupported rope scaling type {rtype!r}; pdecode supports llama3 and linear")
+            else:
+                scaling = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rtype}
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        window = hf.get("sliding_window") if family in ("mistral",) or hf.get("use_sliding_window") else None
+        cfg_kw.update(
+            family=family,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            sliding_window=int(window) if window else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            pad_token_id=hf.get("pad_token_id"),
+            mask_token_id=hf.get("mask_token_id"),
+            dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+        return cls(**cfg_kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dictionary that `transformers` loads (AutoConfig / AutoModelForCausalLM)."""
+        out: dict[str, Any] = {
+            "architectures": [_HF_ARCH[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_dropout": 0.0,
+            "torch_dtype": self.dtype,
+        }
+        if self.family in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.family == "llama":
+            out["mlp_bias"] = False
+        if self.family == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = self.num_layers
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            out["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        if self.mask_token_id is not None:
+            out["mask_token_id"] = self.mask_token_id
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        f = path / "config.json" if path.is_dir() else path
+        if not f.exists():
+            raise ConfigError(f"no config.json at {f}")
+        try:
+            data = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{f} is not valid JSON: {e}") from None
+        return cls.from_hf(data)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse RoPE frequencies [head_dim // 2] as numpy float64, with llama3/linear scaling applied."""
+    import numpy as np
+
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    sc = cfg.rope_scaling_dict
+    if not sc:
+        return inv
+    if sc["rope_type"] == "linear":
+        return inv / float(sc["factor"])
+    # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth blend between.
+    factor = float(sc["factor"])
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    orig = float(sc.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = orig / low, orig / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(mid, blended, scaled)

@@ -1,0 +1,87 @@
+"""Pieces every decode loop shares: the output buffer, prefill, stats counters.
+
+All functions are pure and jit-able with static shapes; rows finish independently (``done`` mask) and a finished
+row is carried along untouched until the whole batch is done.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+import jax.numpy as jnp
+
+from pdecode.config import ModelConfig
+from pdecode.model import attention
+from pdecode.model import cache as kvc
+from pdecode.model.transformer import forward, unembed
+
+
+@struct.dataclass
+class Outputs:
+    """New tokens per row. ``tokens[b, :count[b]]`` are final (EOS kept, nothing after it)."""
+
+    tokens: jax.Array  # [B, N] int32
+    count: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    row_forwards: jax.Array  # [B] int32: target forwards while the row was active
+
+    @staticmethod
+    def empty(batch: int, max_new: int) -> "Outputs":
+        return Outputs(tokens=jnp.zeros((batch, max_new), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
+                       done=jnp.zeros((batch,), bool), row_forwards=jnp.zeros((batch,), jnp.int32))
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
+
+
+def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[int, ...]) -> tuple[Outputs, jax.Array]:
+    """Append the first ``n_new[b]`` tokens of ``new[b]`` to each active row, cut after the first EOS and at the
+    buffer size. Counts one target forward for every active row. Returns (outputs, tokens taken per row)."""
+    b, k = new_BK.shape
+    max_new = out.tokens.shape[1]
+    idx = jnp.arange(k)[None, :]
+    eos_hit = is_eos(new_BK, eos_ids) & (idx < n_new_B[:, None])
+    any_eos = jnp.any(eos_hit, axis=1)
+    first_eos = jnp.argmax(eos_hit, axis=1)
+    n_take = jnp.where(any_eos, first_eos + 1, n_new_B)
+    n_take = jnp.minimum(n_take, max_new - out.count)
+    active = ~out.done
+    n_take = jnp.where(active, n_take, 0).astype(jnp.int32)
+    pos = jnp.where(idx < n_take[:, None], out.count[:, None] + idx, max_new)
+    tokens = out.tokens.at[jnp.arange(b)[:, None], pos].set(new_BK.astype(jnp.int32), mode="drop")
+    count = out.count + n_take
+    hit_eos_taken = any_eos & (first_eos < n_take)
+    done = out.done | (active & (hit_eos_taken | (count >= max_new)))
+    return Outputs(tokens, count, done, out.row_forwards + active.astype(jnp.int32)), n_take
+
+
+def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Array, cache: kvc.KVCache,
+            hidden_layers: tuple[int, ...] = ()):
+    """Run the prompts (right-padded) into an empty cache.
+
+    Returns (cache with lengths = prompt lengths, last-position logits [B, V], forward output).
+    """
+    b, p = prompt_BP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    zeros = jnp.zeros((b,), jnp.int32)
+    fresh_valid = positions < prompt_len_B[:, None]
+    mask = attention.cache_mask(zeros, attention.causal_intra(p), cache.max_len, fresh_valid,
+                                window=cfg.sliding_window, query_pos_BT=positions)
+    out = forward(params, cfg, prompt_BP, positions, mask, cache=cache, write_at_B=zeros, hidden_layers=hidden_layers)
+    last = jnp.take_along_axis(out.hidden, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = unembed(params, cfg, last)
+    return kvc.set_lengths(out.cache, prompt_len_B), logits, out
+
+
+def step_mask(cfg: ModelConfig, cache: kvc.KVCache, intra, positions_BT: jax.Array, fresh_valid_BT=None):
+    """Mask for fresh tokens written at ``cache.lengths`` with the given intra mask ([T,T] or [B,T,T])."""
+    return attention.cache_mask(cache.lengths, intra, cache.max_len, fresh_valid_BT,
+                                window=cfg.sliding_window, query_pos_BT=positions_BT)
+
+
+def gather_rows(x_BT, idx_B):
+    """x[b, idx[b]] for a [B, T, ...] array."""
+    return jnp.take_along_axis(x_BT, idx_B.reshape((-1,) + (1,) * (x_BT.ndim - 1)), axis=1)[:, 0]

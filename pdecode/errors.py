@@ -1,0 +1,17 @@
+"""Errors pdecode raises for bad input: each message says what to fix."""
+
+
+class PdecodeError(ValueError):
+    """Base class: invalid input or configuration detected before any computation runs."""
+
+
+class ConfigError(PdecodeError):
+    """A model or method configuration that cannot work (mismatched sizes, unknown family, ...)."""
+
+
+class CheckpointError(PdecodeError):
+    """A checkpoint that is missing, malformed or does not match its config."""
+
+
+class InputError(PdecodeError):
+    """Prompts or generation arguments that cannot be served (too long, invalid sampling values, ...)."""

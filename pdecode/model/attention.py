@@ -1,0 +1,98 @@
+"""One attention for every mask kind, and the mask builders.
+
+A mask is boolean ``[B, T, S]``: query t of row b may read key slot s. Every decoding method builds its mask from
+the same few pieces: committed cache slots (``s < lengths[b]``), the fresh tokens of this pass with an
+``intra`` mask among themselves (causal for chains and prefill, ancestor-of for trees, all-ones for
+bidirectional blocks), and padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Grouped-query attention. q: [B,T,H,hd]; k, v: [B,S,KV,hd]; mask: [B,T,S] (True = visible).
+
+    Scores and softmax run in float32 whatever the input dtype. A query with no visible key returns zeros.
+    """
+    b, t, h, d = q_BTHD.shape
+    kv = k_BSKD.shape[2]
+    q = q_BTHD.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    m = mask_BTS[:, None, None, :, :]
+    scores = jnp.where(m, scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0).astype(v_BSKD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ masks
+def causal_intra(t: int) -> jax.Array:
+    """[T, T] lower-triangular (a chain of fresh tokens, or a prefill)."""
+    return jnp.tril(jnp.ones((t, t), bool))
+
+
+def full_intra(t: int) -> jax.Array:
+    """[T, T] all visible (a bidirectional block)."""
+    return jnp.ones((t, t), bool)
+
+
+def padded_self_mask(lengths_B: jax.Array, t: int, causal: bool = True, window: int | None = None) -> jax.Array:
+    """Mask for a pass with no cache over right-padded rows: keys s < lengths[b] (and s <= t when causal;
+    s > t - window with a sliding window). Padding queries still see key 0 so their (ignored) outputs stay finite.
+    """
+    s = jnp.arange(t)
+    q = jnp.arange(t)[None, :, None]
+    valid = s[None, None, :] < lengths_B[:, None, None]
+    if causal:
+        valid = valid & (s[None, None, :] <= q)
+    if window is not None:
+        valid = valid & (s[None, None, :] > q - window)
+    return valid | (s[None, None, :] == 0)
+
+
+def cache_mask(prev_lengths_B: jax.Array, intra_BTT: jax.Array, max_len: int,
+               fresh_valid_BT: jax.Array | None = None, window: int | None = None,
+               query_pos_BT: jax.Array | None = None) -> jax.Array:
+    """Mask over all ``max_len`` cache slots for T fresh tokens written at ``prev_lengths[b] + i``.
+
+    Key slot s is visible to fresh query t when s is committed (``s < prev_lengths[b]``), or s is fresh token j
+    (``s = prev_lengths[b] + j``) with ``intra[b, t, j]`` and ``fresh_valid[b, j]``. ``intra`` may be [T, T]
+    (shared) or [B, T, T]. ``window`` (sliding-window attention) hides committed slots ``<= query_pos - window``.
+    """
+    if intra_BTT.ndim == 2:
+        intra_BTT = intra_BTT[None]
+    b = prev_lengths_B.shape[0]
+    t = intra_BTT.shape[-1]
+    s = jnp.arange(max_len)[None, :]  # [1, S]
+    rel = s - prev_lengths_B[:, None]  # [B, S]: index among the fresh tokens
+    is_fresh = (rel >= 0) & (rel < t)
+    rel_c = jnp.clip(rel, 0, t - 1)
+    intra = jnp.broadcast_to(intra_BTT, (b, t, t))
+    fresh_vis = jnp.take_along_axis(intra, jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)), axis=2)
+    if fresh_valid_BT is not None:
+        fresh_vis = fresh_vis & jnp.take_along_axis(fresh_valid_BT, rel_c, axis=1)[:, None, :]
+    committed = (rel < 0)[:, None, :]
+    if window is not None and query_pos_BT is not None:
+        committed = committed & (s[:, None, :] > query_pos_BT[:, :, None] - window)
+    return committed | (is_fresh[:, None, :] & fresh_vis)
+
+
+def tree_intra(parents_N: jax.Array) -> jax.Array:
+    """Ancestor-or-self mask [..., N, N] of trees given by ``parents [..., N]`` (root's parent = -1).
+
+    Computed by pointer doubling (log2 N steps), no Python loop over nodes.
+    """
+    n = parents_N.shape[-1]
+    par = jnp.where(parents_N < 0, jnp.arange(n), parents_N)  # root points to itself
+    anc = jax.nn.one_hot(par, n, dtype=jnp.int32) | jnp.eye(n, dtype=jnp.int32)
+    for _ in range(max(1, int(n - 1).bit_length())):
+        # anc[i, j] |= exists k: anc[i, k] & anc[k, j]   (reachability doubles each step)
+        anc = (jnp.matmul(anc, anc) > 0).astype(jnp.int32)
+    return anc.astype(bool)
