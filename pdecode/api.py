@@ -84,13 +84,24 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name (zoo: {avail})")
 
 
-def load(name_or_path: str | os.PathLike, dtype: str = "float32") -> Model:
-    """Load a zoo model by name or an HF directory (config.json + model.safetensors [+ tokenizer.json])."""
+def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None) -> Model:
+    """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]) or a pdecode
+    orbax directory (config.json + params/). ``dtype``: float32 (default), bfloat16 or float16. With ``mesh``,
+    params are placed by the logical sharding rules."""
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     path = resolve_path(name_or_path)
-    cfg, np_params = hf_ckpt.load_hf(path, dtype=np.dtype(jnp.dtype(_DTYPES[dtype])))
-    params = jax.tree.map(jnp.asarray, np_params)
+    from pdecode.checkpoint import orbax as orbax_ckpt
+
+    if orbax_ckpt.is_orbax_dir(path):
+        cfg, params = orbax_ckpt.restore(path, dtype=_DTYPES[dtype], mesh=mesh)
+    else:
+        cfg, np_params = hf_ckpt.load_hf(path, dtype=np.dtype(jnp.dtype(_DTYPES[dtype])))
+        params = jax.tree.map(jnp.asarray, np_params)
+        if mesh is not None:
+            from pdecode.sharding import shard_params
+
+            params = shard_params(params, param_specs(cfg), mesh)
     tok = None
     if (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
@@ -224,6 +235,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         method=method,
         batch=len(ids),
         new_tokens=new_tokens,
+        row_forwards=row_fw,
         tokens_per_forward=new_tokens / max(row_fw, 1),
         wall_s=wall,
         tokens_per_s=new_tokens / wall if wall > 0 else float("inf"),

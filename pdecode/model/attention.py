@@ -45,7 +45,7 @@ def full_intra(t: int) -> jax.Array:
 
 def padded_self_mask(lengths_B: jax.Array, t: int, causal: bool = True, window: int | None = None) -> jax.Array:
     """Mask for a pass with no cache over right-padded rows: keys s < lengths[b] (and s <= t when causal;
-    s > t - window with a sliding window). Padding queries still see key 0 so their (ignored) outputs stay finite.
+    s > t - window with a sliding window).
     """
     s = jnp.arange(t)
     q = jnp.arange(t)[None, :, None]
@@ -54,7 +54,8 @@ def padded_self_mask(lengths_B: jax.Array, t: int, causal: bool = True, window: 
         valid = valid & (s[None, None, :] <= q)
     if window is not None:
         valid = valid & (s[None, None, :] > q - window)
-    return valid | (s[None, None, :] == 0)
+    # A query that sees nothing (padding) gets key 0, so its ignored output stays finite.
+    return valid | (~jnp.any(valid, axis=-1, keepdims=True) & (s[None, None, :] == 0))
 
 
 def cache_mask(prev_lengths_B: jax.Array, intra_BTT: jax.Array, max_len: int,
@@ -64,7 +65,7 @@ def cache_mask(prev_lengths_B: jax.Array, intra_BTT: jax.Array, max_len: int,
 
     Key slot s is visible to fresh query t when s is committed (``s < prev_lengths[b]``), or s is fresh token j
     (``s = prev_lengths[b] + j``) with ``intra[b, t, j]`` and ``fresh_valid[b, j]``. ``intra`` may be [T, T]
-    (shared) or [B, T, T]. ``window`` (sliding-window attention) hides committed slots ``<= query_pos - window``.
+    (shared) or [B, T, T]. ``window`` (sliding-window attention) hides slots ``<= query_pos - window``.
     """
     if intra_BTT.ndim == 2:
         intra_BTT = intra_BTT[None]
@@ -78,10 +79,11 @@ def cache_mask(prev_lengths_B: jax.Array, intra_BTT: jax.Array, max_len: int,
     fresh_vis = jnp.take_along_axis(intra, jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)), axis=2)
     if fresh_valid_BT is not None:
         fresh_vis = fresh_vis & jnp.take_along_axis(fresh_valid_BT, rel_c, axis=1)[:, None, :]
-    committed = (rel < 0)[:, None, :]
+    vis = (rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_vis)
     if window is not None and query_pos_BT is not None:
-        committed = committed & (s[:, None, :] > query_pos_BT[:, :, None] - window)
-    return committed | (is_fresh[:, None, :] & fresh_vis)
+        # Slot index = position for committed and chain tokens; for tree nodes it is exact while window > depth.
+        vis = vis & (s[:, None, :] > query_pos_BT[:, :, None] - window)
+    return vis
 
 
 def tree_intra(parents_N: jax.Array) -> jax.Array:

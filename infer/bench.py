@@ -1,0 +1,351 @@
+"""Benchmark harness: every method on the same prompts, in one process, side by side.
+
+    pdecode bench --model code-target --methods ar --batch 1 8 --peer transformers
+    pdecode bench --methods ar sd:gamma=4 lookup --draft code-draft --temperature 0 1
+
+For each (temperature, batch size, method) it runs a warm-up call (compilation), then ``--repeats`` timed passes over
+the prompt set, and reports the median tokens/s, the speedup against our AR in the same run, tokens per target
+forward (tau), compile time and peak memory. Prompts default to validation files of the zoo corpus, cut to exactly
+``--prompt-tokens`` tokens. Writes ``results.json``, ``results.md`` and ``tokens_per_s.png`` under ``--out``.
+Peer rows (``--peer transformers``) run Hugging Face `generate` on the same weights exported to HF format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+# ------------------------------------------------------------------------------------------------ memory
+class PeakRSS:
+    """Peak resident memory of this process while the block runs, sampled every few ms (MB above the start)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+
+    def __enter__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.start = self.proc.memory_info().rss
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra_mb = (self.peak - self.start) / 2**20
+
+
+# ------------------------------------------------------------------------------------------------ machine limit
+def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((m, k), jnp.float32)
+    b = jnp.ones((k, n), jnp.float32)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * m * k * n / statistics.median(ts) / 1e9
+
+
+# ------------------------------------------------------------------------------------------------ runners
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
+    name, _, rest = spec.partition(":")
+    opts = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        try:
+            opts[k] = json.loads(v)
+        except json.JSONDecodeError:
+            opts[k] = v
+    return name, opts
+
+
+class OurRunner:
+    def __init__(self, model, method: str, opts: dict, draft=None, label: str | None = None):
+        self.model, self.method, self.opts, self.draft = model, method, opts, draft
+        self.label = label or (method + ("" if not opts else ":" + ",".join(f"{k}={v}" for k, v in opts.items())))
+
+    def run(self, batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> dict:
+        import pdecode
+
+        out = pdecode.generate(self.model, batch, method=self.method, max_new_tokens=new_tokens,
+                               temperature=temperature, seed=seed, draft=self.draft, stop_at_eos=False, **self.opts)
+        s = out.stats
+        return {"new_tokens": s["new_tokens"], "wall_s": s["wall_s"], "compile_s": s["compile_s"],
+                "target_forwards": s["target_forwards"], "draft_forwards": s.get("draft_forwards", 0),
+                "row_forwards": s["row_forwards"], "tokens": out.tokens,
+                "extra": {k: v for k, v in s.items() if k in ("acceptance_per_depth", "mean_accepted")}}
+
+
+class HFRunner:
+    """transformers' generate on our weights exported to HF format (fp32, CPU torch)."""
+
+    def __init__(self, model, label: str = "transformers", assistant=None, mode: str = "plain", **gen_kwargs):
+        import torch
+        import transformers
+
+        import pdecode
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.label, self.mode, self.gen_kwargs = label, mode, gen_kwargs
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdecode-bench-")
+        d = pdecode.save_hf(model, Path(self._tmp.name) / "target", dtype="float32")
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        self.assistant = None
+        if assistant is not None:
+            ad = pdecode.save_hf(assistant, Path(self._tmp.name) / "draft", dtype="float32")
+            self.assistant = transformers.AutoModelForCausalLM.from_pretrained(ad, dtype=torch.float32).eval()
+        self.pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+
+    def run(self, batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> dict:
+        import torch
+
+        lens = {len(x) for x in batch}
+        if len(lens) != 1:
+            raise ValueError("HF peer rows take prompts of one length (no padding)")
+        ids = torch.tensor(batch)
+        kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.pad,
+                                  do_sample=temperature > 0, attention_mask=torch.ones_like(ids))
+        if temperature > 0:
+            kw.update(temperature=temperature, top_k=0, top_p=1.0)
+        if self.assistant is not None:
+            kw["assistant_model"] = self.assistant
+        kw.update(self.gen_kwargs)
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.hf.generate(ids, **kw)
+        wall = time.perf_counter() - t0
+        new = out[:, ids.shape[1]:]
+        return {"new_tokens": int(new.numel()), "wall_s": wall, "compile_s": 0.0, "target_forwards": None,
+                "draft_forwards": None, "row_forwards": None, "tokens": new.tolist(), "extra": {}}
+
+
+# ------------------------------------------------------------------------------------------------ bench
+def default_prompts(model, n: int, prompt_tokens: int) -> list[list[int]]:
+    from train.data import validation_prompts
+
+    if model.tokenizer is None:
+        raise ValueError("the model has no tokenizer; pass --prompts-jsonl with token ids")
+    prompts = validation_prompts(model.tokenizer.backend, n, prompt_tokens)
+    if len(prompts) < n:
+        raise ValueError(f"only {len(prompts)} validation files are long enough for {prompt_tokens}-token prompts")
+    return prompts
+
+
+def run_row(runner, prompts: list[list[int]], batch: int, new_tokens: int, temperature: float, repeats: int,
+            seed: int = 0) -> dict:
+    """Warm-up (compile), then `repeats` passes over all prompts in batches of `batch`."""
+    groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    warm = runner.run(groups[0], new_tokens, temperature, seed)
+    walls, taus, fwds, toks = [], [], [], 0
+    extra: dict = {}
+    with PeakRSS() as mem:
+        for r in range(repeats):
+            wall, toks, row_fw, fw = 0.0, 0, 0, 0
+            for gi, g in enumerate(groups):
+                res = runner.run(g, new_tokens, temperature, seed + 1000 * r + gi)
+                wall += res["wall_s"]
+                toks += res["new_tokens"]
+                if res["row_forwards"] is not None:
+                    row_fw += res["row_forwards"]
+                    fw += res["target_forwards"]
+                for k, v in res["extra"].items():
+                    extra.setdefault(k, []).append(v)
+            walls.append(wall)
+            if row_fw:
+                taus.append(toks / row_fw)
+            fwds.append(fw)
+    med = statistics.median(walls)
+    return {
+        "method": runner.label, "batch": batch, "temperature": temperature, "new_tokens": toks,
+        "tokens_per_s": toks / med, "wall_s_median": med, "wall_s_all": walls,
+        "tau": statistics.median(taus) if taus else None,
+        "target_forwards": statistics.median(fwds) if taus else None,
+        "compile_s": warm["compile_s"], "peak_extra_mb": mem.extra_mb, "extra": extra,
+    }
+
+
+def to_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Prompts: {meta['n_prompts']} x {meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens each, "
+             f"{meta['repeats']} repeats (median), {meta['machine']}.", "",
+             "| T | batch | method | tokens/s | x our AR | tau (tok/target fwd) | compile s | peak MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        sp = f"{r['speedup_vs_ar']:.2f}" if r.get("speedup_vs_ar") else "-"
+        lines.append(f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {sp} | {tau} "
+                     f"| {r['compile_s']:.2f} | {r['peak_extra_mb']:.0f} |")
+    if meta.get("limit"):
+        lim = meta["limit"]
+        lines += ["", f"CPU limit: {lim['model_mflops_per_token']:.1f} MFLOP per token (forward, context "
+                      f"{lim['context']}); measured matmul throughput {lim['gemv_gflops']:.1f} GFLOP/s at batch 1 "
+                      f"(weights x vector), {lim['gemm_gflops']:.1f} GFLOP/s at batch 8, {lim['peak_gflops']:.1f} "
+                      f"GFLOP/s for a large GEMM."]
+        for b, u in lim.get("utilization", {}).items():
+            lines.append(f"- batch {b}: our AR at {u['tokens_per_s']:.0f} tok/s = {u['gflops']:.1f} GFLOP/s = "
+                         f"{100 * u['of_matched']:.0f}% of the matmul throughput at that batch, "
+                         f"{100 * u['of_peak']:.0f}% of the large-GEMM peak")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["temperature"], r["batch"]) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(methods)) / 2), 4))
+    w = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        xs, ys = [], []
+        for gi, g in enumerate(groups):
+            r = next((r for r in rows if (r["temperature"], r["batch"]) == g and r["method"] == m), None)
+            if r:
+                xs.append(gi + i * w)
+                ys.append(r["tokens_per_s"])
+        ax.bar(xs, ys, w, label=m)
+    ax.set_xticks([gi + w * (len(methods) - 1) / 2 for gi in range(len(groups))])
+    ax.set_xticklabels([f"T={t:g}, batch {b}" for t, b in groups])
+    ax.set_ylabel("new tokens / s (median)")
+    ax.set_title("pdecode bench")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="code-target")
+    ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
+    ap.add_argument("--methods", nargs="+", default=["ar"], help="method[:key=value,...] ...")
+    ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-assisted",
+                                                              "transformers-lookup"],
+                    help="peer rows on the same weights")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--temperature", nargs="+", type=float, default=[0.0])
+    ap.add_argument("--prompts", type=int, default=8, help="number of prompts (validation files)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-limit", action="store_true", help="skip the CPU-limit measurement")
+    ap.add_argument("--out", type=Path, default=Path("bench_out/latest"))
+
+
+def run_from_args(args) -> int:
+    import jax
+
+    import pdecode
+
+    model = pdecode.load(args.model, dtype=args.dtype)
+    needs_draft = any(parse_method(m)[0] in ("sd", "tree") for m in args.methods) or \
+        "transformers-assisted" in args.peer
+    draft = pdecode.load(args.draft or "code-draft", dtype=args.dtype) if (args.draft or needs_draft) else None
+    prompts = default_prompts(model, args.prompts, args.prompt_tokens)
+    runners = []
+    for spec in args.methods:
+        name, opts = parse_method(spec)
+        runners.append(OurRunner(model, name, opts, draft=draft if name in ("sd", "tree") else None))
+    for peer in args.peer:
+        if peer == "transformers":
+            runners.append(HFRunner(model, "transformers"))
+        elif peer == "transformers-assisted":
+            runners.append(HFRunner(model, "transformers-assisted", assistant=draft))
+        elif peer == "transformers-lookup":
+            runners.append(HFRunner(model, "transformers-lookup", prompt_lookup_num_tokens=10))
+    rows = []
+    total = len(args.temperature) * len(args.batch) * len(runners)
+    i = 0
+    for temp in args.temperature:
+        for b in args.batch:
+            for r in runners:
+                i += 1
+                if b > 1 and isinstance(r, HFRunner) and r.assistant is not None:
+                    print(f"[{i}/{total}] skip {r.label} at batch {b}: HF assisted generation is batch-1 only",
+                          file=sys.stderr)
+                    continue
+                print(f"[{i}/{total}] T={temp:g} batch={b} {r.label} ...", file=sys.stderr, flush=True)
+                row = run_row(r, prompts, b, args.new_tokens, temp, args.repeats)
+                print(f"    {row['tokens_per_s']:.1f} tok/s, tau {row['tau']}, compile {row['compile_s']:.2f}s",
+                      file=sys.stderr, flush=True)
+                rows.append(row)
+    for row in rows:
+        ar = next((r for r in rows if r["method"] == "ar" and r["batch"] == row["batch"]
+                   and r["temperature"] == row["temperature"]), None)
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+    meta = {"model": args.model, "n_prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "repeats": args.repeats, "jax": jax.__version__,
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    if not args.no_limit:
+        meta["limit"] = cpu_limit(model, rows, args.prompt_tokens + args.new_tokens // 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r.pop("tokens", None)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = to_markdown(rows, meta)
+    (args.out / "results.md").write_text(md)
+    plot(rows, args.out / "tokens_per_s.png")
+    print(md)
+    print(f"wrote {args.out}/results.json, results.md, tokens_per_s.png", file=sys.stderr)
+    return 0
+
+
+def cpu_limit(model, rows: list[dict], context: int) -> dict:
+    cfg = model.cfg
+    flops = cfg.flops_per_token(context)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    gemv = matmul_gflops(1, d, f)
+    gemm = matmul_gflops(8, d, f)
+    peak = matmul_gflops(1024, 1024, 1024, repeats=5)
+    util = {}
+    for r in rows:
+        if r["method"] == "ar" and r["temperature"] == 0:
+            g = r["tokens_per_s"] * flops / 1e9
+            matched = gemv if r["batch"] == 1 else gemm
+            util[r["batch"]] = {"tokens_per_s": r["tokens_per_s"], "gflops": g, "of_matched": g / matched,
+                                "of_peak": g / peak}
+    return {"model_mflops_per_token": flops / 1e6, "context": context, "gemv_gflops": gemv, "gemm_gflops": gemm,
+            "peak_gflops": peak, "utilization": util}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdecode bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Test set-up: 8 forced CPU devices (multi-device tests), tiny random HF checkpoints built locally."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests.helpers import make_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    """family -> (directory, torch model) of tiny random checkpoints saved with `save_pretrained`."""
+    out = {}
+    for fam in ("llama", "llama3", "qwen2", "qwen3", "mistral"):
+        d = tmp_path_factory.mktemp(fam)
+        out[fam] = (d, make_hf_model(fam, d))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(hf_dirs):
+    """A loaded tiny Llama (pdecode.Model) for decode tests."""
+    import pdecode
+
+    return pdecode.load(hf_dirs["llama"][0])

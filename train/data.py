@@ -1,0 +1,114 @@
+"""The zoo corpus (Python standard library sources), its deterministic split, the tokenizer, and batches.
+
+Corpus: every ``*.py`` file under the running interpreter's stdlib, minus test folders and site-packages.
+Split: file level, by a hash of the path relative to the stdlib root (about 4% of files go to validation), so the
+split is the same on every machine with the same Python version. Validation files are the benchmark prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+EOT, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
+SPECIAL_TOKENS = [EOT, PAD, MASK]
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+VAL_PERCENT = 4
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path | None = None) -> list[Path]:
+    root = root or stdlib_root()
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if any(part in _SKIP_DIRS or part.startswith("test_") for part in rel.parts[:-1]):
+            continue
+        if rel.name.startswith("test_"):
+            continue
+        out.append(p)
+    return out
+
+
+def is_validation(rel_path: str) -> bool:
+    h = int(hashlib.sha1(rel_path.encode()).hexdigest(), 16)
+    return h % 100 < VAL_PERCENT
+
+
+def split_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
+    root = root or stdlib_root()
+    train, val = [], []
+    for p in corpus_files(root):
+        (val if is_validation(str(p.relative_to(root))) else train).append(p)
+    return train, val
+
+
+def read_text(p: Path) -> str:
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = 4096):
+    """Byte-level BPE (`tokenizers`), special tokens first: <|endoftext|>=0, <|pad|>=1, <|mask|>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((read_text(p) for p in files), trainer=trainer)
+    return tok
+
+
+def tokenizer_config() -> dict:
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "pad_token": PAD,
+            "mask_token": MASK, "model_max_length": 1024, "clean_up_tokenization_spaces": False}
+
+
+def encode_files(tok, files: list[Path]) -> np.ndarray:
+    """One token stream: each file's tokens followed by <|endoftext|>."""
+    eot = tok.token_to_id(EOT)
+    encs = tok.encode_batch([read_text(p) for p in files], add_special_tokens=False)
+    parts = []
+    for e in encs:
+        parts.append(np.asarray(e.ids, np.int32))
+        parts.append(np.asarray([eot], np.int32))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+class TokenBatches:
+    """Random windows of ``seq_len + 1`` tokens from a stream; batch ``i`` depends only on (seed, i)."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int = 0):
+        if len(stream) <= seq_len + 1:
+            raise ValueError(f"token stream of {len(stream)} tokens is shorter than one window ({seq_len + 1})")
+        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
+
+    def batch(self, i: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, i])
+        starts = rng.integers(0, len(self.stream) - self.seq_len - 1, size=self.batch_size)
+        return np.stack([self.stream[s: s + self.seq_len + 1] for s in starts])
+
+    def fixed_eval(self, n_windows: int) -> np.ndarray:
+        """Non-overlapping consecutive windows from the start (deterministic eval set)."""
+        n = min(n_windows, (len(self.stream) - 1) // (self.seq_len + 1))
+        return np.stack([self.stream[i * (self.seq_len + 1): (i + 1) * (self.seq_len + 1)] for i in range(n)])
+
+
+def validation_prompts(tok, n: int, prompt_tokens: int, root: Path | None = None, offset_tokens: int = 0) -> list[list[int]]:
+    """Prompts of exactly ``prompt_tokens`` tokens cut from validation files (one per file, in path order)."""
+    _, val = split_files(root)
+    out = []
+    for p in val:
+        ids = tok.encode(read_text(p), add_special_tokens=False).ids
+        if len(ids) >= offset_tokens + prompt_tokens + 64:
+            out.append(ids[offset_tokens: offset_tokens + prompt_tokens])
+        if len(out) == n:
+            break
+    return out

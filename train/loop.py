@@ -1,0 +1,149 @@
+"""The one training loop: optax AdamW (warmup + cosine, grad clipping), eval, orbax checkpoints with resume,
+progress on stderr.
+
+    params, hist = train(objective, params, frozen, batch_fn, TrainConfig(...), ckpt_dir=..., eval_fn=...)
+
+``objective(trainable, frozen, batch, rng) -> (loss, metrics)`` (see `train.objectives`); ``batch_fn(step)`` gives
+the batch of a step deterministically, so a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    b2: float = 0.95
+    eval_every: int = 200
+    ckpt_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    time_budget_s: float | None = None  # stop early (and say so) once this much wall time is spent
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, max(tc.warmup, 1), max(tc.steps, tc.warmup + 1),
+                                               end_value=tc.lr * tc.min_lr_ratio)
+    # No weight decay on vectors (norm scales, biases).
+    decay_mask = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(sched, b1=0.9, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+class Progress:
+    """One status line per ``every`` steps: step, loss, tokens/s, ETA (a bar when stderr is a terminal)."""
+
+    def __init__(self, total: int, desc: str, every: int, stream=sys.stderr):
+        self.total, self.desc, self.every, self.stream = total, desc, max(every, 1), stream
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+
+    def update(self, step: int, first_step: int, tokens: int, **metrics):
+        if step % self.every and step != self.total:
+            return
+        el = time.perf_counter() - self.t0
+        done = step - first_step
+        rate = done / el if el > 0 else 0.0
+        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        frac = step / self.total
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        ms = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        line = (f"{self.desc} [{bar}] {step}/{self.total} {ms} {tokens * done / max(el, 1e-9):.0f} tok/s "
+                f"elapsed {el / 60:.1f}m eta {eta / 60:.1f}m")
+        print(("\r" + line) if self.tty else line, file=self.stream, end="" if self.tty else "\n", flush=True)
+        if self.tty and step == self.total:
+            print(file=self.stream)
+
+
+def _ckpt_manager(ckpt_dir: Path, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+
+def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int], np.ndarray], tc: TrainConfig,
+          ckpt_dir: str | Path | None = None, eval_fn: Callable[[Any], dict] | None = None, desc: str = "train",
+          tokens_per_step: int | None = None) -> tuple[Any, dict]:
+    import orbax.checkpoint as ocp
+
+    opt = make_optimizer(tc)
+    opt_state = opt.init(params)
+    start = 0
+    mgr = None
+    if ckpt_dir is not None:
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        mgr = _ckpt_manager(ckpt_dir)
+        last = mgr.latest_step()
+        if last is not None:
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                    {"params": params, "opt_state": opt_state})
+            restored = mgr.restore(last, args=ocp.args.StandardRestore(abstract))
+            params = restored["params"]
+            opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), jax.tree.leaves(restored["opt_state"]))
+            start = last
+            print(f"{desc}: resumed from step {last} in {ckpt_dir}", file=sys.stderr)
+
+    @jax.jit
+    def step_fn(params, opt_state, batch, rng):
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, frozen, batch, rng)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss, dict(metrics, grad_norm=optax.global_norm(grads))
+
+    hist: dict[str, list] = {"step": [], "loss": [], "eval": []}
+    tokens = tokens_per_step or int(np.prod(np.shape(batch_fn(0))[:2]))
+    prog = Progress(tc.steps, desc, tc.log_every)
+    t0 = time.perf_counter()
+    key = jax.random.PRNGKey(tc.seed)
+    stopped_early = False
+    step = start
+    for step in range(start + 1, tc.steps + 1):
+        batch = jnp.asarray(batch_fn(step))
+        params, opt_state, loss, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
+        if step % tc.log_every == 0 or step == tc.steps:
+            lv = float(loss)
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"{desc}: loss became {lv} at step {step}; lower the learning rate")
+            hist["step"].append(step)
+            hist["loss"].append(lv)
+            prog.update(step, start, tokens, loss=lv, gnorm=float(metrics["grad_norm"]))
+        if eval_fn is not None and (step % tc.eval_every == 0 or step == tc.steps):
+            ev = {k: float(v) for k, v in eval_fn(params).items()}
+            hist["eval"].append({"step": step, **ev})
+            print(f"{desc}: eval at step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()), file=sys.stderr)
+        if mgr is not None and (step % tc.ckpt_every == 0 or step == tc.steps):
+            mgr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        if tc.time_budget_s is not None and time.perf_counter() - t0 > tc.time_budget_s:
+            stopped_early = step < tc.steps
+            print(f"{desc}: time budget of {tc.time_budget_s:.0f}s reached at step {step}", file=sys.stderr)
+            break
+    if mgr is not None:
+        mgr.wait_until_finished()
+        mgr.close()
+    hist["train_s"] = time.perf_counter() - t0
+    hist["last_step"] = step
+    hist["stopped_early"] = stopped_early
+    return params, hist
+
+
+def save_history(hist: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(hist, indent=1))

@@ -1,0 +1,181 @@
+"""Recipes for the shipped models, trained here on 2 CPU cores.
+
+    python -m train.zoo                      # tokenizer + code-target + code-draft, about 40 minutes
+    python -m train.zoo --only code-draft    # one model (the tokenizer is reused when present)
+
+Each model lands in ``zoo/<name>/`` in HF format (bf16 safetensors, config.json, tokenizer files) with a
+``train_info.json`` recording the command, steps, tokens seen, wall time and validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdecode.checkpoint.hf import save_hf
+from pdecode.config import ModelConfig
+from pdecode.model.transformer import init_params, unembed
+from train import data
+from train.loop import TrainConfig, train
+from train.objectives import causal_hidden, cross_entropy, lm_loss
+
+VOCAB = 4096
+CONTEXT = 1024
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=VOCAB, family="llama", max_position_embeddings=CONTEXT, rope_theta=10000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_ids=(0,), pad_token_id=1,
+                mask_token_id=2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@dataclasses.dataclass
+class Recipe:
+    cfg: ModelConfig
+    tc: TrainConfig
+    seq_len: int
+    batch_size: int
+
+
+RECIPES: dict[str, Recipe] = {
+    # ~4.6M params: 6 layers x 256, GQA 4 query / 2 kv heads, trained on 512-token windows.
+    "code-target": Recipe(
+        _cfg(hidden_size=256, intermediate_size=512, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64),
+        TrainConfig(steps=850, lr=2e-3, warmup=60, eval_every=425, ckpt_every=100, log_every=10, seed=0),
+        seq_len=512, batch_size=8),
+    # ~0.92M params: 2 layers x 128, same tokenizer.
+    "code-draft": Recipe(
+        _cfg(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64),
+        TrainConfig(steps=440, lr=3e-3, warmup=40, eval_every=220, ckpt_every=100, log_every=10, seed=1),
+        seq_len=512, batch_size=16),
+}
+
+
+def tokenizer_dir(zoo: Path) -> Path:
+    return zoo / "code-target"
+
+
+def ensure_tokenizer(zoo: Path, retrain: bool = False):
+    from tokenizers import Tokenizer
+
+    d = tokenizer_dir(zoo)
+    f = d / "tokenizer.json"
+    if f.exists() and not retrain:
+        return Tokenizer.from_file(str(f))
+    train_files, _ = data.split_files()
+    t0 = time.perf_counter()
+    tok = data.train_tokenizer(train_files, VOCAB)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(f))
+    (d / "tokenizer_config.json").write_text(json.dumps(data.tokenizer_config(), indent=2) + "\n")
+    print(f"tokenizer: {tok.get_vocab_size()} tokens trained in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return tok
+
+
+def token_streams(tok, cache_dir: Path):
+    """(train stream, validation stream), cached as .npy under ``cache_dir``."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    paths = cache_dir / "train.npy", cache_dir / "val.npy"
+    vocab_sig = cache_dir / "tokenizer.sig"
+    sig = hashlib.sha1(tok.to_str().encode()).hexdigest()
+    if all(p.exists() for p in paths) and vocab_sig.exists() and vocab_sig.read_text() == sig:
+        return np.load(paths[0]), np.load(paths[1])
+    train_files, val_files = data.split_files()
+    tr, va = data.encode_files(tok, train_files), data.encode_files(tok, val_files)
+    np.save(paths[0], tr)
+    np.save(paths[1], va)
+    vocab_sig.write_text(sig)
+    return tr, va
+
+
+def make_eval(cfg: ModelConfig, val_windows: np.ndarray, batch: int = 8):
+    @jax.jit
+    def ce_batch(params, w):
+        h, _ = causal_hidden(params, cfg, w[:, :-1])
+        return cross_entropy(unembed(params, cfg, h), w[:, 1:])
+
+    def eval_fn(params):
+        vals = [float(ce_batch(params, jnp.asarray(val_windows[i: i + batch])))
+                for i in range(0, len(val_windows) - batch + 1, batch)]
+        return {"val_loss": float(np.mean(vals))}
+
+    return eval_fn
+
+
+def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> dict:
+    r = RECIPES[name]
+    tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
+    tok = ensure_tokenizer(zoo)
+    tr, va = token_streams(tok, work / "data")
+    batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
+    val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(10_000)
+    eval_fn = make_eval(r.cfg, val_windows)
+    params = init_params(r.cfg, jax.random.PRNGKey(tc.seed))
+    print(f"{name}: {r.cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {r.batch_size}x{r.seq_len} tokens, "
+          f"train stream {len(tr)} tokens, validation {len(val_windows)} windows", file=sys.stderr)
+    t0 = time.perf_counter()
+    params, hist = train(lm_loss(r.cfg), params, None, batches.batch, tc, ckpt_dir=work / "ckpt" / name,
+                         eval_fn=eval_fn, desc=name)
+    wall = time.perf_counter() - t0
+    out = zoo / name
+    save_hf(r.cfg.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=tokenizer_dir(zoo))
+    # Validation loss of the weights as shipped (bf16), which is what users load.
+    from pdecode.checkpoint.hf import load_hf
+
+    _, shipped = load_hf(out)
+    info = {
+        "name": name,
+        "command": f"python -m train.zoo --only {name}",
+        "params": r.cfg.num_params(),
+        "steps": hist["last_step"],
+        "tokens_seen": int(hist["last_step"] * r.batch_size * r.seq_len),
+        "train_tokens": int(len(tr)),
+        "train_minutes_this_run": round(wall / 60, 2),
+        "val_loss": eval_fn(jax.tree.map(jnp.asarray, shipped))["val_loss"],
+        "val_loss_fp32": hist["eval"][-1]["val_loss"] if hist["eval"] else None,
+        "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
+        "evals": hist["eval"],
+        "train_config": dataclasses.asdict(tc),
+        "seq_len": r.seq_len,
+        "batch_size": r.batch_size,
+        "python": sys.version.split()[0],
+        "corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
+    }
+    (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"{name}: validation loss {info['val_loss']:.4f} (bf16 weights), {wall / 60:.1f} min -> {out}",
+          file=sys.stderr)
+    return info
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m train.zoo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only these models")
+    ap.add_argument("--zoo", type=Path, default=None, help="output folder (default: the repository's zoo/)")
+    ap.add_argument("--work", type=Path, default=Path("runs/zoo"), help="checkpoints and token cache")
+    ap.add_argument("--steps", type=int, default=None, help="override the recipe's step count (smoke runs)")
+    ap.add_argument("--retrain-tokenizer", action="store_true")
+    args = ap.parse_args(argv)
+    from pdecode.api import zoo_dir
+
+    zoo = args.zoo or zoo_dir()
+    t0 = time.perf_counter()
+    ensure_tokenizer(zoo, retrain=args.retrain_tokenizer)
+    for name in args.only or list(RECIPES):
+        train_model(name, zoo, args.work, args.steps)
+    print(f"zoo: done in {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
