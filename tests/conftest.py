@@ -27,3 +27,13 @@ def tiny(hf_dirs):
     import pdecode
 
     return pdecode.load(hf_dirs["llama"][0])
+
+
+@pytest.fixture(scope="session")
+def zoo_model_name():
+    """The shipped default model (committed in zoo/)."""
+    import pdecode
+
+    if "code-target" not in pdecode.zoo_names():
+        pytest.fail("zoo/code-target is missing: the shipped models are part of the repository")
+    return "code-target"

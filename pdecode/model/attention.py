@@ -58,27 +58,28 @@ def padded_self_mask(lengths_B: jax.Array, t: int, causal: bool = True, window: 
     return valid | (~jnp.any(valid, axis=-1, keepdims=True) & (s[None, None, :] == 0))
 
 
-def cache_mask(prev_lengths_B: jax.Array, intra_BTT: jax.Array, max_len: int,
-               fresh_valid_BT: jax.Array | None = None, window: int | None = None,
+def cache_mask(prev_lengths_B: jax.Array, intra_BTM: jax.Array, max_len: int,
+               fresh_valid_BM: jax.Array | None = None, window: int | None = None,
                query_pos_BT: jax.Array | None = None) -> jax.Array:
-    """Mask over all ``max_len`` cache slots for T fresh tokens written at ``prev_lengths[b] + i``.
+    """Mask [B, T, max_len] over all cache slots for T queries, given M fresh slots at ``prev_lengths[b] + j``.
 
-    Key slot s is visible to fresh query t when s is committed (``s < prev_lengths[b]``), or s is fresh token j
-    (``s = prev_lengths[b] + j``) with ``intra[b, t, j]`` and ``fresh_valid[b, j]``. ``intra`` may be [T, T]
-    (shared) or [B, T, T]. ``window`` (sliding-window attention) hides slots ``<= query_pos - window``.
+    Key slot s is visible to query t when s is committed (``s < prev_lengths[b]``), or s is fresh slot j
+    (``s = prev_lengths[b] + j``) with ``intra[b, t, j]`` and ``fresh_valid[b, j]``. ``intra`` may be [T, M]
+    (shared) or [B, T, M]; usually T = M (the queries are the fresh tokens), but a drafter expanding part of a tree
+    asks with T < M. ``window`` (sliding-window attention) hides slots ``<= query_pos - window``.
     """
-    if intra_BTT.ndim == 2:
-        intra_BTT = intra_BTT[None]
+    if intra_BTM.ndim == 2:
+        intra_BTM = intra_BTM[None]
     b = prev_lengths_B.shape[0]
-    t = intra_BTT.shape[-1]
+    t, m = intra_BTM.shape[-2:]
     s = jnp.arange(max_len)[None, :]  # [1, S]
-    rel = s - prev_lengths_B[:, None]  # [B, S]: index among the fresh tokens
-    is_fresh = (rel >= 0) & (rel < t)
-    rel_c = jnp.clip(rel, 0, t - 1)
-    intra = jnp.broadcast_to(intra_BTT, (b, t, t))
+    rel = s - prev_lengths_B[:, None]  # [B, S]: index among the fresh slots
+    is_fresh = (rel >= 0) & (rel < m)
+    rel_c = jnp.clip(rel, 0, m - 1)
+    intra = jnp.broadcast_to(intra_BTM, (b, t, m))
     fresh_vis = jnp.take_along_axis(intra, jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)), axis=2)
-    if fresh_valid_BT is not None:
-        fresh_vis = fresh_vis & jnp.take_along_axis(fresh_valid_BT, rel_c, axis=1)[:, None, :]
+    if fresh_valid_BM is not None:
+        fresh_vis = fresh_vis & jnp.take_along_axis(fresh_valid_BM, rel_c, axis=1)[:, None, :]
     vis = (rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_vis)
     if window is not None and query_pos_BT is not None:
         # Slot index = position for committed and chain tokens; for tree nodes it is exact while window > depth.

@@ -1,0 +1,293 @@
+"""Drafting with a separate small model: chains (fixed or adaptive length) and token trees (static or dynamic).
+
+The draft keeps its own KV cache holding only committed tokens. Each step starts with a *catch-up* forward over
+the tokens the draft has not seen (the accepted ones and the new root: at most ``max_depth + 1``, one static-width
+forward with a validity mask); speculative tokens are then written past the committed length and simply
+overwritten by the next catch-up, so nothing ever needs rolling back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pdecode import sampling
+from pdecode.config import ModelConfig
+from pdecode.decode import common
+from pdecode.decode import tree as tree_lib
+from pdecode.decode.speculative import Context, Drafter, Proposal
+from pdecode.model import attention
+from pdecode.model import cache as kvc
+from pdecode.model.transformer import forward, unembed
+
+
+def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, seq_len: jax.Array, width: int):
+    """Feed ``seq[dcache.lengths : seq_len]`` (at most ``width`` tokens) to the draft.
+
+    Returns (cache committed up to seq_len, draft logits at the root [B, V], draft hidden at the root [B, D]).
+    """
+    start = dcache.lengths
+    pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    tok = jnp.take_along_axis(seq, jnp.minimum(pos, seq.shape[1] - 1), axis=1)
+    valid = pos < seq_len[:, None]
+    mask = common.step_mask(dcfg, dcache, attention.causal_intra(width), pos, valid)
+    fo = forward(dparams, dcfg, tok, pos, mask, cache=dcache)
+    last = jnp.clip(seq_len - 1 - start, 0, width - 1)
+    h = common.gather_rows(fo.hidden, last)
+    return kvc.set_lengths(fo.cache, seq_len), unembed(dparams, dcfg, h), h
+
+
+def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Array) -> jax.Array:
+    """[B, 1, S] mask for one query that sees slots ``< upto[b]`` (a chain's own history)."""
+    s = jnp.arange(max_len)[None, None, :]
+    m = s < upto_B[:, None, None]
+    if dcfg.sliding_window is not None:
+        m = m & (s > pos_B[:, None, None] - dcfg.sliding_window)
+    return m
+
+
+def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len):
+    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len)
+    cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache)
+    return cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftChain(Drafter):
+    """Chain speculative decoding: the draft proposes ``gamma`` tokens (sampled from its warped distribution, or
+    argmax when greedy), verified by speculative sampling. ``adaptive``: per-row length, +2 after a fully accepted
+    step and -1 otherwise (the heuristic of HF assisted generation), bounded by ``gamma_max``."""
+
+    dcfg: ModelConfig
+    gamma: int
+    gamma_max: int
+    adaptive: bool = False
+
+    @property
+    def tree_size(self) -> int:
+        return self.gamma_max + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.gamma_max
+
+    max_children = 1
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
+        b = prompt_BP.shape[0]
+        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len),
+                "gamma": jnp.full((b,), self.gamma, jnp.int32)}
+
+    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+        b = ctx.seq.shape[0]
+        g = self.gamma_max
+        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, g + 1)
+        v = logits0.shape[-1]
+        k_first, k_rest = jax.random.split(key)
+        root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
+        tokens = jnp.zeros((b, g + 1), jnp.int32).at[:, 0].set(root)
+        tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, temperature, top_p))
+        qs = None if samp.greedy else jnp.zeros((b, g + 1, v), jnp.float32).at[:, 0].set(
+            sampling.probs(logits0, samp, temperature, top_p))
+        gamma_row = dstate["gamma"]
+        n_steps = jnp.max(jnp.where(ctx.active, gamma_row, 1)) - 1
+        max_len = cache.max_len
+
+        def cond(c):
+            return c[0] < n_steps
+
+        def body(c):
+            i, cch, toks, q = c
+            x = jax.lax.dynamic_index_in_dim(toks, i + 1, axis=1, keepdims=True)  # d_{i+1}
+            pos = ctx.seq_len + i  # position and slot of d_{i+1}
+            mask = upto_mask(self.dcfg, pos + 1, max_len, pos)
+            fo = forward(dparams, self.dcfg, x, pos[:, None], mask, cache=cch, write_at_B=pos)
+            lg = unembed(dparams, self.dcfg, fo.hidden[:, 0])
+            nxt = sampling.sample(jax.random.fold_in(k_rest, i), lg, samp, temperature, top_p)
+            toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i + 2, axis=1)
+            if q is not None:
+                q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, temperature, top_p)[:, None],
+                                                        i + 1, axis=1)
+            return i + 1, fo.cache, toks, q
+
+        _, cache, tokens, qs = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, tokens, qs))
+        valid = jnp.arange(g + 1)[None, :] <= gamma_row[:, None]
+        prop = Proposal(tokens=tokens, parents=tree_lib.chain(g), valid=valid, q=qs,
+                        draft_forwards=(1 + n_steps).astype(jnp.int32))
+        return prop, {"cache": cache, "gamma": gamma_row}
+
+    def update(self, dparams, dstate, ctx, ver, hidden, layers):
+        if not self.adaptive:
+            return dstate
+        g = dstate["gamma"]
+        full = ver.n_accepted >= g
+        g_new = jnp.where(full, jnp.minimum(g + 2, self.gamma_max), jnp.maximum(g - 1, 1))
+        return {**dstate, "gamma": jnp.where(ctx.active, g_new, g)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftStaticTree(Drafter):
+    """Token tree from a static shape: each node takes the top-``rank`` token of its parent's draft
+    distribution (Medusa-style choice paths). One draft forward per depth."""
+
+    dcfg: ModelConfig
+    tree: tree_lib.StaticTree
+
+    @property
+    def tree_size(self) -> int:
+        return self.tree.size
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    @property
+    def max_children(self) -> int:
+        return self.tree.max_children
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
+        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
+
+    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+        return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
+            dparams, self.dcfg, c, ctx.seq, ctx.seq_len, self.max_depth + 1)[:2],
+            lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask))
+
+
+def _expand(dparams, dcfg, cache, tok_BT, pos_BT, write_at_B, mask):
+    fo = forward(dparams, dcfg, tok_BT, pos_BT, mask, cache=cache, write_at_B=write_at_B)
+    return unembed(dparams, dcfg, fo.hidden), fo.cache.replace(lengths=cache.lengths)
+
+
+def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_fn, expand_fn):
+    """Fill a static tree depth by depth: a node's token is the top-``rank`` candidate of its parent's logits."""
+    import numpy as np
+
+    b = ctx.seq.shape[0]
+    n = tr.size
+    depths = tr.depths
+    anc = tr.ancestors
+    r = tr.max_rank + 1
+    cache, logits0 = catch_up_fn(dstate["cache"])
+    max_len = cache.max_len
+    root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root)
+    cand = jnp.zeros((b, n, r), jnp.int32).at[:, 0].set(jax.lax.top_k(logits0, r)[1].astype(jnp.int32))
+    has_children = np.zeros(n, bool)
+    has_children[[p for p in tr.parents[1:]]] = True
+    forwards = 1
+    for d in range(1, tr.max_depth + 1):
+        nodes = np.nonzero(depths == d)[0]
+        par = np.asarray(tr.parents)[nodes]
+        rank = np.asarray(tr.ranks)[nodes]
+        tokens = tokens.at[:, nodes].set(cand[:, par, rank])
+        if not has_children[nodes].any():
+            continue
+        lo = int(nodes[0])
+        pos = jnp.broadcast_to((ctx.seq_len - 1 + d)[:, None], (b, len(nodes)))
+        write_at = ctx.seq_len - 1 + lo
+        mask = attention.cache_mask(ctx.seq_len - 1, jnp.asarray(anc[nodes]), max_len)
+        lg, cache = expand_fn(cache, tokens[:, nodes], pos, write_at, mask)
+        cand = cand.at[:, nodes].set(jax.lax.top_k(lg, r)[1].astype(jnp.int32))
+        forwards += 1
+    prop = Proposal(tokens=tokens, parents=tr, valid=jnp.ones((b, n), bool), q=None,
+                    draft_forwards=jnp.int32(forwards))
+    return prop, {**dstate, "cache": cache}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftDynamicTree(Drafter):
+    """EAGLE-2-style dynamic tree grown with the draft model: expand the ``top_k`` best frontier nodes per depth
+    (each proposing its top_k children), score every node by cumulative draft log-probability, and keep the best
+    ``total_tokens`` nodes for verification."""
+
+    dcfg: ModelConfig
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    @property
+    def tree_size(self) -> int:
+        return self.total_tokens + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.top_k
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
+        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
+
+    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, self.depth + 1)
+        prop, cache = grow_dynamic_tree(
+            ctx, cache, jax.nn.log_softmax(logits0), self.top_k, self.depth, self.total_tokens,
+            lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask))
+        return prop, {**dstate, "cache": cache}
+
+
+def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: int, expand_fn):
+    """EAGLE-2 tree growth, vectorised over rows (shared by the draft-model and EAGLE drafters).
+
+    ``expand_fn(cache, tokens [B,k], positions [B,k], write_at [B], mask [B,k,S]) -> (logits [B,k,V], cache)``
+    runs the drafter on the frontier. Frontier nodes of depth d sit in the drafter cache at slots
+    ``seq_len + (d-1) k + j`` (uncommitted); the root is at ``seq_len - 1``.
+    Returns (Proposal with per-row parents, cache).
+    """
+    b = ctx.seq.shape[0]
+    max_len = cache.max_len
+    pool_size = k + (depth - 1) * k * k
+    if total > pool_size:
+        raise ValueError(f"total_tokens ({total}) exceeds the {pool_size} candidates top_k={k}, depth={depth} grow")
+    top_lp, top_tok = jax.lax.top_k(logp0_BV, k)
+    pool_tok = jnp.zeros((b, pool_size), jnp.int32).at[:, :k].set(top_tok)
+    pool_score = jnp.full((b, pool_size), -jnp.inf).at[:, :k].set(top_lp)
+    pool_parent = jnp.full((b, pool_size), -1, jnp.int32)
+    pool_depth = jnp.ones((b, pool_size), jnp.int32)
+    front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool index of frontier nodes
+    front_score = top_lp
+    n_slots = (depth - 1) * k
+    front_anc = jnp.zeros((b, k, max(n_slots, 1)), bool)
+    forwards = 1
+    for d in range(1, depth):
+        slot0 = (d - 1) * k
+        front_anc = front_anc.at[:, :, slot0: slot0 + k].set(jnp.eye(k, dtype=bool)[None])
+        tok = jnp.take_along_axis(pool_tok, front_idx, axis=1)
+        pos = jnp.broadcast_to((ctx.seq_len - 1 + d)[:, None], (b, k))
+        mask = attention.cache_mask(ctx.seq_len, front_anc, max_len)
+        lg, cache = expand_fn(cache, tok, pos, ctx.seq_len + slot0, mask)
+        forwards += 1
+        c_lp, c_tok = jax.lax.top_k(jax.nn.log_softmax(lg), k)  # [B, k, k]
+        c_score = front_score[:, :, None] + c_lp
+        off = k + (d - 1) * k * k
+        pool_tok = pool_tok.at[:, off: off + k * k].set(c_tok.reshape(b, k * k))
+        pool_score = pool_score.at[:, off: off + k * k].set(c_score.reshape(b, k * k))
+        pool_parent = pool_parent.at[:, off: off + k * k].set(jnp.repeat(front_idx, k, axis=1))
+        pool_depth = pool_depth.at[:, off: off + k * k].set(d + 1)
+        # next frontier: the k best children overall; each inherits its parent's ancestor slots
+        best_score, best = jax.lax.top_k(c_score.reshape(b, k * k), k)
+        parent_j = best // k
+        front_anc = jnp.take_along_axis(front_anc, parent_j[:, :, None], axis=1)
+        front_idx = (off + best).astype(jnp.int32)
+        front_score = best_score
+    # keep the best `total` nodes; ties go to the shallower node so a kept node's parent is always kept
+    key_score = pool_score - pool_depth.astype(jnp.float32) * 1e-6
+    _, sel = jax.lax.top_k(key_score, total)
+    order_key = jnp.take_along_axis(pool_depth, sel, axis=1) * pool_size + sel
+    sel = jnp.take_along_axis(sel, jnp.argsort(order_key, axis=1), axis=1)  # parents before children
+    tree_of_pool = jnp.full((b, pool_size), -1, jnp.int32).at[jnp.arange(b)[:, None], sel].set(
+        jnp.broadcast_to(jnp.arange(1, total + 1, dtype=jnp.int32), (b, total)))
+    par_pool = jnp.take_along_axis(pool_parent, sel, axis=1)
+    par_tree = jnp.where(par_pool < 0, 0, jnp.take_along_axis(tree_of_pool, jnp.maximum(par_pool, 0), axis=1))
+    ok = par_tree >= 0
+    root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
+    tokens = jnp.concatenate([root, jnp.take_along_axis(pool_tok, sel, axis=1)], axis=1)
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.maximum(par_tree, 0)], axis=1)
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), ok], axis=1)
+    return Proposal(tokens=tokens, parents=parents, valid=valid, q=None,
+                    draft_forwards=jnp.int32(forwards)), cache

@@ -1,0 +1,164 @@
+"""The draft-and-verify engine: one `lax.while_loop` of (draft a tree, verify it in one target forward, commit).
+
+Every drafter (draft model chain/tree, n-gram lookup, Medusa, EAGLE, MTP) plugs in through the `Drafter`
+interface; the engine owns the target cache, the token history, verification, cache commit, EOS and stats.
+
+Invariants per row: ``seq[:seq_len]`` is prompt + generated tokens; the last one (the *root*) is not yet in the
+target cache, so ``cache.lengths == seq_len - 1``. A step feeds the root and the drafted nodes at positions
+``seq_len - 1 + depth``, verifies, commits the accepted path (a gather by node index) and appends the accepted
+tokens plus the bonus token. Rows finish independently; finished rows are carried untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pdecode import sampling
+from pdecode.config import ModelConfig
+from pdecode.decode import common
+from pdecode.decode.tree import StaticTree, depths_of
+from pdecode.decode.verify import Verified, verify
+from pdecode.model import attention
+from pdecode.model import cache as kvc
+from pdecode.model.transformer import forward, unembed
+from pdecode.sharding import constrain_cache
+
+
+class Context(NamedTuple):
+    """What a drafter may read when it proposes."""
+
+    seq: jax.Array  # [B, S] prompt + generated tokens
+    seq_len: jax.Array  # [B]
+    root_hidden: jax.Array  # [B, D] target's final hidden state at the token before the root
+    root_layers: jax.Array | None  # [n, B, D] requested target layer outputs there (EAGLE-3), or None
+    active: jax.Array  # [B] rows still generating
+
+
+class Proposal(NamedTuple):
+    tokens: jax.Array  # [B, N]; node 0 is the root token
+    parents: Any  # a StaticTree, or [B, N] int (dynamic trees)
+    valid: jax.Array  # [B, N]
+    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (sampled mode) or None
+    draft_forwards: jax.Array  # scalar int32
+
+
+class Drafter:
+    """Interface. Subclasses are frozen dataclasses (hashable: they are static jit arguments)."""
+
+    tree_size: int  # N, root included
+    max_depth: int
+    max_children: int
+    hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
+        return ()
+
+    def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, temperature, top_p):
+        raise NotImplementedError
+
+    def update(self, dparams, dstate, ctx: Context, ver: Verified, hidden_BND, layers_nBND):
+        return dstate
+
+
+@struct.dataclass
+class SpecState:
+    out: common.Outputs
+    cache: kvc.KVCache
+    seq: jax.Array
+    seq_len: jax.Array
+    root_hidden: jax.Array
+    root_layers: Any
+    dstate: Any
+    key: jax.Array
+    forwards: jax.Array
+    draft_forwards: jax.Array
+    acc_hist: jax.Array  # [D+1] histogram of accepted draft tokens per (row, step)
+
+
+def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, drafter: Drafter,
+             max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
+             cache_dtype=jnp.float32):
+    tparams, dparams = params
+    b, p = prompt_BP.shape
+    n_hid = drafter.hidden_layers
+    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype), mesh)
+    cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid)
+    key, sub = jax.random.split(key)
+    first = sampling.sample(sub, logits, samp, temperature, top_p)
+    out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
+    seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
+    seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
+    last_idx = prompt_len_B - 1
+    root_hidden = common.gather_rows(pre.hidden, last_idx)
+    root_layers = None if not n_hid else jax.vmap(lambda h: common.gather_rows(h, last_idx))(pre.layer_hidden)
+    dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len)
+    d_max = drafter.max_depth
+    state = SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
+                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
+                      draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((d_max + 1,), jnp.int32))
+    rows = jnp.arange(b)
+
+    def cond(s: SpecState):
+        return ~jnp.all(s.out.done)
+
+    def body(s: SpecState):
+        key, k_draft, k_ver = jax.random.split(s.key, 3)
+        active = ~s.out.done
+        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active)
+        prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, temperature, top_p)
+        n = prop.tokens.shape[1]
+        if isinstance(prop.parents, StaticTree):  # mask and depths are constants
+            parents_BN = jnp.broadcast_to(jnp.asarray(prop.parents.parents, jnp.int32), (b, n))
+            intra = jnp.asarray(prop.parents.ancestors)
+            depth = jnp.asarray(prop.parents.depths)[None, :]
+        else:
+            parents_BN = prop.parents
+            intra = attention.tree_intra(parents_BN)
+            depth = depths_of(parents_BN, d_max)
+        positions = s.cache.lengths[:, None] + depth
+        mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid)
+        fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
+        logits = unembed(tparams, cfg, fo.hidden)
+        ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
+                     max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q)
+        n_new = jnp.where(active, ver.n_accepted + 1, 0)
+        cache = kvc.commit(fo.cache, ver.path, n_new)
+        out, n_take = common.append(s.out, ver.tokens, n_new, eos_ids)
+        k = ver.tokens.shape[1]
+        pos = jnp.where(jnp.arange(k)[None, :] < n_new[:, None], s.seq_len[:, None] + jnp.arange(k)[None, :], max_len)
+        seq = s.seq.at[rows[:, None], pos].set(ver.tokens, mode="drop")
+        seq_len = s.seq_len + n_new
+        last_node = ver.path[rows, ver.n_accepted]
+        root_hidden = jnp.where(active[:, None], common.gather_rows(fo.hidden, last_node), s.root_hidden)
+        root_layers = s.root_layers
+        if n_hid:
+            new_layers = jax.vmap(lambda h: common.gather_rows(h, last_node))(fo.layer_hidden)
+            root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
+        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active)
+        dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
+        hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
+        return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
+                         root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
+                         forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
+                         acc_hist=hist)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
+                       "accepted_histogram": state.acc_hist}
+
+
+def acceptance_stats(stats: dict) -> dict:
+    """Host side: acceptance per depth P(accept depth d | reached d-1) and mean accepted per step."""
+    hist = [int(x) for x in stats.pop("accepted_histogram", [])]
+    if hist:
+        total = sum(hist)
+        reached = [sum(hist[d:]) for d in range(len(hist))]
+        stats["acceptance_per_depth"] = [round(reached[d] / reached[d - 1], 4) if reached[d - 1] else None
+                                         for d in range(1, len(hist))]
+        stats["mean_accepted"] = sum(d * h for d, h in enumerate(hist)) / total if total else 0.0
+        stats["accepted_histogram"] = hist
+    return stats

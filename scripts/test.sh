@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (once) and run the whole test suite on the CPU, 8 forced devices for the multi-device tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
+exec python3 -m pytest -q "$@"

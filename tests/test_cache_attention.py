@@ -1,0 +1,137 @@
+"""KV cache operations and mask builders, against brute-force NumPy references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdecode.config import ModelConfig
+from pdecode.model import attention
+from pdecode.model import cache as kvc
+
+CFG = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=4)
+
+
+def _filled(b=3, s=16, seed=0):
+    c = kvc.init_cache(CFG, b, s)
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=c.k.shape).astype(np.float32)
+    v = rng.normal(size=c.v.shape).astype(np.float32)
+    return c.replace(k=jnp.asarray(k), v=jnp.asarray(v)), k, v
+
+
+def test_write_layer_at_per_row_offsets():
+    c, k0, _ = _filled()
+    new = np.arange(3 * 4 * 1 * 4, dtype=np.float32).reshape(3, 4, 1, 4) + 100
+    off = np.array([0, 5, 14])  # last row runs past max_len: slots 16, 17 are dropped
+    c2 = kvc.write_layer(c, 1, jnp.asarray(new), jnp.asarray(new), jnp.asarray(off))
+    k = np.asarray(c2.k)
+    expect = k0.copy()
+    for b in range(3):
+        for t in range(4):
+            if off[b] + t < 16:
+                expect[1, b, off[b] + t] = new[b, t]
+    np.testing.assert_array_equal(k, expect)
+    np.testing.assert_array_equal(k[0], k0[0])  # other layer untouched
+
+
+def test_commit_gathers_accepted_nodes_and_advances():
+    c, k0, v0 = _filled()
+    c = kvc.set_lengths(c, jnp.array([2, 5, 9]))
+    # fresh region at lengths..lengths+5; accepted paths (node indices) per row, n accepted per row
+    idx = np.array([[0, 2, 4, 0], [0, 1, 2, 3], [0, 3, 1, 1]])
+    n = np.array([3, 4, 1])
+    c2 = kvc.commit(c, jnp.asarray(idx), jnp.asarray(n))
+    np.testing.assert_array_equal(np.asarray(c2.lengths), [5, 9, 10])
+    for got, orig in ((np.asarray(c2.k), k0), (np.asarray(c2.v), v0)):
+        expect = orig.copy()
+        for b, start in enumerate([2, 5, 9]):
+            for j in range(n[b]):
+                expect[:, b, start + j] = orig[:, b, start + idx[b, j]]
+        # the committed prefix is what matters; slots past the new length are free
+        for b, ln in enumerate([5, 9, 10]):
+            np.testing.assert_array_equal(got[:, b, :ln], expect[:, b, :ln])
+
+
+def test_commit_with_identity_is_advance_and_rollback():
+    c, k0, _ = _filled()
+    c = kvc.set_lengths(c, jnp.array([1, 2, 3]))
+    idx = jnp.tile(jnp.arange(4), (3, 1))
+    n = jnp.array([4, 0, 2])
+    a = kvc.commit(c, idx, n)
+    b = kvc.advance(c, n)
+    np.testing.assert_array_equal(np.asarray(a.k), np.asarray(b.k))
+    np.testing.assert_array_equal(np.asarray(a.lengths), [5, 2, 5])
+    r = kvc.rollback(a, jnp.array([2, 5, 1]))
+    np.testing.assert_array_equal(np.asarray(r.lengths), [3, 0, 4])
+
+
+def test_commit_is_jittable_and_static_shaped():
+    c, _, _ = _filled()
+    f = jax.jit(kvc.commit)
+    c2 = f(c, jnp.zeros((3, 5), jnp.int32), jnp.array([1, 1, 1]))
+    assert c2.k.shape == c.k.shape and c2.lengths.dtype == jnp.int32
+
+
+def _brute_ancestors(parents):
+    n = len(parents)
+    m = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def test_tree_mask_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 26, 64):
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+        np.testing.assert_array_equal(np.asarray(attention.tree_intra(jnp.asarray(parents))), _brute_ancestors(parents))
+    # batched: one tree per row
+    ps = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    got = np.asarray(attention.tree_intra(jnp.asarray(ps)))
+    for r in range(2):
+        np.testing.assert_array_equal(got[r], _brute_ancestors(ps[r]))
+
+
+def test_cache_mask_brute_force():
+    rng = np.random.default_rng(1)
+    b, t, s = 3, 4, 12
+    prev = np.array([0, 3, 8])
+    intra = rng.random((b, t, t)) < 0.5
+    valid = rng.random((b, t)) < 0.8
+    got = np.asarray(attention.cache_mask(jnp.asarray(prev), jnp.asarray(intra), s, jnp.asarray(valid)))
+    exp = np.zeros((b, t, s), bool)
+    for r in range(b):
+        for q in range(t):
+            for k in range(s):
+                if k < prev[r]:
+                    exp[r, q, k] = True
+                elif k - prev[r] < t:
+                    j = k - prev[r]
+                    exp[r, q, k] = intra[r, q, j] and valid[r, j]
+    np.testing.assert_array_equal(got, exp)
+
+
+def test_attention_matches_naive_softmax():
+    rng = np.random.default_rng(2)
+    b, t, s, h, kv, d = 2, 3, 5, 4, 2, 8
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+    k = rng.normal(size=(b, s, kv, d)).astype(np.float32)
+    v = rng.normal(size=(b, s, kv, d)).astype(np.float32)
+    mask = rng.random((b, t, s)) < 0.6
+    mask[..., 0] = True
+    got = np.asarray(attention.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    exp = np.zeros_like(got)
+    for r in range(b):
+        for i in range(t):
+            for hh in range(h):
+                g = hh // (h // kv)
+                sc = k[r, :, g] @ q[r, i, hh] / np.sqrt(d)
+                sc = np.where(mask[r, i], sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                p /= p.sum()
+                exp[r, i, hh] = p @ v[r, :, g]
+    np.testing.assert_allclose(got, exp, atol=1e-5)

@@ -1,0 +1,340 @@
+"""Draft-and-verify: greedy identical to AR for every drafter, lossless sampling (statistical), verification
+against brute force, drafter-specific behaviour, errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+import pdecode
+from pdecode import sampling
+from pdecode.decode import tree as tree_lib
+from pdecode.decode.lookup import find_matches
+from pdecode.decode.speculative import Proposal
+from pdecode.decode.verify import verify
+from tests.helpers import make_hf_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13], list(range(20, 57)), [3, 4],
+           [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40], [60, 61], [70, 71, 72, 73, 74, 75], [80]]
+
+METHODS = [
+    ("sd", "self", dict(gamma=4)),
+    ("sd", "small", dict(gamma=3)),
+    ("sd", "small", dict(gamma=2, adaptive=True, gamma_max=6)),
+    ("tree", "self", dict(tree="dynamic", tree_top_k=3, depth=4, total_tokens=12)),
+    ("tree", "small", dict(tree="binary-14")),
+    ("tree", "small", dict(tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
+    ("lookup", None, dict(gamma=4)),
+    ("lookup", None, dict(gamma=3, branches=3, ngram_max=2)),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target, and a 1-layer draft trained on nothing (different random weights, same vocabulary)."""
+    d1 = tmp_path_factory.mktemp("t")
+    d2 = tmp_path_factory.mktemp("d")
+    make_hf_model("llama", d1, seed=0)
+    make_hf_model("llama", d2, seed=1, num_hidden_layers=1)
+    t = pdecode.load(d1)
+    return {"target": t, "self": t, "small": pdecode.load(d2), None: None}
+
+
+@pytest.mark.parametrize("method,draft,opts", METHODS, ids=[f"{m}-{d}-{i}" for i, (m, d, _) in enumerate(METHODS)])
+def test_greedy_identical_to_ar(models, method, draft, opts):
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=24, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method=method, draft=models[draft], max_new_tokens=24, stop_at_eos=False,
+                           **opts)
+    assert out.tokens == ref.tokens
+    s = out.stats
+    assert s["tokens_per_forward"] >= 1.0 and s["target_forwards"] <= 24
+    if draft == "self" or method == "lookup":
+        assert s["tokens_per_forward"] > 1.2  # drafts really get accepted
+    if draft is not None:
+        assert s["draft_forwards"] > 0
+    assert len(s["acceptance_per_depth"]) == len(s["accepted_histogram"]) - 1
+
+
+@pytest.mark.parametrize("method,draft,opts", [METHODS[0], METHODS[3], METHODS[7]], ids=["sd", "tree", "lookup"])
+def test_greedy_with_eos_rows_stop_independently(models, method, draft, opts):
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
+    eos = free[1][5]
+    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(eos,)), params=t.params)
+    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
+    out = pdecode.generate(te, PROMPTS[:4], method=method, draft=models[draft], max_new_tokens=20, **opts)
+    assert out.tokens == ar.tokens
+    assert out.tokens[1][-1] == eos and len(out.tokens[1]) <= 6
+
+
+# ------------------------------------------------------------------------------------------------ verification
+def _brute_greedy(logits, tokens, parents, valid):
+    """Walk the tree sequentially: follow the first child whose token is the argmax."""
+    node, path = 0, [0]
+    while True:
+        best = int(np.argmax(logits[node]))
+        kids = [c for c in range(len(parents)) if parents[c] == node and valid[c]]
+        nxt = next((c for c in kids if tokens[c] == best), None)
+        if nxt is None:
+            return path, best
+        node = nxt
+        path.append(nxt)
+
+
+def test_greedy_verify_matches_brute_force():
+    rng = np.random.default_rng(0)
+    v, b = 5, 64
+    tr = tree_lib.resolve("binary-14")
+    n = tr.size
+    logits = rng.normal(size=(b, n, v)).astype(np.float32)
+    tokens = rng.integers(0, v, size=(b, n))
+    # make acceptance likely: often copy the argmax of the parent
+    for r in range(b):
+        for c in range(1, n):
+            if rng.random() < 0.6:
+                tokens[r, c] = int(np.argmax(logits[r, tr.parents[c]]))
+    valid = rng.random((b, n)) < 0.9
+    valid[:, 0] = True
+    ver = verify(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), tr.parents, jnp.asarray(valid), jax.random.PRNGKey(0),
+                 sampling.Sampling(), 0.0, 1.0, max_depth=tr.max_depth, max_children=tr.max_children)
+    for r in range(b):
+        path, bonus = _brute_greedy(logits[r], tokens[r], tr.parents, valid[r])
+        na = int(ver.n_accepted[r])
+        assert np.asarray(ver.path[r, : na + 1]).tolist() == path
+        assert int(ver.bonus[r]) == bonus
+        assert np.asarray(ver.tokens[r, : na + 1]).tolist() == [int(tokens[r, c]) for c in path[1:]] + [bonus]
+
+
+def _first_two(tokens, n_acc):
+    tokens = np.asarray(tokens)
+    n_acc = np.asarray(n_acc)
+    return tokens[:, 0], np.where(n_acc >= 1, tokens[:, 1], -1)
+
+
+def _sampled_children(rng, q_rows, k, replace=False):
+    """Per row, k children drawn from q without replacement (the order they are tried in)."""
+    out = np.zeros((len(q_rows), k), np.int64)
+    for i, q in enumerate(q_rows):
+        out[i] = rng.choice(len(q), size=k, replace=replace, p=q)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree-sampled", "tree-deterministic"])
+def test_sampled_verify_is_lossless(mode):
+    """Output token 1 ~ p(root); token 2 given token 1 = child c ~ p(c): exactly the target's distributions."""
+    rng = np.random.default_rng(1)
+    v, n_rows = 6, 40000
+    if mode == "chain":
+        tr = tree_lib.chain(2)
+    else:
+        tr = tree_lib.from_choices([[0], [1], [2], [0, 0], [1, 0]])
+    n = tr.size
+    p_logits = rng.normal(size=(n, v)) * 1.5
+    q_logits = rng.normal(size=(n, v)) * 1.5
+    p = np.exp(p_logits) / np.exp(p_logits).sum(-1, keepdims=True)
+    q = np.exp(q_logits) / np.exp(q_logits).sum(-1, keepdims=True)
+    tokens = np.zeros((n_rows, n), np.int64)
+    for parent in range(n):
+        kids = [c for c in range(n) if tr.parents[c] == parent]
+        if not kids:
+            continue
+        if mode == "tree-deterministic":
+            tokens[:, kids] = np.argsort(-q[parent])[: len(kids)]
+        else:
+            tokens[:, kids] = _sampled_children(rng, [q[parent]] * n_rows, len(kids))
+    draft_q = None if mode == "tree-deterministic" else jnp.asarray(np.broadcast_to(q, (n_rows, n, v)), jnp.float32)
+    logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, n, v)), jnp.float32)
+    samp = sampling.Sampling(greedy=False)
+    ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, n), bool),
+                 jax.random.PRNGKey(7), samp, 1.0, 1.0, max_depth=tr.max_depth, max_children=tr.max_children,
+                 draft_q_BNV=draft_q)
+    first, second = _first_two(ver.tokens, ver.n_accepted)
+    counts = np.bincount(first, minlength=v)
+    assert sstats.chisquare(counts, p[0] * n_rows).pvalue > 1e-3
+    # second token, for rows whose first token was accepted from child c (token fixed per c in the deterministic
+    # case; in sampled modes group by the accepted node)
+    path1 = np.asarray(ver.path[:, 1])
+    n_acc = np.asarray(ver.n_accepted)
+    for c in range(1, n):
+        if tr.parents[c] != 0:
+            continue
+        rows = (n_acc >= 1) & (path1 == c)
+        if rows.sum() < 2000:
+            continue
+        cnt = np.bincount(second[rows], minlength=v)
+        assert sstats.chisquare(cnt, p[c] * rows.sum()).pvalue > 1e-3
+
+
+def test_wrong_acceptance_rule_is_detected():
+    """Sampled children verified against the wrong q (uniform instead of the q they came from) are biased; the
+    same test must catch it. (The q = 1 rule with one sampled child would be lossless, so it is no wrong rule.)"""
+    rng = np.random.default_rng(2)
+    v, n_rows = 6, 40000
+    tr = tree_lib.chain(1)
+    p_logits = rng.normal(size=(2, v)) * 1.5
+    q_logits = rng.normal(size=(2, v)) * 1.5
+    p = np.exp(p_logits) / np.exp(p_logits).sum(-1, keepdims=True)
+    q = np.exp(q_logits) / np.exp(q_logits).sum(-1, keepdims=True)
+    tokens = np.zeros((n_rows, 2), np.int64)
+    tokens[:, 1] = rng.choice(v, size=n_rows, p=q[0])
+    logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, 2, v)), jnp.float32)
+    ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, 2), bool),
+                 jax.random.PRNGKey(3), sampling.Sampling(greedy=False), 1.0, 1.0, max_depth=1, max_children=1,
+                 draft_q_BNV=jnp.full((n_rows, 2, v), 1.0 / v))
+    counts = np.bincount(np.asarray(ver.tokens[:, 0]), minlength=v)
+    assert sstats.chisquare(counts, p[0] * n_rows).pvalue < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """Target and draft with 16 tokens and decisive (but not one-hot) distributions, for statistics."""
+    dt, dd = tmp_path_factory.mktemp("sv_t"), tmp_path_factory.mktemp("sv_d")
+    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    make_hf_model("llama", dt, seed=10, **kw)
+    make_hf_model("llama", dd, seed=11, **{**kw, "num_hidden_layers": 1})
+    return pdecode.load(dt), pdecode.load(dd)
+
+
+def _exact_marginals(m, prompt, n_tok):
+    """Exact marginals of the first n_tok sampled tokens (T = 1) by enumerating prefixes."""
+    v = m.cfg.vocab_size
+    prefixes, probs = [[]], np.array([1.0])
+    margs = []
+    for _ in range(n_tok):
+        lg = np.asarray(pdecode.forward_logits(m, [prompt + pre for pre in prefixes]))[:, -1].astype(np.float64)
+        cond = np.exp(lg - lg.max(-1, keepdims=True))
+        cond /= cond.sum(-1, keepdims=True)
+        joint = probs[:, None] * cond
+        margs.append(joint.sum(0))
+        prefixes = [pre + [t] for pre in prefixes for t in range(v)]
+        probs = joint.reshape(-1)
+    return margs
+
+
+@dataclasses.dataclass(frozen=True)
+class _LyingChain:
+    """Wraps a chain drafter but reports a uniform q instead of the distribution it sampled from."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def init(self, *a):
+        return self.inner.init(*a)
+
+    def update(self, *a):
+        return self.inner.update(*a)
+
+    def propose(self, *a):
+        prop, st = self.inner.propose(*a)
+        return prop._replace(q=jnp.full_like(prop.q, 1.0 / prop.q.shape[-1])), st
+
+
+@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=3)), ("tree", dict(tree="binary-14")),
+                                         ("tree", dict(tree="dynamic", tree_top_k=3, depth=3, total_tokens=8)),
+                                         ("lookup", dict(gamma=3))])
+def test_sampling_matches_ar_distribution(small_vocab, method, opts):
+    target, draft = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    out = pdecode.generate(target, [prompt] * n, method=method, draft=draft if method != "lookup" else None,
+                           max_new_tokens=3, temperature=1.0, seed=1, stop_at_eos=False, **opts)
+    toks = np.array(out.tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    for i in range(3):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    assert out.stats["tokens_per_forward"] > 1.0
+
+
+def test_lying_drafter_fails_the_distribution_test(small_vocab):
+    """The same statistical test rejects a drafter whose acceptance ratios use the wrong q."""
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+    from pdecode.decode.draft_model import DraftChain
+
+    target, draft = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    drafter = _LyingChain(DraftChain(draft.cfg, 3, 3))
+    samp = sampling.Sampling(greedy=False)
+    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
+    plen = jnp.full((n,), len(prompt), jnp.int32)
+    args = ((target.params, draft.params), prompt_a, plen, jax.random.PRNGKey(1), jnp.float32(1.0), jnp.float32(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=samp, mesh=None), *args)
+    out, _ = exe(*args)
+    toks = np.asarray(out.tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
+             for i in range(3)]
+    assert min(pvals) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def test_lookup_finds_latest_longest_match():
+    seq = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3, 0, 0]], jnp.int32)
+    starts, found = find_matches(seq, jnp.asarray([12]), 3, 1, 2)
+    # suffix [1, 2, 3] occurs at 0 and 4; the latest is at 4, its continuation starts at 7
+    assert bool(found[0, 0]) and int(starts[0, 0]) == 7 and int(starts[0, 1]) == 3
+
+
+def test_static_tree_from_choices():
+    tr = tree_lib.from_choices([[0, 1], [1]])  # prefix [0] is added
+    assert tr.parents == (-1, 0, 0, 1) and tr.ranks == (0, 0, 1, 1)
+    assert tr.max_depth == 2 and tr.max_children == 2
+    assert tree_lib.resolve("medusa-63").size == 64
+    with pytest.raises(pdecode.ConfigError, match="unknown tree preset"):
+        tree_lib.resolve("nope")
+    with pytest.raises(pdecode.ConfigError, match="invalid tree path"):
+        tree_lib.from_choices([[0, -1]])
+
+
+def test_dynamic_tree_keeps_ancestors():
+    """Every kept node's parent is kept and precedes it, for many rows."""
+    from pdecode.decode.draft_model import grow_dynamic_tree
+    from pdecode.decode.speculative import Context
+
+    b, k, depth, total = 3, 3, 4, 15
+    rng = np.random.default_rng(0)
+    seq = jnp.zeros((b, 8), jnp.int32)
+    ctx = Context(seq, jnp.full((b,), 4), None, None, jnp.ones((b,), bool))
+
+    class FakeCache:
+        max_len = 64
+
+    def expand(cache, tok, pos, write_at, mask):
+        return jnp.asarray(rng.normal(size=(b, k, 10)), jnp.float32), cache
+
+    prop, _ = grow_dynamic_tree(ctx, FakeCache(), jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, 10)))), k, depth,
+                                total, expand)
+    par = np.asarray(prop.parents)
+    assert par.shape == (b, total + 1) and (par[:, 0] == -1).all()
+    assert (par[:, 1:] < np.arange(1, total + 1)[None]).all() and np.asarray(prop.valid).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="sd", gamma=0), "gamma must be an integer >= 1"),
+    (dict(method="tree", tree="bogus"), "unknown tree preset"),
+    (dict(method="tree", tree_top_k=2, depth=2, total_tokens=50), "exceeds"),
+    (dict(method="lookup", ngram_min=4, ngram_max=2), "ngram_min"),
+])
+def test_bad_options(models, kwargs, match):
+    with pytest.raises(pdecode.ConfigError, match=match):
+        pdecode.generate(models["target"], [[1, 2, 3]], draft=models["small"], **kwargs)
+
+
+def test_vocab_mismatch_and_missing_draft(models, tmp_path):
+    make_hf_model("llama", tmp_path, seed=2, vocab_size=50)
+    other = pdecode.load(tmp_path)
+    with pytest.raises(pdecode.ConfigError, match="vocabulary"):
+        pdecode.generate(models["target"], [[1, 2]], method="sd", draft=other)
+    with pytest.raises(pdecode.InputError, match="needs a draft model"):
+        pdecode.generate(models["target"], [[1, 2]], method="sd")

@@ -1,0 +1,71 @@
+"""The training loop (optax, orbax resume), the LM objective, and the zoo corpus split."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdecode.config import ModelConfig
+from pdecode.model.transformer import init_params
+from train import data
+from train.loop import TrainConfig, train
+from train.objectives import lm_loss
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def _stream(n=5000, seed=0):
+    # a learnable stream: a repeating pattern with noise
+    rng = np.random.default_rng(seed)
+    base = np.tile(np.arange(8), n // 8 + 1)[:n]
+    noise = rng.random(n) < 0.1
+    return np.where(noise, rng.integers(0, 32, n), base).astype(np.int32)
+
+
+def test_lm_loss_decreases():
+    batches = data.TokenBatches(_stream(), 16, 8)
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    loss = lm_loss(CFG)
+    before = float(loss(params, None, jnp.asarray(batches.batch(999)), None)[0])
+    params, hist = train(loss, params, None, batches.batch, TrainConfig(steps=60, lr=1e-2, warmup=5, log_every=10,
+                                                                        eval_every=1000, ckpt_every=1000))
+    after = float(loss(params, None, jnp.asarray(batches.batch(999)), None)[0])
+    assert after < 0.5 * before
+    assert hist["loss"][-1] < hist["loss"][0]
+
+
+def test_resume_from_orbax_matches_uninterrupted(tmp_path):
+    batches = data.TokenBatches(_stream(seed=1), 16, 4)
+    loss = lm_loss(CFG)
+    p0 = init_params(CFG, jax.random.PRNGKey(1))
+    tc = TrainConfig(steps=12, lr=5e-3, warmup=2, ckpt_every=6, eval_every=1000, log_every=6)
+    full, _ = train(loss, p0, None, batches.batch, tc)
+    # a run that stops at step 6 (its checkpoint), then a new process-like call that resumes to 12
+    half_tc = TrainConfig(**{**tc.__dict__, "steps": 12})
+    train(loss, p0, None, batches.batch, half_tc, ckpt_dir=tmp_path / "ck", desc="first")
+    # remove the final checkpoint so the resume starts from step 6
+    import shutil
+    shutil.rmtree(tmp_path / "ck" / "12")
+    resumed, hist = train(loss, p0, None, batches.batch, tc, ckpt_dir=tmp_path / "ck", desc="resumed")
+    assert hist["last_step"] == 12
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_corpus_split_is_deterministic_and_excludes_tests():
+    train_files, val_files = data.split_files()
+    assert len(val_files) >= 10 and len(train_files) > 20 * len(val_files)
+    assert not set(train_files) & set(val_files)
+    for p in train_files + val_files:
+        parts = p.relative_to(data.stdlib_root()).parts
+        assert "test" not in parts[:-1] and "tests" not in parts[:-1] and "site-packages" not in parts
+        assert not parts[-1].startswith("test_")
+    again = data.split_files()
+    assert again == (train_files, val_files)
+
+
+def test_batches_depend_only_on_step():
+    b = data.TokenBatches(_stream(), 16, 4, seed=3)
+    np.testing.assert_array_equal(b.batch(7), b.batch(7))
+    assert not np.array_equal(b.batch(7), b.batch(8))
+    assert b.batch(0).shape == (4, 17)
