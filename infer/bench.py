@@ -101,7 +101,7 @@ class OurRunner:
         s = out.stats
         return {"new_tokens": s["new_tokens"], "wall_s": s["wall_s"], "compile_s": s["compile_s"],
                 "target_forwards": s["target_forwards"], "draft_forwards": s.get("draft_forwards", 0),
-                "row_forwards": s["row_forwards"], "tokens": out.tokens,
+                "row_forwards": s["row_forwards"], "tokens": out.tokens, "tree_size": s.get("tree_size"),
                 "extra": {k: v for k, v in s.items() if k in ("acceptance_per_depth", "mean_accepted")}}
 
 
@@ -185,7 +185,8 @@ def run_row(runner, prompts: list[list[int]], batch: int, new_tokens: int, tempe
                 taus.append(toks / row_fw)
             fwds.append(fw)
     med = statistics.median(walls)
-    return {
+    tree_size = warm.get("tree_size")
+    return {"tree_size": tree_size,
         "method": runner.label, "batch": batch, "temperature": temperature, "new_tokens": toks,
         "tokens_per_s": toks / med, "wall_s_median": med, "wall_s_all": walls,
         "tau": statistics.median(taus) if taus else None,
@@ -197,13 +198,31 @@ def run_row(runner, prompts: list[list[int]], batch: int, new_tokens: int, tempe
 def to_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Prompts: {meta['n_prompts']} x {meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens each, "
              f"{meta['repeats']} repeats (median), {meta['machine']}.", "",
-             "| T | batch | method | tokens/s | x our AR | tau (tok/target fwd) | compile s | peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| T | batch | method | tokens/s | x our AR | tau (tok/target fwd) | projected x (flat verify) "
+             "| overhead | compile s | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         sp = f"{r['speedup_vs_ar']:.2f}" if r.get("speedup_vs_ar") else "-"
+        pj = f"{r['projected_speedup_flat_verify']:.2f}" if r.get("projected_speedup_flat_verify") else "-"
+        ov = f"{100 * r['overhead_fraction_of_flat_step']:.0f}%" if r.get("projected_speedup_flat_verify") else "-"
         lines.append(f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {sp} | {tau} "
-                     f"| {r['compile_s']:.2f} | {r['peak_extra_mb']:.0f} |")
+                     f"| {pj} | {ov} | {r['compile_s']:.2f} | {r['peak_extra_mb']:.0f} |")
+    for r in rows:
+        if r["extra"].get("acceptance_per_depth"):
+            acc = r["extra"]["acceptance_per_depth"][0]
+            lines.append(f"- T={r['temperature']:g} batch {r['batch']} {r['method']}: acceptance per depth "
+                         + ", ".join("-" if a is None else f"{a:.2f}" for a in acc))
+    if meta.get("verify_cost"):
+        lines += ["", "Cost of one target forward over k tokens relative to k = 1 (cache of "
+                      f"{meta['verify_cost_context']} tokens):", "",
+                  "| model | batch | " + " | ".join(f"k={k}" for k in meta["verify_cost_ks"]) + " |",
+                  "|---|---|" + "---|" * len(meta["verify_cost_ks"])]
+        for (model, b) in dict.fromkeys((r["model"], r["batch"]) for r in meta["verify_cost"]):
+            cells = [next(f"{r['ratio_to_k1']:.2f}" for r in meta["verify_cost"]
+                          if r["model"] == model and r["batch"] == b and r["k"] == k) for k in meta["verify_cost_ks"]]
+            t1 = next(r["seconds"] for r in meta["verify_cost"] if r["model"] == model and r["batch"] == b and r["k"] == 1)
+            lines.append(f"| {model} (k=1: {t1 * 1e3:.2f} ms) | {b} | " + " | ".join(cells) + " |")
     if meta.get("limit"):
         lim = meta["limit"]
         lines += ["", f"CPU limit: {lim['model_mflops_per_token']:.1f} MFLOP per token (forward, context "
@@ -260,6 +279,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-limit", action="store_true", help="skip the CPU-limit measurement")
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="measure one forward over k tokens vs k = 1 (zoo target and a ~150M random config) and "
+                         "project each method's speedup where that cost is flat")
     ap.add_argument("--out", type=Path, default=Path("bench_out/latest"))
 
 
@@ -310,6 +332,22 @@ def run_from_args(args) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M")}
     if not args.no_limit:
         meta["limit"] = cpu_limit(model, rows, args.prompt_tokens + args.new_tokens // 2)
+    if args.verify_cost:
+        import jax
+
+        from pdecode.config import ModelConfig
+        from pdecode.model.transformer import init_params
+
+        ks = sorted({1, 2, 4, 8, 16, 32, 64} | {r["tree_size"] for r in rows if r.get("tree_size")})
+        ctx = args.prompt_tokens + args.new_tokens // 2
+        vc = verify_cost(model.cfg, model.params, ks, tuple(args.batch), ctx, label=args.model)
+        big = ModelConfig(**RANDOM_150M)
+        big_params = init_params(big, jax.random.PRNGKey(0))
+        vc += verify_cost(big, big_params, (1, 2, 4, 8, 16, 32, 64), tuple(args.batch), ctx, repeats=3,
+                          label=f"random {big.num_params() / 1e6:.0f}M")
+        del big_params
+        meta.update(verify_cost=vc, verify_cost_ks=[1, 2, 4, 8, 16, 32, 64], verify_cost_context=ctx)
+        projections(rows, [r for r in vc if r["model"] == args.model])
     args.out.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("tokens", None)
@@ -338,6 +376,77 @@ def cpu_limit(model, rows: list[dict], context: int) -> dict:
                                 "of_peak": g / peak}
     return {"model_mflops_per_token": flops / 1e6, "context": context, "gemv_gflops": gemv, "gemm_gflops": gemm,
             "peak_gflops": peak, "utilization": util}
+
+
+# ------------------------------------------------------------------------------------------------ verify cost
+RANDOM_150M = dict(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_layers=12, num_heads=12,
+                   num_kv_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def verify_cost(cfg, params, ks=(1, 2, 4, 8, 16, 32, 64), batches=(1, 8), context: int = 128, repeats: int = 7,
+                label: str = "") -> list[dict]:
+    """Seconds for one target forward over k fresh tokens (chain mask, logits at every position) on a cache
+    holding ``context`` tokens, and its ratio to k = 1. Where this ratio stays near 1 (accelerators), a step
+    verifying k drafted tokens costs about what one AR step costs."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.decode import common
+    from pdecode.model import attention
+    from pdecode.model import cache as kvc
+    from pdecode.model.transformer import UNROLL_MAX_LAYERS, decode_layout, forward, unembed
+
+    def step(params, tokens, cache):
+        params = decode_layout(params, cfg)
+        b, k = tokens.shape
+        pos = cache.lengths[:, None] + jnp.arange(k)[None, :]
+        mask = common.step_mask(cfg, cache, attention.causal_intra(k), pos)
+        fo = forward(params, cfg, tokens, pos, mask, cache=cache)
+        return unembed(params, cfg, fo.hidden)
+
+    rows = []
+    for b in batches:
+        base = None
+        for k in ks:
+            per_layer = cfg.num_layers <= UNROLL_MAX_LAYERS
+            cache = kvc.set_lengths(kvc.init_cache(cfg, b, context + max(ks), per_layer=per_layer),
+                                    jnp.full((b,), context, jnp.int32))
+            tokens = jnp.ones((b, k), jnp.int32)
+            f = jax.jit(step)
+            jax.block_until_ready(f(params, tokens, cache))
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(params, tokens, cache))
+                ts.append(time.perf_counter() - t0)
+            t = statistics.median(ts)
+            base = base or t
+            rows.append({"model": label, "batch": b, "k": k, "seconds": t, "ratio_to_k1": t / base})
+            print(f"    verify cost {label} batch {b} k={k}: {t * 1e3:.2f} ms ({t / base:.2f}x k=1)", file=sys.stderr)
+    return rows
+
+
+def projections(rows: list[dict], vc: list[dict]) -> None:
+    """Add, per draft-and-verify row, the speedup tau would give where one verify pass costs what k = 1 costs.
+
+    t_step = wall / target forwards (this CPU); overhead = t_step - t_verify(N) (drafting, bookkeeping);
+    flat step = t_verify(1) + overhead; projected = tau * t_ar_step / flat step.
+    """
+    cost = {(r["batch"], r["k"]): r["seconds"] for r in vc}
+    for r in rows:
+        n = r.get("tree_size")
+        ar = next((a for a in rows if a["method"] == "ar" and a["batch"] == r["batch"]
+                   and a["temperature"] == r["temperature"]), None)
+        if not n or ar is None or not r.get("target_forwards") or (r["batch"], 1) not in cost:
+            continue
+        ks = sorted(k for (b, k) in cost if b == r["batch"])
+        k_n = min((k for k in ks if k >= n), default=ks[-1])
+        t_step = r["wall_s_median"] / r["target_forwards"]
+        t_ar = ar["wall_s_median"] / ar["target_forwards"]
+        overhead = max(t_step - cost[(r["batch"], k_n)], 0.0)
+        flat = cost[(r["batch"], 1)] + overhead
+        r["overhead_fraction_of_flat_step"] = overhead / flat
+        r["projected_speedup_flat_verify"] = r["tau"] * t_ar / flat
 
 
 def main(argv=None) -> int:

@@ -64,21 +64,35 @@ def _top_p(x: jax.Array, top_p) -> jax.Array:
     return jnp.where(x < thresh, NEG_INF, x)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """Index of the (first) maximum along the last axis, int32. A max then a min over matching indices: on CPU
+    this runs several times faster than XLA's variadic-reduce argmax, with the same result."""
+    mx = jnp.max(x, axis=-1, keepdims=True)
+    n = x.shape[-1]
+    first = jnp.min(jnp.where(x == mx, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+    return jnp.minimum(first, n - 1).astype(jnp.int32)  # (all-NaN rows would otherwise point past the end)
+
+
 def probs(logits: jax.Array, s: Sampling, temperature, top_p) -> jax.Array:
     """Probabilities of the warped distribution; greedy gives a one-hot of the argmax."""
     if s.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(warp(logits, s, temperature, top_p), axis=-1)
 
 
 def sample(key: jax.Array, logits: jax.Array, s: Sampling, temperature, top_p) -> jax.Array:
     """One token per leading index: argmax when greedy, else a draw from the warped distribution."""
     if s.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, warp(logits, s, temperature, top_p), axis=-1).astype(jnp.int32)
+        return argmax(logits)
+    return gumbel_argmax(key, warp(logits, s, temperature, top_p))
+
+
+def gumbel_argmax(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw from softmax(logits) along the last axis (the Gumbel-max trick, as `jax.random.categorical`)."""
+    return argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32))
 
 
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
     """Draw from (unnormalised, non-negative) probabilities along the last axis."""
     logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), NEG_INF)
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    return gumbel_argmax(key, logp)

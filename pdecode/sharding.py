@@ -61,17 +61,18 @@ def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:
 
 
 def cache_spec(shape: tuple, mesh: Mesh) -> P:
-    return spec_for(("layers", "batch", "seq", "kv_heads", None), shape, mesh)
+    """Spec of a cache buffer [(L,) B, KV, ...]: batch on ``data``, kv heads on ``model``."""
+    axes = ("layers", "batch", "kv_heads", None, None)
+    return spec_for(axes[5 - len(shape):], shape, mesh)
 
 
 def constrain_cache(cache, mesh: Mesh | None):
     """Pin a KVCache's layout inside jit (batch on ``data``, kv heads on ``model``); identity without a mesh."""
     if mesh is None:
         return cache
-    kv = NamedSharding(mesh, cache_spec(cache.k.shape, mesh))
+    pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, cache_spec(a.shape, mesh)))  # noqa
     ln = NamedSharding(mesh, spec_for(("batch",), cache.lengths.shape, mesh))
-    return cache.replace(k=jax.lax.with_sharding_constraint(cache.k, kv),
-                         v=jax.lax.with_sharding_constraint(cache.v, kv),
+    return cache.replace(k=jax.tree.map(pin, cache.k), v=jax.tree.map(pin, cache.v),
                          lengths=jax.lax.with_sharding_constraint(cache.lengths, ln))
 
 

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pdecode.config import ModelConfig
 from pdecode.model import attention
@@ -12,45 +13,56 @@ CFG = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=
                   head_dim=4)
 
 
-def _filled(b=3, s=16, seed=0):
+def _filled(b=3, s=16, seed=0, per_layer=False):
     c = kvc.init_cache(CFG, b, s)
     rng = np.random.default_rng(seed)
-    k = rng.normal(size=c.k.shape).astype(np.float32)
-    v = rng.normal(size=c.v.shape).astype(np.float32)
+    k = rng.normal(size=c.k.shape).astype(np.float32)  # [L, B, KV, hd, S]
+    v = rng.normal(size=c.v.shape).astype(np.float32)  # [L, B, KV, S, hd]
+    if per_layer:
+        c = kvc.init_cache(CFG, b, s, per_layer=True)
+        return c.replace(k=tuple(jnp.asarray(x) for x in k), v=tuple(jnp.asarray(x) for x in v)), k, v
     return c.replace(k=jnp.asarray(k), v=jnp.asarray(v)), k, v
 
 
-def test_write_layer_at_per_row_offsets():
-    c, k0, _ = _filled()
-    new = np.arange(3 * 4 * 1 * 4, dtype=np.float32).reshape(3, 4, 1, 4) + 100
+def _stacked(c):
+    return (np.stack([np.asarray(x) for x in c.k]) if c.per_layer else np.asarray(c.k),
+            np.stack([np.asarray(x) for x in c.v]) if c.per_layer else np.asarray(c.v))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_write_layer_at_per_row_offsets(per_layer):
+    c, k0, v0 = _filled(per_layer=per_layer)
+    new = np.arange(3 * 1 * 4 * 4, dtype=np.float32).reshape(3, 1, 4, 4) + 100  # [B, KV, T, hd]
     off = np.array([0, 5, 14])  # last row runs past max_len: slots 16, 17 are dropped
-    c2 = kvc.write_layer(c, 1, jnp.asarray(new), jnp.asarray(new), jnp.asarray(off))
-    k = np.asarray(c2.k)
-    expect = k0.copy()
+    c2 = kvc.write_layer(c, 1, jnp.asarray(new), jnp.asarray(-new), jnp.asarray(off))
+    k, v = _stacked(c2)
+    ek, ev = k0.copy(), v0.copy()
     for b in range(3):
         for t in range(4):
             if off[b] + t < 16:
-                expect[1, b, off[b] + t] = new[b, t]
-    np.testing.assert_array_equal(k, expect)
+                ek[1, b, :, :, off[b] + t] = new[b, :, t]
+                ev[1, b, :, off[b] + t] = -new[b, :, t]
+    np.testing.assert_array_equal(k, ek)
+    np.testing.assert_array_equal(v, ev)
     np.testing.assert_array_equal(k[0], k0[0])  # other layer untouched
 
 
-def test_commit_gathers_accepted_nodes_and_advances():
-    c, k0, v0 = _filled()
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_commit_gathers_accepted_nodes_and_advances(per_layer):
+    c, k0, v0 = _filled(per_layer=per_layer)
     c = kvc.set_lengths(c, jnp.array([2, 5, 9]))
     # fresh region at lengths..lengths+5; accepted paths (node indices) per row, n accepted per row
     idx = np.array([[0, 2, 4, 0], [0, 1, 2, 3], [0, 3, 1, 1]])
     n = np.array([3, 4, 1])
     c2 = kvc.commit(c, jnp.asarray(idx), jnp.asarray(n))
     np.testing.assert_array_equal(np.asarray(c2.lengths), [5, 9, 10])
-    for got, orig in ((np.asarray(c2.k), k0), (np.asarray(c2.v), v0)):
-        expect = orig.copy()
-        for b, start in enumerate([2, 5, 9]):
-            for j in range(n[b]):
-                expect[:, b, start + j] = orig[:, b, start + idx[b, j]]
-        # the committed prefix is what matters; slots past the new length are free
-        for b, ln in enumerate([5, 9, 10]):
-            np.testing.assert_array_equal(got[:, b, :ln], expect[:, b, :ln])
+    k, v = _stacked(c2)
+    # compare the committed prefix, slot by slot (keys are stored [.., hd, S], values [.., S, hd])
+    for b, start in enumerate([2, 5, 9]):
+        for j in range(n[b]):
+            np.testing.assert_array_equal(k[:, b, :, :, start + j], k0[:, b, :, :, start + idx[b, j]])
+            np.testing.assert_array_equal(v[:, b, :, start + j], v0[:, b, :, start + idx[b, j]])
+        np.testing.assert_array_equal(k[:, b, :, :, :start], k0[:, b, :, :, :start])
 
 
 def test_commit_with_identity_is_advance_and_rollback():
@@ -119,19 +131,20 @@ def test_attention_matches_naive_softmax():
     rng = np.random.default_rng(2)
     b, t, s, h, kv, d = 2, 3, 5, 4, 2, 8
     q = rng.normal(size=(b, t, h, d)).astype(np.float32)
-    k = rng.normal(size=(b, s, kv, d)).astype(np.float32)
-    v = rng.normal(size=(b, s, kv, d)).astype(np.float32)
+    k = rng.normal(size=(b, kv, s, d)).astype(np.float32)
+    v = rng.normal(size=(b, kv, s, d)).astype(np.float32)
     mask = rng.random((b, t, s)) < 0.6
     mask[..., 0] = True
-    got = np.asarray(attention.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    got = np.asarray(attention.attend(jnp.asarray(q), jnp.asarray(k.transpose(0, 1, 3, 2)), jnp.asarray(v),
+                                      jnp.asarray(mask)))
     exp = np.zeros_like(got)
     for r in range(b):
         for i in range(t):
             for hh in range(h):
                 g = hh // (h // kv)
-                sc = k[r, :, g] @ q[r, i, hh] / np.sqrt(d)
+                sc = k[r, g] @ q[r, i, hh] / np.sqrt(d)
                 sc = np.where(mask[r, i], sc, -np.inf)
                 p = np.exp(sc - sc.max())
                 p /= p.sum()
-                exp[r, i, hh] = p @ v[r, :, g]
+                exp[r, i, hh] = p @ v[r, g]
     np.testing.assert_allclose(got, exp, atol=1e-5)

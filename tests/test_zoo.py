@@ -54,10 +54,13 @@ def test_transformers_loads_the_zoo_with_logit_parity(target):
 
 
 def test_training_record(target):
-    for name, hi in (("code-target", 3.5), ("code-draft", 4.5)):
-        info = json.loads((ZOO / name / "train_info.json").read_text())
-        assert info["val_loss"] < hi  # far below the uniform 8.3 nats: the model learned the corpus
+    infos = {n: json.loads((ZOO / n / "train_info.json").read_text()) for n in ("code-target", "code-draft")}
+    for name, info in infos.items():
+        assert info["val_loss"] < 4.0  # far below the uniform 8.3 nats: the model learned the corpus
         assert info["train_minutes_this_run"] > 0 and info["command"].startswith("python -m train.zoo")
+    # the draft is distilled from the target, so it cannot beat it on the data
+    assert infos["code-draft"]["teacher"] == "code-target"
+    assert infos["code-target"]["val_loss"] < infos["code-draft"]["val_loss"]
 
 
 def test_generates_python(target):

@@ -43,3 +43,30 @@ def lm_loss(cfg: ModelConfig):
         return ce, {"ce": ce}
 
     return loss
+
+
+def soft_cross_entropy(logits: jax.Array, target_probs: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean over tokens of -sum_v p_target(v) log p(v) (float32), optionally weighted."""
+    ce = -jnp.sum(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+    if weights is None:
+        return ce.mean()
+    return (ce * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+def distill_loss(student_cfg: ModelConfig, teacher_cfg: ModelConfig, hard_weight: float = 0.0):
+    """Knowledge distillation of a small LM from a frozen teacher (``frozen`` = teacher params): soft CE against
+    the teacher's next-token distribution, computed on the fly, plus ``hard_weight`` x the data CE. Used for
+    ``code-draft``: a draft that imitates its target is accepted more often."""
+
+    def loss(params, teacher, batch, rng):
+        del rng
+        x, y = batch[:, :-1], batch[:, 1:]
+        th, _ = causal_hidden(teacher, teacher_cfg, x)
+        t_probs = jax.lax.stop_gradient(jax.nn.softmax(unembed(teacher, teacher_cfg, th), axis=-1))
+        h, _ = causal_hidden(params, student_cfg, x)
+        logits = unembed(params, student_cfg, h)
+        kd = soft_cross_entropy(logits, t_probs)
+        ce = cross_entropy(logits, y)
+        return kd + hard_weight * ce, {"kd": kd, "ce": ce}
+
+    return loss

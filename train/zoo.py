@@ -1,6 +1,6 @@
 """Recipes for the shipped models, trained here on 2 CPU cores.
 
-    python -m train.zoo                      # tokenizer + code-target + code-draft, about 40 minutes
+    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled), ~45 minutes
     python -m train.zoo --only code-draft    # one model (the tokenizer is reused when present)
 
 Each model lands in ``zoo/<name>/`` in HF format (bf16 safetensors, config.json, tokenizer files) with a
@@ -26,7 +26,7 @@ from pdecode.config import ModelConfig
 from pdecode.model.transformer import init_params, unembed
 from train import data
 from train.loop import TrainConfig, train
-from train.objectives import causal_hidden, cross_entropy, lm_loss
+from train.objectives import causal_hidden, cross_entropy, distill_loss, lm_loss
 
 VOCAB = 4096
 CONTEXT = 1024
@@ -46,6 +46,7 @@ class Recipe:
     tc: TrainConfig
     seq_len: int
     batch_size: int
+    teacher: str | None = None  # distil from this zoo model instead of plain next-token training
 
 
 RECIPES: dict[str, Recipe] = {
@@ -54,11 +55,12 @@ RECIPES: dict[str, Recipe] = {
         _cfg(hidden_size=256, intermediate_size=512, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64),
         TrainConfig(steps=850, lr=2e-3, warmup=60, eval_every=425, ckpt_every=100, log_every=10, seed=0),
         seq_len=512, batch_size=8),
-    # ~0.92M params: 2 layers x 128, same tokenizer.
+    # ~0.92M params: 2 layers x 128, same tokenizer, distilled from code-target (soft labels computed on the
+    # fly): a draft should imitate its target, not the data.
     "code-draft": Recipe(
         _cfg(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64),
-        TrainConfig(steps=440, lr=3e-3, warmup=40, eval_every=220, ckpt_every=100, log_every=10, seed=1),
-        seq_len=512, batch_size=16),
+        TrainConfig(steps=240, lr=3e-3, warmup=30, eval_every=120, ckpt_every=60, log_every=10, seed=1),
+        seq_len=512, batch_size=16, teacher="code-target"),
 }
 
 
@@ -122,10 +124,19 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(10_000)
     eval_fn = make_eval(r.cfg, val_windows)
     params = init_params(r.cfg, jax.random.PRNGKey(tc.seed))
-    print(f"{name}: {r.cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {r.batch_size}x{r.seq_len} tokens, "
-          f"train stream {len(tr)} tokens, validation {len(val_windows)} windows", file=sys.stderr)
+    objective, frozen = lm_loss(r.cfg), None
+    if r.teacher:
+        from pdecode.checkpoint.hf import load_hf as _load
+
+        t_cfg, t_params = _load(zoo / r.teacher)
+        objective, frozen = distill_loss(r.cfg, t_cfg), jax.tree.map(jnp.asarray, t_params)
+    print(f"{name}: {r.cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {r.batch_size}x{r.seq_len} tokens"
+          f"{f', distilled from {r.teacher}' if r.teacher else ''}, train stream {len(tr)} tokens, validation "
+          f"{len(val_windows)} windows", file=sys.stderr)
     t0 = time.perf_counter()
-    params, hist = train(lm_loss(r.cfg), params, None, batches.batch, tc, ckpt_dir=work / "ckpt" / name,
+    # checkpoints are keyed by the recipe, so a changed recipe never resumes from another one's state
+    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher)).encode()).hexdigest()[:10]
+    params, hist = train(objective, params, frozen, batches.batch, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
                          eval_fn=eval_fn, desc=name)
     wall = time.perf_counter() - t0
     out = zoo / name
@@ -151,6 +162,7 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
         "batch_size": r.batch_size,
         "python": sys.version.split()[0],
         "corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
+        "teacher": r.teacher,
     }
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{name}: validation loss {info['val_loss']:.4f} (bf16 weights), {wall / 60:.1f} min -> {out}",

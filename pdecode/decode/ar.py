@@ -10,7 +10,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import forward, unembed
+from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
 
@@ -27,7 +27,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
              max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, cache_dtype=jnp.float32):
     """Returns (Outputs, stats dict of device scalars)."""
     b = prompt_BP.shape[0]
-    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype), mesh)
+    params = decode_layout(params, cfg, fuse=mesh is None)
+    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(params)), mesh)
     cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)

@@ -22,7 +22,7 @@ def _prepare_ar(model, draft, opts, samp):
 def _spec_plan(model, draft_params, drafter) -> Plan:
     return Plan(fn=speculative.generate, params=(model.params, draft_params),
                 static={"cfg": model.cfg, "drafter": drafter}, extra_len=drafter.tree_size + 2,
-                finish_stats=speculative.acceptance_stats)
+                finish_stats=lambda s: speculative.acceptance_stats({**s, "tree_size": drafter.tree_size}))
 
 
 def _prepare_sd(model, draft, opts, samp):

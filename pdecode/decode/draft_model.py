@@ -20,7 +20,7 @@ from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal
 from pdecode.model import attention
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import forward, unembed
+from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 
 
 def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, seq_len: jax.Array, width: int):
@@ -49,13 +49,20 @@ def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Arr
 
 
 def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len):
-    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len)
+    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len, per_layer=unrolled(dparams))
     cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache)
     return cache
 
 
+class _DraftModelDrafter(Drafter):
+    dcfg: ModelConfig
+
+    def prepare(self, dparams, mesh):
+        return decode_layout(dparams, self.dcfg, fuse=mesh is None)
+
+
 @dataclasses.dataclass(frozen=True)
-class DraftChain(Drafter):
+class DraftChain(_DraftModelDrafter):
     """Chain speculative decoding: the draft proposes ``gamma`` tokens (sampled from its warped distribution, or
     argmax when greedy), verified by speculative sampling. ``adaptive``: per-row length, +2 after a fully accepted
     step and -1 otherwise (the heuristic of HF assisted generation), bounded by ``gamma_max``."""
@@ -128,7 +135,7 @@ class DraftChain(Drafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftStaticTree(Drafter):
+class DraftStaticTree(_DraftModelDrafter):
     """Token tree from a static shape: each node takes the top-``rank`` token of its parent's draft
     distribution (Medusa-style choice paths). One draft forward per depth."""
 
@@ -198,7 +205,7 @@ def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftDynamicTree(Drafter):
+class DraftDynamicTree(_DraftModelDrafter):
     """EAGLE-2-style dynamic tree grown with the draft model: expand the ``top_k`` best frontier nodes per depth
     (each proposing its top_k children), score every node by cumulative draft log-probability, and keep the best
     ``total_tokens`` nodes for verification."""

@@ -24,7 +24,7 @@ from pdecode.decode.tree import StaticTree, depths_of
 from pdecode.decode.verify import Verified, verify
 from pdecode.model import attention
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import forward, unembed
+from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
 
@@ -53,6 +53,10 @@ class Drafter:
     max_depth: int
     max_children: int
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
+
+    def prepare(self, dparams, mesh):
+        """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
+        return dparams
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
         return ()
@@ -83,9 +87,11 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
              max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
              cache_dtype=jnp.float32):
     tparams, dparams = params
+    tparams = decode_layout(tparams, cfg, fuse=mesh is None)
+    dparams = drafter.prepare(dparams, mesh)
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype), mesh)
+    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(tparams)), mesh)
     cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)

@@ -107,7 +107,7 @@ def verify(logits_BNV: jax.Array, tokens_BN: jax.Array, parents, valid_BN: jax.A
     parents_BN = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     children = tree_lib.children_table(parents_BN, valid_BN, max_children)
     if samp.greedy:
-        best = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)  # [B, N]
+        best = sampling.argmax(logits_BNV)  # [B, N]
         accepted = jnp.full((b, n), -1, jnp.int32)
         for j in range(max_children - 1, -1, -1):  # the first matching child (in order) wins
             c = children[:, :, j]

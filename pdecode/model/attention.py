@@ -14,22 +14,24 @@ import jax.numpy as jnp
 _NEG = -1e30
 
 
-def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-    """Grouped-query attention. q: [B,T,H,hd]; k, v: [B,S,KV,hd]; mask: [B,T,S] (True = visible).
+def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Grouped-query attention. q: [B,T,H,hd]; k: [B,KV,hd,S] (transposed, the cache layout); v: [B,KV,S,hd];
+    mask: [B,T,S] (True = visible). Returns [B,T,H,hd].
 
-    Scores and softmax run in float32 whatever the input dtype. A query with no visible key returns zeros.
+    Scores and softmax run in float32 whatever the input dtypes. A query with no visible key gets the mean of all
+    values (masks always give a real query at least one key).
     """
     b, t, h, d = q_BTHD.shape
-    kv = k_BSKD.shape[2]
-    q = q_BTHD.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    m = mask_BTS[:, None, None, :, :]
-    scores = jnp.where(m, scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(m, probs, 0.0).astype(v_BSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
+    kv = k_BKDS.shape[1]
+    # the matmuls run in the cache's dtype (a bf16 cache: bf16 operands, float32 accumulation)
+    q = q_BTHD.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).astype(k_BKDS.dtype)  # [B, KV, G, T, hd]
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k_BKDS, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores * (1.0 / jnp.sqrt(jnp.float32(d))), _NEG)
+    # softmax, normalised after the value matmul (one division over hd instead of over S)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v_BKSD.dtype), v_BKSD, preferred_element_type=jnp.float32)
+    out = out / jnp.sum(e, axis=-1, keepdims=True)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ masks

@@ -1,6 +1,9 @@
 """KV cache: a preallocated pytree with per-row lengths.
 
-Layout ``k, v: [layers, batch, max_len, kv_heads, head_dim]`` and ``lengths: [batch]`` (committed tokens per row;
+Layout ``k: [layers, batch, kv_heads, head_dim, max_len]`` (keys stored transposed) and
+``v: [layers, batch, kv_heads, max_len, head_dim]``, so both attention matmuls take their operands in the layout
+CPU/GPU matmul kernels want, and ``lengths: [batch]``. Decode loops over shallow models keep one buffer per layer instead (``k, v`` are tuples of
+``[batch, kv_heads, head_dim, max_len]`` / ``[batch, kv_heads, max_len, head_dim]``): a layer then reads its buffer directly, with no slice copied per step. (committed tokens per row;
 slot ``s`` of a row holds position ``s``). Every operation is by index with static shapes, so it runs inside jit and
 ``lax.while_loop``:
 
@@ -12,6 +15,8 @@ slot ``s`` of a row holds position ``s``). Every operation is by index with stat
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax import struct
 import jax.numpy as jnp
@@ -21,35 +26,59 @@ from pdecode.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, hd]
-    v: jax.Array  # [L, B, S, KV, hd]
+    k: Any  # [L, B, KV, hd, S], or a tuple of L arrays [B, KV, hd, S]
+    v: Any  # [L, B, KV, S, hd], or a tuple of L arrays [B, KV, S, hd]
     lengths: jax.Array  # [B] int32, committed tokens per row
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.v[0].shape[2] if self.per_layer else self.v.shape[3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
+
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
+        """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i."""
+        return self.k[i], self.v[i]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None) -> KVCache:
-    shape = (num_layers or cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
+               per_layer: bool = False) -> KVCache:
+    n = num_layers or cfg.num_layers
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+    v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    if per_layer:
+        k = tuple(jnp.zeros(k_shape, dtype) for _ in range(n))
+        v = tuple(jnp.zeros(v_shape, dtype) for _ in range(n))
+    else:
+        k, v = jnp.zeros((n,) + k_shape, dtype), jnp.zeros((n,) + v_shape, dtype)
+    return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def _row_slots(offsets_B: jax.Array, t: int) -> jax.Array:
     return offsets_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
 
 
-def write_layer(cache: KVCache, layer, k_BTKH: jax.Array, v_BTKH: jax.Array, offsets_B: jax.Array) -> KVCache:
-    """Write fresh keys/values of one layer at slots ``offsets[b] + t``; slots past max_len are dropped."""
-    b, t = k_BTKH.shape[:2]
+def write_layer(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, offsets_B: jax.Array) -> KVCache:
+    """Write fresh keys/values [B, KV, T, hd] of one layer at slots ``offsets[b] + t``; slots past max_len are
+    dropped."""
+    b, _, t, _ = k_BKTH.shape
     rows = jnp.arange(b)[:, None]
     slots = _row_slots(offsets_B, t)
-    k = cache.k.at[layer, rows, slots].set(k_BTKH.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[layer, rows, slots].set(v_BTKH.astype(cache.v.dtype), mode="drop")
+    # advanced indices (rows, slots) around slices: the indexed shape is [B, T, KV, hd] for both layouts
+    k_new, v_new = jnp.swapaxes(k_BKTH, 1, 2), jnp.swapaxes(v_BKTH, 1, 2)
+    if cache.per_layer:
+        k, v = list(cache.k), list(cache.v)
+        k[layer] = k[layer].at[rows, :, :, slots].set(k_new.astype(k[layer].dtype), mode="drop")
+        v[layer] = v[layer].at[rows, :, slots].set(v_new.astype(v[layer].dtype), mode="drop")
+        return cache.replace(k=tuple(k), v=tuple(v))
+    k = cache.k.at[layer, rows, :, :, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[layer, rows, :, slots].set(v_new.astype(cache.v.dtype), mode="drop")
     return cache.replace(k=k, v=v)
 
 
@@ -72,10 +101,12 @@ def commit(cache: KVCache, node_idx_BA: jax.Array, n_B: jax.Array) -> KVCache:
     keep = jnp.arange(a)[None, :] < n_B[:, None]
     # Rows/slots not kept scatter out of range and are dropped.
     dst = jnp.where(keep, dst, cache.max_len)
-    k_src = cache.k[:, rows, src]  # [L, B, A, KV, hd]
-    v_src = cache.v[:, rows, src]
-    k = cache.k.at[:, rows, dst].set(k_src, mode="drop")
-    v = cache.v.at[:, rows, dst].set(v_src, mode="drop")
+    if cache.per_layer:
+        k = tuple(a.at[rows, :, :, dst].set(a[rows, :, :, src], mode="drop") for a in cache.k)
+        v = tuple(a.at[rows, :, dst].set(a[rows, :, src], mode="drop") for a in cache.v)
+    else:
+        k = cache.k.at[:, rows, :, :, dst].set(cache.k[:, rows, :, :, src], mode="drop")
+        v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")
     return KVCache(k=k, v=v, lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
 
 

@@ -102,10 +102,16 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope_tables(cfg: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, hd/2] for the given positions (computed once per forward, shared by all layers)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotary embedding, half-split layout (as Llama/Qwen checkpoints in HF format expect)."""
-    ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = rope
     xf = x_BTHD.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -118,6 +124,8 @@ def embed(params: Params, tokens_BT: jax.Array) -> jax.Array:
 
 def unembed(params: Params, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """Final hidden states (already normed) -> float32 logits."""
+    if "unembed_t" in params:  # decode layout: the tied embedding pre-transposed once
+        return jnp.einsum("...d,dv->...v", h_BTD, params["unembed_t"], preferred_element_type=jnp.float32)
     if cfg.tie_word_embeddings:
         return jnp.einsum("...d,vd->...v", h_BTD, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("...d,dv->...v", h_BTD, params["lm_head"], preferred_element_type=jnp.float32)
@@ -129,39 +137,73 @@ class ForwardOut(NamedTuple):
     layer_hidden: jax.Array | None  # [n, B, T, D] outputs of the requested layers (before the final norm)
 
 
-def _block(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, mask: jax.Array,
-           inv_freq: jax.Array, cache: kvc.KVCache | None, layer_idx, write_at: jax.Array | None):
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
-    if "bq" in lp:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope):
+    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (Qwen3) and RoPE applied."""
+    b, t, _ = h.shape
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if "wqkv" in lp:  # decode layout: one matmul for q, k and v
+        qkv = h @ lp["wqkv"]
+        if "bqkv" in lp:
+            qkv = qkv + lp["bqkv"]
+        v = qkv[..., (H + KV) * hd:].reshape(b, t, KV, hd)
+        qk = qkv[..., : (H + KV) * hd].reshape(b, t, H + KV, hd)
+        if "q_norm" not in lp:  # rotate q and k heads in one pass
+            qk = apply_rope(qk, rope)
+            return qk[:, :, :H], qk[:, :, H:], v
+        q, k = qk[:, :, :H], qk[:, :, H:]
+    else:
+        q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
+        k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
+        v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+        if "bq" in lp:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if "q_norm" in lp:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    return apply_rope(q, rope), apply_rope(k, rope), v
+
+
+def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, cache: kvc.KVCache | None, layer_idx,
+           write_at: jax.Array | None):
+    b, t, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _qkv(cfg, lp, h, rope)
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
     if cache is not None:
         cache = kvc.write_layer(cache, layer_idx, k, v, write_at)
-        keys, vals = cache.k[layer_idx], cache.v[layer_idx]
+        k, v = cache.layer(layer_idx)  # [B, KV, hd, S], [B, KV, S, hd]
     else:
-        keys, vals = k, v
-    a = attend(q, keys.astype(q.dtype), vals.astype(q.dtype), mask)
-    x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"])
+        k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
+    a = attend(q, k, v, mask)
+    if lp["wo"].ndim == 2:  # decode layout
+        x = x + a.reshape(b, t, -1) @ lp["wo"]
+    else:
+        x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    g = jnp.einsum("btd,df->btf", h, lp["w_gate"])
-    u = jnp.einsum("btd,df->btf", h, lp["w_up"])
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
+    if "w_gu" in lp:
+        g, u = jnp.split(h @ lp["w_gu"], 2, axis=-1)
+    else:
+        g = jnp.einsum("btd,df->btf", h, lp["w_gate"])
+        u = jnp.einsum("btd,df->btf", h, lp["w_up"])
+    x = x + (jax.nn.silu(g) * u) @ lp["w_down"]
     return x, cache
 
 
-def run_layers(cfg: ModelConfig, layers: Params, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
+def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, kvc.KVCache | None, jax.Array | None]:
-    """Run a stack of blocks (stacked params) over embeddings. Returns (x, cache, layer_hidden)."""
+    """Run a stack of blocks over embeddings. ``layers`` is the stacked dict (run under `lax.scan`) or the tuple
+    of per-layer dicts of the decode layout (a plain loop). Returns (x, cache, layer_hidden)."""
+    rope = rope_tables(cfg, positions_BT)
+    if isinstance(layers, (tuple, list)):
+        num_layers = len(layers)
+        hid = []
+        for i, lp in enumerate(layers):
+            x_BTD, cache = _block(cfg, lp, x_BTD, rope, mask_BTS, cache, i, write_at_B)
+            hid.append(x_BTD)
+        sel = [hid[layer % num_layers] for layer in hidden_layers]
+        return x_BTD, cache, (jnp.stack(sel) if sel else None)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
     n_hid = len(hidden_layers)
     slot_of = np.full((num_layers,), n_hid, np.int32)
     for i, layer in enumerate(hidden_layers):
@@ -172,7 +214,7 @@ def run_layers(cfg: ModelConfig, layers: Params, x_BTD: jax.Array, positions_BT:
     def body(carry, xs):
         x, c, hid = carry
         lp, i = xs
-        x, c = _block(cfg, lp, x, positions_BT, mask_BTS, inv_freq, c, i, write_at_B)
+        x, c = _block(cfg, lp, x, rope, mask_BTS, c, i, write_at_B)
         if hid is not None:
             hid = hid.at[slot_of[i]].set(x, mode="drop")
         return (x, c, hid), None
@@ -190,7 +232,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     Without a cache, keys are the T tokens themselves and ``mask`` is [B, T, T]. With a cache, the fresh keys and
     values are written at slots ``write_at[b] + t`` first and queries read all ``max_len`` slots, so ``mask`` is
     [B, T, max_len] (build it with `attention.cache_mask`). ``cache.lengths`` is not changed: the caller decides
-    what to keep (`cache.advance` / `cache.commit`).
+    what to keep (`cache.advance` / `cache.commit`). ``params`` may be canonical or in `decode_layout`.
     """
     x = embed(params, tokens_BT)
     if cache is not None and write_at_B is None:
@@ -198,6 +240,45 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
+
+
+UNROLL_MAX_LAYERS = 16
+
+
+def unrolled(params: Params) -> bool:
+    """Whether params are in the unrolled decode layout (then caches keep one buffer per layer)."""
+    return isinstance(params["layers"], (tuple, list))
+
+
+def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params:
+    """The params rearranged for a decode loop (call inside jit, before the loop, so it runs once per call):
+    per-layer weights unstacked (no slicing inside the loop), q/k/v and gate/up fused into single matmuls, the tied
+    embedding pre-transposed for the unembedding. Deep models (> UNROLL_MAX_LAYERS) keep the stacked layers and
+    their `lax.scan`. With ``fuse=False`` (sharded runs) weights stay unfused so every shard keeps whole heads."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    out = dict(params)
+    if cfg.tie_word_embeddings:
+        out["unembed_t"] = params["embed"].T
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if num_layers > UNROLL_MAX_LAYERS:
+        return out
+    d = cfg.hidden_size
+    per = []
+    for i in range(num_layers):
+        lp = {k: v[i] for k, v in layers.items()}
+        if fuse:
+            lp["wqkv"] = jnp.concatenate([lp.pop("wq").reshape(d, -1), lp.pop("wk").reshape(d, -1),
+                                          lp.pop("wv").reshape(d, -1)], axis=1)
+            if "bq" in lp:
+                lp["bqkv"] = jnp.concatenate([lp.pop("bq").reshape(-1), lp.pop("bk").reshape(-1),
+                                              lp.pop("bv").reshape(-1)])
+            lp["wo"] = lp["wo"].reshape(-1, d)
+            lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
+        per.append(lp)
+    out["layers"] = tuple(per)
+    return out
 
 
 def cast_params(params: Params, dtype) -> Params:
