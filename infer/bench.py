@@ -124,6 +124,8 @@ class HFRunner:
             ad = pdecode.save_hf(assistant, Path(self._tmp.name) / "draft", dtype="float32")
             self.assistant = transformers.AutoModelForCausalLM.from_pretrained(ad, dtype=torch.float32).eval()
         self.pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+        # HF's assisted generation (draft model or prompt lookup) only runs batch size 1
+        self.batch1_only = assistant is not None or "prompt_lookup_num_tokens" in gen_kwargs
 
     def run(self, batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> dict:
         import torch
@@ -313,7 +315,7 @@ def run_from_args(args) -> int:
         for b in args.batch:
             for r in runners:
                 i += 1
-                if b > 1 and isinstance(r, HFRunner) and r.assistant is not None:
+                if b > 1 and isinstance(r, HFRunner) and r.batch1_only:
                     print(f"[{i}/{total}] skip {r.label} at batch {b}: HF assisted generation is batch-1 only",
                           file=sys.stderr)
                     continue

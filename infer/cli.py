@@ -111,12 +111,17 @@ def cmd_zoo(args) -> int:
     for name in pdecode.zoo_names():
         info_f = pdecode.zoo_dir() / name / "train_info.json"
         info = json.loads(info_f.read_text()) if info_f.exists() else {}
-        extra = f"val_loss {info['val_loss']:.3f}" if "val_loss" in info else ""
+        extra = f"val_loss {info['val_loss']:.3f}" if "val_loss" in info else info.get("kind", "")
         print(f"{name:24s} {info.get('params', 0) / 1e6:6.2f}M params  {extra}")
     return 0
 
 
 def cmd_train(args, rest: list[str]) -> int:
+    if args.what == "heads":
+        from train.heads import main as heads_main
+
+        heads_main(rest)
+        return 0
     from train.zoo import main as zoo_main
 
     zoo_main(rest)
@@ -152,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(b)
 
     t = sub.add_parser("train", help="train the zoo models or heads", add_help=False)
-    t.add_argument("what", choices=["zoo"], help="zoo: train the shipped models (options: `python -m train.zoo -h`)")
+    t.add_argument("what", choices=["zoo", "heads"],
+                   help="zoo: the shipped LMs (`python -m train.zoo -h`); heads: Medusa/EAGLE/MTP heads and the "
+                        "native MTP model (`python -m train.heads -h`)")
 
     c = sub.add_parser("convert", help="convert between HF safetensors and orbax")
     c.add_argument("--src", required=True, help="zoo name or model directory")

@@ -8,6 +8,7 @@ second call with the same shapes does not recompile; ``stats['compile_s']`` says
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -37,7 +38,9 @@ def zoo_dir() -> Path:
 
 def zoo_names() -> list[str]:
     d = zoo_dir()
-    return sorted(p.name for p in d.iterdir() if (p / "config.json").exists()) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if (p / "config.json").exists() or (p / "heads.json").exists())
 
 
 @dataclasses.dataclass
@@ -91,8 +94,17 @@ def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None) -> 
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     path = resolve_path(name_or_path)
+    from pdecode.checkpoint import heads_io
     from pdecode.checkpoint import orbax as orbax_ckpt
 
+    if heads_io.is_heads_dir(path) and not (path / "config.json").exists():
+        # a heads-only directory: load its base model, then attach the heads
+        meta = json.loads((path / "heads.json").read_text())
+        base = meta.get("base_model")
+        if not base:
+            raise CheckpointError(f"{path}/heads.json names no base_model to attach the heads to")
+        base_path = (path / base) if (path / base).is_dir() else base
+        return attach_heads(load(base_path, dtype=dtype, mesh=mesh), path)
     if orbax_ckpt.is_orbax_dir(path):
         cfg, params = orbax_ckpt.restore(path, dtype=_DTYPES[dtype], mesh=mesh)
     else:
@@ -105,7 +117,22 @@ def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None) -> 
     tok = None
     if (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
-    return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+    if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
+        m = attach_heads(m, path)
+    return m
+
+
+def attach_heads(m: Model, path: str | os.PathLike) -> Model:
+    """``m`` with the drafting heads of a heads directory (Medusa / EAGLE / MTP) in ``m.extras[kind]``."""
+    from pdecode.checkpoint import heads_io
+
+    path = resolve_path(path)
+    if not heads_io.is_heads_dir(path):
+        raise CheckpointError(f"{path} has no heads.json (expected a pdecode heads directory)")
+    kind, hcfg, params, _ = heads_io.load_heads(path, m.cfg, dtype=np.dtype(jnp.dtype(m.dtype)))
+    extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params))}
+    return dataclasses.replace(m, extras=extras, _sharded={})
 
 
 def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
@@ -186,7 +213,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
     ids = encode_prompts(m, prompts)
-    plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh) if draft is not None else None, opts, samp)
+    extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
+    plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh) if draft is not None else None, opts, samp, **extra)
 
     lens = [len(x) for x in ids]
     p_bucket = _bucket(max(lens))

@@ -55,7 +55,8 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None
-    causal: bool = True
+    causal: bool = True  # False: bidirectional (masked diffusion models)
+    diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -162,6 +163,8 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=hf.get("pad_token_id"),
             mask_token_id=hf.get("mask_token_id"),
+            causal=bool(hf.get("pdecode_causal", True)),
+            diffusion_shift=bool(hf.get("pdecode_diffusion_shift", False)),
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
         return cls(**cfg_kw)
@@ -205,6 +208,9 @@ class ModelConfig:
             out["pad_token_id"] = self.pad_token_id
         if self.mask_token_id is not None:
             out["mask_token_id"] = self.mask_token_id
+        if not self.causal:  # a masked-diffusion model: transformers would run it causally, pdecode does not
+            out["pdecode_causal"] = False
+            out["pdecode_diffusion_shift"] = self.diffusion_shift
         return out
 
     @classmethod

@@ -310,11 +310,11 @@ def test_dynamic_tree_keeps_ancestors():
     class FakeCache:
         max_len = 64
 
-    def expand(cache, tok, pos, write_at, mask):
-        return jnp.asarray(rng.normal(size=(b, k, 10)), jnp.float32), cache
+    def expand(cache, tok, pos, write_at, mask, state):
+        return jnp.asarray(rng.normal(size=(b, k, 10)), jnp.float32), cache, state
 
     prop, _ = grow_dynamic_tree(ctx, FakeCache(), jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, 10)))), k, depth,
-                                total, expand)
+                                total, expand, base_B=ctx.seq_len, pos1_B=ctx.seq_len)
     par = np.asarray(prop.parents)
     assert par.shape == (b, total + 1) and (par[:, 0] == -1).all()
     assert (par[:, 1:] < np.arange(1, total + 1)[None]).all() and np.asarray(prop.valid).all()

@@ -70,3 +70,166 @@ def distill_loss(student_cfg: ModelConfig, teacher_cfg: ModelConfig, hard_weight
         return kd + hard_weight * ce, {"kd": kd, "ce": ce}
 
     return loss
+
+
+# ------------------------------------------------------------------------------------------------ heads
+def _target_pass(tparams, cfg: ModelConfig, x_BT, hidden_layers=()):
+    """Frozen target: (final hidden [B,T,D], layer outputs, logits [B,T,V]), no gradient."""
+    h, lh = causal_hidden(tparams, cfg, x_BT, hidden_layers)
+    logits = unembed(tparams, cfg, h)
+    return jax.lax.stop_gradient((h, lh, logits))
+
+
+def medusa_loss(cfg: ModelConfig, mcfg, joint: bool = False, lm_weight: float = 1.0, decay: float = 0.8):
+    """Medusa-1 (frozen base): head k at position t predicts token t+k+2, per-head CE weighted decay^k.
+    Medusa-2-style ``joint``: ``trainable = {"base": ..., "heads": ...}``, base LM loss x lm_weight + heads."""
+    from pdecode.model.heads import medusa_logits
+
+    def loss(trainable, frozen, batch, rng):
+        del rng
+        x = batch[:, :-1]
+        if joint:
+            base, heads = trainable["base"], trainable["heads"]
+            h, _ = causal_hidden(base, cfg, x)
+            lm = cross_entropy(unembed(base, cfg, h), batch[:, 1:])
+        else:
+            base, heads = frozen, trainable
+            h, _, _ = _target_pass(base, cfg, x)
+            lm = jnp.float32(0.0)
+        logits = medusa_logits(heads, mcfg, base, cfg, h)  # [K, B, T, V]
+        t = x.shape[1]
+        total, metrics = lm_weight * lm, {"lm": lm}
+        for k in range(mcfg.num_heads):
+            # position i predicts batch[:, i + k + 2] (batch holds T+1 tokens: targets exist for i < T-1-k)
+            n = t - 1 - k
+            ce = cross_entropy(logits[k, :, :n], batch[:, k + 2: k + 2 + n])
+            total = total + (decay ** k) * ce
+            metrics[f"head{k}"] = ce
+        return total, metrics
+
+    return loss
+
+
+def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, reg_weight: float = 1.0,
+               ce_weight: float = 0.1):
+    """EAGLE drafter training on the fly from the frozen target (``frozen`` = target params).
+
+    EAGLE-1 (``ttt_steps = 1``, no fused layers): from (emb(x_{i+1}), f_i) predict f_{i+1}; SmoothL1 to the
+    target's feature + ce_weight x soft CE against the target's distribution there.
+    EAGLE-3 training-time test (``ttt_steps = n``): step j feeds the drafter's own outputs of step j-1 (as at
+    decode time) and attends to the true-feature pass of step 0 for the prefix and to its own chain for the
+    drafted positions; loss sum_j decay^j soft CE against the target's distribution of token i+j+2.
+    """
+    from pdecode.model import attention
+    from pdecode.model import cache as kvc
+    from pdecode.model.heads import eagle_feature, eagle_step
+
+    def loss(ep, tparams, batch, rng):
+        del rng
+        x = batch[:, :-1]
+        b, t = x.shape
+        h, lh, t_logits = _target_pass(tparams, cfg, x, ecfg.fuse_layers)
+        t_probs = jax.nn.softmax(t_logits, axis=-1)
+        feat = jax.lax.stop_gradient(eagle_feature(ep, ecfg, h, lh)) if not ecfg.is_eagle3 else \
+            eagle_feature(ep, ecfg, h, lh)
+        n = t - 1  # pairs (x_{i+1}, f_i) for i < T-1
+        toks = x[:, 1:]
+        steps = ttt_steps
+        cache = kvc.init_cache(ecfg.block_cfg(cfg), b, steps * n, dtype=h.dtype)
+        i = jnp.arange(n)
+        total, metrics = jnp.float32(0.0), {}
+        f_in = feat[:, :n]
+        for j in range(steps):
+            m = n - j  # positions whose targets exist at this depth
+            # queries at i: step-0 keys p <= i, steps 1..j keys at the same i
+            slot_step = jnp.arange(steps * n) // n
+            slot_pos = jnp.arange(steps * n) % n
+            vis = ((slot_step[None, :] == 0) & (slot_pos[None, :] <= i[:, None])) | \
+                  ((slot_step[None, :] >= 1) & (slot_step[None, :] <= j) & (slot_pos[None, :] == i[:, None]))
+            mask = jnp.broadcast_to(vis[None], (b, n, steps * n))
+            tok_j = jnp.take_along_axis(x, jnp.minimum(i + 1 + j, t - 1)[None, :].repeat(b, 0), axis=1)
+            pos = jnp.broadcast_to(i + j, (b, n))
+            logits, out, cache = eagle_step(ep, ecfg, cfg, tparams, tok_j, f_in, pos, mask, cache,
+                                            jnp.full((b,), j * n, jnp.int32))
+            tgt = t_probs[:, 1 + j: 1 + j + m]  # distribution of token i+j+2
+            ce = soft_cross_entropy(logits[:, :m], tgt)
+            total = total + (decay ** j) * (ce_weight if not ecfg.is_eagle3 and steps == 1 else 1.0) * ce
+            metrics[f"ce{j}"] = ce
+            if j == 0 and not ecfg.is_eagle3:
+                reg = jnp.mean(optax.smooth_l1_loss(out[:, :m], feat[:, 1: 1 + m]))
+                total = total + reg_weight * reg
+                metrics["smooth_l1"] = reg
+            f_in = out  # the next step reads its own predicted features
+        del toks
+        return total, metrics
+
+    return loss
+
+
+def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
+    """DeepSeek-V3 MTP: module k at position i reads h^{k-1}_i and emb(x_{i+k}) and predicts x_{i+k+1};
+    parallel heads (Gloeckle) read the trunk output h^0_i directly. Post-hoc (frozen base, ``trainable`` = the
+    modules): mean_k CE_k. Native (``trainable = {"base": ..., "mtp": ...}``): main LM loss + lam / D sum_k CE_k."""
+    from pdecode.model.heads import mtp_module
+
+    def loss(trainable, frozen, batch, rng):
+        del rng
+        x = batch[:, :-1]
+        b, t = x.shape
+        if native:
+            base, mp = trainable["base"], trainable["mtp"]
+            h, lh = causal_hidden(base, cfg, x, (cfg.num_layers - 1,))
+            main = cross_entropy(unembed(base, cfg, h), batch[:, 1:])
+        else:
+            base, mp = frozen, trainable
+            h, lh, _ = _target_pass(base, cfg, x, (cfg.num_layers - 1,))
+            main = jnp.float32(0.0)
+        d = mcfg.num_modules
+        prev = lh[0]  # h^0: last layer output before the final norm
+        total_mtp, metrics = jnp.float32(0.0), {"main": main}
+        for k in range(1, d + 1):
+            n = t - k  # positions i with x_{i+k} inside the window and a target x_{i+k+1} in batch
+            pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+            mask = padded_self_mask(jnp.full((b,), n, jnp.int32), n, causal=True)
+            h_in = prev[:, :n] if mcfg.kind == "sequential" else lh[0][:, :n]
+            logits, out, _ = mtp_module(mp["modules"][k - 1], mcfg, cfg, base, h_in, x[:, k: k + n], pos, mask)
+            ce = cross_entropy(logits, batch[:, k + 1: k + 1 + n])
+            total_mtp = total_mtp + ce
+            metrics[f"mtp{k}"] = ce
+            prev = out
+        if native:
+            return main + lam / d * total_mtp, metrics
+        return total_mtp / d, metrics
+
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------ diffusion
+def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3):
+    """Masked diffusion (LLaDA): per sequence t ~ U(eps, 1), every token masked with probability t, CE on the
+    masked tokens weighted by 1/t, averaged over all token slots. ``batch`` = (tokens [B, T], maskable [B, T]):
+    the SFT variant passes maskable = response positions only (the prompt stays visible). ``shift``: Dream-style
+    logits, position i predicted from the hidden state at i-1."""
+
+    def loss(params, frozen, batch, rng):
+        del frozen
+        tokens, maskable = batch
+        b, t = tokens.shape
+        k_t, k_m = jax.random.split(rng)
+        tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
+        masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
+        x = jnp.where(masked, mask_id, tokens)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=False)
+        h = forward(params, cfg, x, pos, mask).hidden
+        logits = unembed(params, cfg, h)
+        if shift:  # logits at i-1 predict token i; position 0 has no predictor and is never masked in training
+            logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+            masked = masked.at[:, 0].set(False)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
+        w = masked.astype(jnp.float32) / tt
+        denom = jnp.maximum(jnp.sum(maskable, axis=1, keepdims=True), 1).astype(jnp.float32)
+        val = jnp.mean(jnp.sum(ce * w / denom, axis=1))
+        return val, {"masked_ce": jnp.sum(ce * masked) / jnp.maximum(jnp.sum(masked), 1)}
+
+    return loss

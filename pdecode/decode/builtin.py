@@ -42,12 +42,7 @@ def _prepare_tree(model, draft, opts, samp):
 
     check_same_vocab(model.cfg, draft.cfg)
     if opts["tree"] == "dynamic":
-        k, d, n = _int_opt(opts, "tree_top_k"), _int_opt(opts, "depth"), _int_opt(opts, "total_tokens")
-        pool = k + (d - 1) * k * k
-        if n > pool:
-            raise ConfigError(f"total_tokens ({n}) exceeds the {pool} nodes a tree with tree_top_k={k}, depth={d} "
-                              f"grows")
-        drafter = DraftDynamicTree(draft.cfg, k, d, n)
+        drafter = DraftDynamicTree(draft.cfg, *_tree_opts(opts))
     else:
         drafter = DraftStaticTree(draft.cfg, tree_lib.resolve(opts["tree"]))
     return _spec_plan(model, draft.params, drafter)
@@ -72,3 +67,125 @@ register(Method("tree", _prepare_tree, options={"tree": "dynamic", "tree_top_k":
                         "preset / choice paths"))
 register(Method("lookup", _prepare_lookup, options={"gamma": 4, "ngram_max": 3, "ngram_min": 1, "branches": 1},
                 summary="prompt lookup (n-gram) drafting, chain or multi-candidate tree; no extra model"))
+
+
+def _heads(model, kind: str):
+    from pdecode.errors import InputError
+
+    if kind not in model.extras:
+        raise InputError(f"method {kind!r} needs {kind} heads on the model: load a heads directory "
+                         f"(e.g. pdecode.load('code-target-{kind}')) or attach them with "
+                         f"pdecode.attach_heads(model, path)")
+    return model.extras[kind]
+
+
+def _prepare_medusa(model, draft, opts, samp):
+    from pdecode.decode.medusa import MedusaDrafter, check_tree
+
+    mcfg, mp = _heads(model, "medusa")
+    tr = tree_lib.resolve(opts["tree"])
+    check_tree(tr, mcfg)
+    typical = None
+    if opts["typical"]:
+        typical = (float(opts["typical_epsilon"]), float(opts["typical_delta"]))
+    return _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical))
+
+
+def _tree_opts(opts):
+    k, d, n = _int_opt(opts, "tree_top_k"), _int_opt(opts, "depth"), _int_opt(opts, "total_tokens")
+    pool = k + (d - 1) * k * k
+    if n > pool:
+        raise ConfigError(f"total_tokens ({n}) exceeds the {pool} nodes a tree with tree_top_k={k}, depth={d} grows")
+    return k, d, n
+
+
+def _prepare_eagle(model, draft, opts, samp):
+    from pdecode.decode.eagle import EagleDrafter
+
+    ecfg, ep = _heads(model, "eagle")
+    return _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)))
+
+
+def _prepare_mtp(model, draft, opts, samp):
+    from pdecode.decode.eagle import MTPDrafter
+
+    mcfg, mp = _heads(model, "mtp")
+    if mcfg.kind != "sequential":
+        raise ConfigError("decoding with parallel (Gloeckle-style) MTP heads is not implemented; method 'mtp' "
+                          "drafts with sequential (DeepSeek-V3-style) modules")
+    return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)))
+
+
+register(Method("medusa", _prepare_medusa,
+                options={"tree": "medusa-18", "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3},
+                summary="Medusa heads, static tree; lossless verification (typical=True: Medusa's lossy typical "
+                        "acceptance)"))
+register(Method("eagle", _prepare_eagle, options={"tree_top_k": 4, "depth": 5, "total_tokens": 24},
+                summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees"))
+register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": 1},
+                summary="multi-token prediction module as drafter: chain (default, one token) or tree; depth > 1 "
+                        "reuses the first module on its own output"))
+
+
+def _diffusion_model(model, method):
+    from pdecode.errors import InputError
+
+    if model.cfg.causal:
+        raise InputError(f"method {method!r} needs a masked-diffusion (bidirectional) model such as code-dllm; "
+                         f"{model.name or 'this model'} is autoregressive")
+    mask_id = model.cfg.mask_token_id
+    if mask_id is None and model.tokenizer is not None:
+        mask_id = model.tokenizer.mask_id
+    if mask_id is None:
+        raise InputError(f"method {method!r} needs the model's mask token: set mask_token_id in config.json")
+    return int(mask_id)
+
+
+def _prepare_diffusion(model, draft, opts, samp, max_new=None):
+    from pdecode.decode import diffusion
+
+    mask_id = _diffusion_model(model, "diffusion")
+    g = max_new
+    kw = {k: v for k, v in opts.items() if v is not None}
+    kw.setdefault("block_length", g)
+    kw.setdefault("steps", g)
+    o = diffusion.DiffusionOptions(gen_length=g, shift=model.cfg.diffusion_shift, **kw)
+    return Plan(fn=diffusion.generate, params=model.params,
+                static={"cfg": model.cfg, "opts": o, "mask_id": mask_id}, extra_len=0,
+                finish_stats=_diffusion_stats)
+
+
+def _prepare_dico(model, draft, opts, samp, max_new=None):
+    from pdecode.decode import dico
+
+    mask_id = _diffusion_model(model, "dico")
+    o = dico.DiCoOptions(gen_length=max_new, shift=model.cfg.diffusion_shift, **opts)
+    return Plan(fn=dico.generate, params=model.params, static={"cfg": model.cfg, "opts": o, "mask_id": mask_id},
+                extra_len=0, finish_stats=_diffusion_stats)
+
+
+def _diffusion_stats(s):
+    import numpy as np
+
+    s["nfe"] = s["target_forwards"]
+    s["tokens_per_forward"] = s["new_tokens"] / max(s["batch"] * s["nfe"], 1)
+    s["commit_step"] = np.asarray(s["commit_step"]).tolist()
+    return s
+
+
+register(Method("diffusion", _prepare_diffusion, wants_max_new=True,
+                options={"block_length": None, "steps": None, "rule": "schedule", "alg": "confidence",
+                         "threshold": 0.9, "factor": 1.0, "eb_gamma": 0.1, "alg_temp": 0.0, "cfg_scale": 0.0,
+                         "cache": "none"},
+                summary="masked diffusion: LLaDA schedule / Fast-dLLM threshold & factor / EB-sampler rules, "
+                        "Dream confidence algorithms, semi-AR blocks, prefix & dual KV cache, CFG"))
+def _dico_defaults():
+    import dataclasses
+
+    from pdecode.decode.dico import DiCoOptions
+
+    return {f.name: f.default for f in dataclasses.fields(DiCoOptions) if f.name not in ("gen_length", "shift")}
+
+
+register(Method("dico", _prepare_dico, wants_max_new=True, options=_dico_defaults(),
+                summary="DiCo divide-conquer-finalize decoding for masked diffusion models"))

@@ -234,16 +234,20 @@ class DraftDynamicTree(_DraftModelDrafter):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, self.depth + 1)
         prop, cache = grow_dynamic_tree(
             ctx, cache, jax.nn.log_softmax(logits0), self.top_k, self.depth, self.total_tokens,
-            lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask))
+            lambda c, tok, pos, write_at, mask, st: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask) + (st,),
+            base_B=ctx.seq_len, pos1_B=ctx.seq_len)
         return prop, {**dstate, "cache": cache}
 
 
-def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: int, expand_fn):
-    """EAGLE-2 tree growth, vectorised over rows (shared by the draft-model and EAGLE drafters).
+def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: int, expand_fn, base_B, pos1_B,
+                      state0=None):
+    """EAGLE-2 tree growth, vectorised over rows (shared by the draft-model, EAGLE and MTP drafters).
 
-    ``expand_fn(cache, tokens [B,k], positions [B,k], write_at [B], mask [B,k,S]) -> (logits [B,k,V], cache)``
-    runs the drafter on the frontier. Frontier nodes of depth d sit in the drafter cache at slots
-    ``seq_len + (d-1) k + j`` (uncommitted); the root is at ``seq_len - 1``.
+    ``expand_fn(cache, tokens [B,k], positions [B,k], write_at [B], mask [B,k,S], state [B,k,...])
+    -> (logits [B,k,V], cache, out_state [B,k,...])`` runs the drafter on the frontier; ``state`` is what a node
+    carries into its own expansion (EAGLE: the feature predicted by its parent) and ``out_state`` what its children
+    inherit. Frontier nodes of depth d sit in the drafter cache at slots ``base + (d-1) k + j`` (uncommitted), at
+    positions ``pos1 + d - 1``; slots below ``base`` are the drafter's committed history.
     Returns (Proposal with per-row parents, cache).
     """
     b = ctx.seq.shape[0]
@@ -260,14 +264,15 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
     front_score = top_lp
     n_slots = (depth - 1) * k
     front_anc = jnp.zeros((b, k, max(n_slots, 1)), bool)
+    state = None if state0 is None else jnp.broadcast_to(state0[:, None], (b, k) + state0.shape[1:])
     forwards = 1
     for d in range(1, depth):
         slot0 = (d - 1) * k
         front_anc = front_anc.at[:, :, slot0: slot0 + k].set(jnp.eye(k, dtype=bool)[None])
         tok = jnp.take_along_axis(pool_tok, front_idx, axis=1)
-        pos = jnp.broadcast_to((ctx.seq_len - 1 + d)[:, None], (b, k))
-        mask = attention.cache_mask(ctx.seq_len, front_anc, max_len)
-        lg, cache = expand_fn(cache, tok, pos, ctx.seq_len + slot0, mask)
+        pos = jnp.broadcast_to((pos1_B + d - 1)[:, None], (b, k))
+        mask = attention.cache_mask(base_B, front_anc, max_len)
+        lg, cache, out_state = expand_fn(cache, tok, pos, base_B + slot0, mask, state)
         forwards += 1
         c_lp, c_tok = jax.lax.top_k(jax.nn.log_softmax(lg), k)  # [B, k, k]
         c_score = front_score[:, :, None] + c_lp
@@ -280,6 +285,8 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
         best_score, best = jax.lax.top_k(c_score.reshape(b, k * k), k)
         parent_j = best // k
         front_anc = jnp.take_along_axis(front_anc, parent_j[:, :, None], axis=1)
+        if out_state is not None:
+            state = jnp.take_along_axis(out_state, parent_j.reshape((b, k) + (1,) * (out_state.ndim - 2)), axis=1)
         front_idx = (off + best).astype(jnp.int32)
         front_score = best_score
     # keep the best `total` nodes; ties go to the shallower node so a kept node's parent is always kept

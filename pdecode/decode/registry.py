@@ -30,6 +30,7 @@ class Method:
     options: dict[str, Any]  # option name -> default
     needs_draft: bool = False
     summary: str = ""
+    wants_max_new: bool = False  # prepare() also takes max_new (diffusion: the canvas length)
 
 
 METHODS: dict[str, Method] = {}

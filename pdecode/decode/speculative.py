@@ -36,6 +36,7 @@ class Context(NamedTuple):
     root_hidden: jax.Array  # [B, D] target's final hidden state at the token before the root
     root_layers: jax.Array | None  # [n, B, D] requested target layer outputs there (EAGLE-3), or None
     active: jax.Array  # [B] rows still generating
+    target: Any = None  # the target's params (decode layout): heads read its embedding and LM head
 
 
 class Proposal(NamedTuple):
@@ -53,6 +54,7 @@ class Drafter:
     max_depth: int
     max_children: int
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
+    typical: tuple[float, float] | None = None  # Medusa's lossy typical acceptance (explicit opt-in)
 
     def prepare(self, dparams, mesh):
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
@@ -114,7 +116,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     def body(s: SpecState):
         key, k_draft, k_ver = jax.random.split(s.key, 3)
         active = ~s.out.done
-        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active)
+        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams)
         prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, temperature, top_p)
         n = prop.tokens.shape[1]
         if isinstance(prop.parents, StaticTree):  # mask and depths are constants
@@ -130,7 +132,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
         logits = unembed(tparams, cfg, fo.hidden)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
-                     max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q)
+                     max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
+                     typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
         cache = kvc.commit(fo.cache, ver.path, n_new)
         out, n_take = common.append(s.out, ver.tokens, n_new, eos_ids)
@@ -144,7 +147,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         if n_hid:
             new_layers = jax.vmap(lambda h: common.gather_rows(h, last_node))(fo.layer_hidden)
             root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
-        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active)
+        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams)
         dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
         hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,

@@ -96,12 +96,14 @@ def walk(accepted_BN: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
 
 def verify(logits_BNV: jax.Array, tokens_BN: jax.Array, parents, valid_BN: jax.Array, key: jax.Array,
            samp: sampling.Sampling, temperature, top_p, *, max_depth: int, max_children: int,
-           draft_q_BNV: jax.Array | None = None) -> Verified:
+           draft_q_BNV: jax.Array | None = None, typical: tuple[float, float] | None = None) -> Verified:
     """Accept the longest valid path of a drafted tree and draw one bonus token (see module docstring).
 
     ``parents``: [N] (static tree, shared) or [B, N]; ``valid``: [B, N] (False for nodes not proposed this step;
     node 0 must be valid). ``draft_q``: the draft distribution each node's children were drawn from (sampled
-    mode); ``None`` means the children were chosen deterministically.
+    mode); ``None`` means the children were chosen deterministically. ``typical = (epsilon, delta)`` switches the
+    sampled mode to Medusa's typical acceptance (LOSSY: the output no longer follows the target distribution):
+    the first child x with p(x) > min(epsilon, delta * exp(-H(p))) is accepted.
     """
     b, n, _ = logits_BNV.shape
     parents_BN = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
@@ -115,6 +117,21 @@ def verify(logits_BNV: jax.Array, tokens_BN: jax.Array, parents, valid_BN: jax.A
             accepted = jnp.where((c >= 0) & (tok == best), c, accepted)
         path, n_acc = walk(accepted, max_depth)
         bonus = jnp.take_along_axis(best, path[jnp.arange(b), n_acc][:, None], axis=1)[:, 0]
+    elif typical is not None:
+        eps, delta = typical
+        p = sampling.probs(logits_BNV, samp, temperature, top_p)
+        ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30)), 0.0), axis=-1)  # [B, N]
+        thresh = jnp.minimum(eps, delta * jnp.exp(-ent))
+        accepted = jnp.full((b, n), -1, jnp.int32)
+        for j in range(max_children - 1, -1, -1):
+            c = children[:, :, j]
+            tok = jnp.take_along_axis(tokens_BN, jnp.maximum(c, 0), axis=1)
+            px = jnp.take_along_axis(p, tok[..., None], axis=-1)[..., 0]
+            accepted = jnp.where((c >= 0) & (px > thresh), c, accepted)
+        path, n_acc = walk(accepted, max_depth)
+        final = path[jnp.arange(b), n_acc]
+        p_final = jnp.take_along_axis(p, final[:, None, None], axis=1)[:, 0]
+        bonus = sampling.sample_from_probs(key, p_final)
     else:
         k_coin, k_res = jax.random.split(key)
         p = sampling.probs(logits_BNV, samp, temperature, top_p)

@@ -261,9 +261,18 @@ def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params
     out = dict(params)
     if cfg.tie_word_embeddings:
         out["unembed_t"] = params["embed"].T
+    out["layers"] = unstack_layers(layers, cfg, fuse)
+    return out
+
+
+def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
+    """A stacked layer dict -> tuple of per-layer dicts (q/k/v and gate/up fused when ``fuse``); stacks deeper than
+    UNROLL_MAX_LAYERS are returned as they are (they keep `lax.scan`)."""
+    if isinstance(layers, (tuple, list)):
+        return layers
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     if num_layers > UNROLL_MAX_LAYERS:
-        return out
+        return layers
     d = cfg.hidden_size
     per = []
     for i in range(num_layers):
@@ -277,8 +286,7 @@ def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params
             lp["wo"] = lp["wo"].reshape(-1, d)
             lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         per.append(lp)
-    out["layers"] = tuple(per)
-    return out
+    return tuple(per)
 
 
 def cast_params(params: Params, dtype) -> Params:

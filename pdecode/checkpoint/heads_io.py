@@ -1,0 +1,202 @@
+"""Drafting heads on disk: pdecode's own format, and importers for the public Medusa / EAGLE / DeepSeek-V3 MTP
+layouts.
+
+pdecode format: a directory with ``heads.json`` (``{"kind": "medusa"|"eagle"|"mtp", "config": {...},
+"base_model": <zoo name or path of the target>}``) and ``heads.safetensors`` (our params, "/"-joined names).
+`pdecode.load(dir)` on such a directory loads the base model and attaches the heads (``model.extras[kind]``).
+
+Layout mappings of the public releases (see README "Checkpoint interop"):
+
+* Medusa (``medusa_lm_head.safetensors``): ``{k}.{j}.linear.weight [D, D]`` / ``.bias [D]`` -> our ``w[k, j]``
+  (transposed) / ``b[k, j]``; ``{k}.{n}.weight [V, D]`` (the head's own LM head) -> ``lm_head[k]`` (transposed).
+* EAGLE-1/2 (``pytorch_model.bin`` converted to safetensors): ``fc.weight [D, 2D]`` (+ ``fc.bias``) over
+  [embedding; feature] -> ``fc`` (transposed); ``layers.0.*`` named like a Llama layer -> our block (EAGLE-1 has no
+  ``input_layernorm`` in its single layer: imported as ones).
+* DeepSeek-V3 MTP (layer ``model.layers.{L}`` with L = num_hidden_layers): ``enorm``, ``hnorm``, ``eh_proj.weight
+  [D, 2D]`` over [enorm(emb); hnorm(h)] (embedding first: ``emb_first=True``), the usual decoder-layer names,
+  ``shared_head.norm`` -> our module ``norm``; ``shared_head.head`` / ``embed_tokens`` are the target's (shared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from pdecode.checkpoint.hf import Rule, params_to_tensors, tensors_to_params
+from pdecode.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from pdecode.config import ModelConfig
+from pdecode.errors import CheckpointError
+from pdecode.model.heads import EagleConfig, MedusaConfig, MTPConfig
+
+KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig}
+
+
+def head_config(kind: str, config: dict):
+    if kind not in KINDS:
+        raise CheckpointError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
+    cls = KINDS[kind]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(config) - fields
+    if unknown:
+        raise CheckpointError(f"{kind} head config has unknown fields {sorted(unknown)}")
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    return cls(**cfg)
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}{i}/"))
+    else:
+        out[prefix[:-1]] = np.asarray(jax.device_get(tree))
+    return out
+
+
+def _unflatten_like(flat: dict, template):
+    def build(t, prefix):
+        if isinstance(t, dict):
+            return {k: build(v, f"{prefix}{k}/") for k, v in t.items()}
+        if isinstance(t, (list, tuple)):
+            return [build(v, f"{prefix}{i}/") for i, v in enumerate(t)]
+        name = prefix[:-1]
+        if name not in flat:
+            raise CheckpointError(f"heads checkpoint lacks tensor {name!r}")
+        a = flat[name]
+        if tuple(a.shape) != tuple(t.shape):
+            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the config needs {t.shape}")
+        return a
+
+    return build(template, "")
+
+
+def save_heads(out_dir: str | Path, kind: str, hcfg, params, base_model: str, dtype=None,
+               extra: dict | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = _flatten(params)
+    if dtype is not None:
+        flat = {k: v.astype(dtype) for k, v in flat.items()}
+    write_safetensors(out / "heads.safetensors", flat, metadata={"format": "pdecode-heads"})
+    meta = {"kind": kind, "config": dataclasses.asdict(hcfg), "base_model": base_model, **(extra or {})}
+    (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return out
+
+
+def is_heads_dir(path: Path) -> bool:
+    return (Path(path) / "heads.json").exists()
+
+
+def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
+    """(kind, head config, params as numpy, metadata) of a pdecode heads directory, checked against ``cfg``."""
+    from pdecode.model.transformer import is_spec
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / "heads.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}/heads.json: {e}") from None
+    kind = meta.get("kind")
+    hcfg = head_config(kind, meta.get("config", {}))
+    specs = hcfg.specs(cfg)
+    template = jax.tree.map(lambda s: np.empty(s.shape, np.float32), specs, is_leaf=is_spec)
+    flat = read_safetensors(path / "heads.safetensors")
+    params = _unflatten_like(flat, template)
+    params = jax.tree.map(lambda a: np.asarray(a, dtype), params)
+    return kind, hcfg, params, meta
+
+
+# ------------------------------------------------------------------------------------------------ public layouts
+def import_medusa(tensors: dict[str, np.ndarray], num_heads: int, num_layers: int, dtype=np.float32):
+    """Public Medusa head weights -> (MedusaConfig with its own heads, params)."""
+    w, b, heads = [], [], []
+    try:
+        for k in range(num_heads):
+            w.append([tensors[f"{k}.{j}.linear.weight"].T for j in range(num_layers)])
+            b.append([tensors[f"{k}.{j}.linear.bias"] for j in range(num_layers)])
+            heads.append(tensors[f"{k}.{num_layers}.weight"].T)
+    except KeyError as e:
+        raise CheckpointError(f"not a Medusa head checkpoint with {num_heads} heads x {num_layers} layers: "
+                              f"missing {e.args[0]!r}") from None
+    mcfg = MedusaConfig(num_heads=num_heads, num_layers=num_layers, own_head=True)
+    params = {"w": np.asarray(w, dtype), "b": np.asarray(b, dtype), "lm_head": np.asarray(heads, dtype)}
+    return mcfg, params
+
+
+def _layer_rules(prefix: str) -> list[Rule]:
+    p = prefix
+    return [Rule(p + "input_layernorm.weight", "layers/attn_norm", "plain"),
+            Rule(p + "self_attn.q_proj.weight", "layers/wq", "heads_in"),
+            Rule(p + "self_attn.k_proj.weight", "layers/wk", "heads_in"),
+            Rule(p + "self_attn.v_proj.weight", "layers/wv", "heads_in"),
+            Rule(p + "self_attn.o_proj.weight", "layers/wo", "heads_out"),
+            Rule(p + "post_attention_layernorm.weight", "layers/mlp_norm", "plain"),
+            Rule(p + "mlp.gate_proj.weight", "layers/w_gate", "linear"),
+            Rule(p + "mlp.up_proj.weight", "layers/w_up", "linear"),
+            Rule(p + "mlp.down_proj.weight", "layers/w_down", "linear")]
+
+
+def import_eagle(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype=np.float32):
+    """Public EAGLE-1/2 drafter weights (fc over [embedding; feature], optional fc bias, one Llama layer) ->
+    (EagleConfig, params)."""
+    ecfg = EagleConfig(fc_bias="fc.bias" in tensors)
+    tensors = dict(tensors)
+    if "layers.0.input_layernorm.weight" not in tensors:  # EAGLE-1 skips the first layer's input norm
+        tensors["layers.0.input_layernorm.weight"] = np.ones((cfg.hidden_size,), np.float32)
+    specs = ecfg.specs(cfg)
+    layer = tensors_to_params(tensors, {"layers": specs["layers"]}, _layer_rules("layers.{i}."), 1, dtype,
+                              source="EAGLE checkpoint")
+    if "fc.weight" not in tensors:
+        raise CheckpointError("not an EAGLE drafter checkpoint: missing 'fc.weight'")
+    fc = tensors["fc.weight"]
+    if fc.shape != (cfg.hidden_size, 2 * cfg.hidden_size):
+        raise CheckpointError(f"EAGLE fc.weight is {fc.shape}, the target needs ({cfg.hidden_size}, "
+                              f"{2 * cfg.hidden_size})")
+    params = {"fc": np.asarray(fc.T, dtype), "layers": layer["layers"]}
+    if ecfg.fc_bias:
+        params["fc_b"] = np.asarray(tensors["fc.bias"], dtype)
+    return ecfg, params
+
+
+def import_deepseek_mtp(tensors: dict[str, np.ndarray], cfg: ModelConfig, layer_index: int | None = None,
+                        dtype=np.float32):
+    """DeepSeek-V3-style MTP layer (``model.layers.{L}.{enorm,hnorm,eh_proj,...}``) -> (MTPConfig, params)."""
+    L = cfg.num_layers if layer_index is None else layer_index
+    p = f"model.layers.{L}."
+    need = [p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight", p + "shared_head.norm.weight"]
+    missing = [n for n in need if n not in tensors]
+    if missing:
+        raise CheckpointError(f"not a DeepSeek-V3 MTP layer at index {L}: missing {missing}")
+    mcfg = MTPConfig(num_modules=1, kind="sequential", emb_first=True)
+    # the layer's decoder-block tensors, renamed to index 0 so the generic per-layer rules apply
+    renamed = {"model.layers.0." + k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
+    layer = tensors_to_params(renamed, {"layers": mcfg.specs(cfg)["modules"][0]["layers"]},
+                              _layer_rules("model.layers.{i}."), 1, dtype, source="MTP layer")
+    eh = tensors[p + "eh_proj.weight"]
+    if eh.shape != (cfg.hidden_size, 2 * cfg.hidden_size):
+        raise CheckpointError(f"eh_proj.weight is {eh.shape}, the target needs ({cfg.hidden_size}, "
+                              f"{2 * cfg.hidden_size})")
+    mod = {"layers": layer["layers"], "enorm": np.asarray(tensors[p + "enorm.weight"], dtype),
+           "hnorm": np.asarray(tensors[p + "hnorm.weight"], dtype), "proj": np.asarray(eh.T, dtype),
+           "norm": np.asarray(tensors[p + "shared_head.norm.weight"], dtype)}
+    return mcfg, {"modules": [mod]}
+
+
+def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our first sequential MTP module in DeepSeek-V3's naming (layer index = num_layers)."""
+    p = f"model.layers.{cfg.num_layers}."
+    mod = params["modules"][0]
+    block = params_to_tensors({"layers": mod["layers"]}, _layer_rules("model.layers.{i}."))
+    out = {p + k[len("model.layers.0."):]: v for k, v in block.items()}
+    out[p + "enorm.weight"] = np.asarray(mod["enorm"])
+    out[p + "hnorm.weight"] = np.asarray(mod["hnorm"])
+    out[p + "eh_proj.weight"] = np.asarray(mod["proj"]).T
+    out[p + "shared_head.norm.weight"] = np.asarray(mod["norm"])
+    return out

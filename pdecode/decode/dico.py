@@ -1,0 +1,213 @@
+"""DiCo: divide-and-conquer decoding for masked diffusion LMs (arXiv 2602.23792), as one `lax.while_loop`.
+
+The paper's text is all there is (no public code); where it is silent we chose, and say so below. Each loop
+iteration runs one model forward, then acts according to the phase it is in:
+
+* **Divide** — seeds are masked positions whose confidence is *moderate and stable*: the trajectory-weighted
+  confidence ``cbar`` (an EMA of the top-1 probability over the steps so far, weight ``traj_beta``) lies in
+  ``[seed_low, seed_high]`` and moved less than ``stability`` since the previous step. Up to ``num_seeds`` are
+  picked greedily by score ``cbar - stability_weight * |c - c_prev|``; after each pick, the scores around it are
+  damped soft-NMS style by ``1 - exp(-(d / nms_sigma)^2)`` so seeds spread out. Each seed is committed and grows
+  both ways over contiguous masked neighbours with confidence >= ``grow_threshold`` (at most ``max_radius``
+  each side); overlapping or touching clusters merge (a cluster is a run of cluster positions).
+  If no seed qualifies, or at most ``final_masks`` masks remain, the loop moves to Finalize.
+* **Conquer** — every cluster decodes in parallel: inside a cluster the masked positions sorted by confidence
+  c_(1) >= c_(2) >= ... are committed while ``(k + 1)(1 - c_(k)) < 1`` (the factor rule with f = 1, the set
+  S_t = {i : (|S_t| + 1)(1 - c_i) < 1}). Cluster boundaries then take in adjacent masked positions whose
+  confidence clears ``grow_threshold``. A Conquer step that commits nothing, or a cluster set with no masks left,
+  returns to Divide.
+* **Finalize** — the remaining masks are decoded by the compound score ``c + margin_weight * (top1 - top2)``:
+  every mask scoring >= ``final_threshold`` is committed, and always the best one.
+
+Choices the paper leaves open: the EMA form of the trajectory weight, the seed band and stability limit, the
+Gaussian NMS kernel, committing seeds in Divide, the growth threshold, and Finalize's threshold and weight.
+EOS handling is shared with the other samplers (a row stops once its answer is complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pdecode.config import ModelConfig
+from pdecode.decode.diffusion import answer_done, finish, full_mask, predict
+from pdecode.errors import ConfigError
+from pdecode.model.transformer import decode_layout, forward, unembed
+
+DIVIDE, CONQUER, FINALIZE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DiCoOptions:
+    gen_length: int = 64
+    num_seeds: int = 4
+    seed_low: float = 0.3
+    seed_high: float = 0.95
+    stability: float = 0.2
+    stability_weight: float = 1.0
+    traj_beta: float = 0.5
+    nms_sigma: float = 8.0
+    grow_threshold: float = 0.5
+    max_radius: int = 8
+    final_masks: int = 4
+    final_threshold: float = 0.9
+    margin_weight: float = 0.5
+    shift: bool = False
+
+    def __post_init__(self):
+        if not (0.0 <= self.seed_low < self.seed_high <= 1.0):
+            raise ConfigError(f"need 0 <= seed_low < seed_high <= 1, got {self.seed_low}, {self.seed_high}")
+        if self.num_seeds < 1 or self.max_radius < 0 or self.final_masks < 0 or self.nms_sigma <= 0:
+            raise ConfigError("num_seeds >= 1, max_radius >= 0, final_masks >= 0 and nms_sigma > 0 are required")
+        if not 0.0 <= self.traj_beta < 1.0:
+            raise ConfigError(f"traj_beta must be in [0, 1), got {self.traj_beta}")
+
+
+@struct.dataclass
+class DiCoState:
+    x: jax.Array
+    masked: jax.Array
+    commit_step: jax.Array
+    cluster: jax.Array  # [B, S] positions belonging to a cluster
+    phase: jax.Array  # [B]
+    cbar: jax.Array  # [B, S] trajectory-weighted confidence
+    c_prev: jax.Array  # [B, S]
+    seen: jax.Array  # [B, S] whether cbar has been initialised
+    done: jax.Array
+    nfe: jax.Array
+    steps: jax.Array
+    key: jax.Array
+    phase_steps: jax.Array  # [3] iterations spent per phase
+
+
+def runs_id(member_BS: jax.Array) -> jax.Array:
+    """Id of the contiguous run each member position belongs to (-1 outside): clusters that touch merge."""
+    start = member_BS & ~jnp.concatenate([jnp.zeros_like(member_BS[:, :1]), member_BS[:, :-1]], axis=1)
+    rid = jnp.cumsum(start.astype(jnp.int32), axis=1) - 1
+    return jnp.where(member_BS, rid, -1)
+
+
+def grow(seed_BS, masked_BS, conf_BS, thresh, radius: int) -> jax.Array:
+    """Extend each seed left and right over contiguous masked positions with conf >= thresh (<= radius steps)."""
+    ok = masked_BS & (conf_BS >= thresh)
+    out = seed_BS
+    left = right = seed_BS
+    for _ in range(radius):
+        left = jnp.concatenate([left[:, 1:], jnp.zeros_like(left[:, :1])], axis=1) & ok
+        right = jnp.concatenate([jnp.zeros_like(right[:, :1]), right[:, :-1]], axis=1) & ok
+        out = out | left | right
+    return out
+
+
+def pick_seeds(score_BS, eligible_BS, n: int, sigma: float) -> jax.Array:
+    """Greedy soft-NMS: n picks, each damping the scores around it by 1 - exp(-(d/sigma)^2)."""
+    b, s = score_BS.shape
+    pos = jnp.arange(s)
+    sc = jnp.where(eligible_BS, jnp.maximum(score_BS, 1e-6), 0.0)
+    seeds = jnp.zeros((b, s), bool)
+    for _ in range(n):
+        best = jnp.argmax(sc, axis=1)
+        has = jnp.max(sc, axis=1) > 0
+        pick = (pos[None, :] == best[:, None]) & has[:, None]
+        seeds = seeds | pick
+        d = (pos[None, :] - best[:, None]).astype(jnp.float32)
+        sc = jnp.where(pick, 0.0, sc * (1.0 - jnp.exp(-(d / sigma) ** 2)))
+    return seeds
+
+
+def factor_in_clusters(conf_BS, eligible_BS, cluster_id_BS) -> jax.Array:
+    """Per cluster: commit the top n while (k + 1)(1 - c_(k)) < 1 holds for k = 1..n."""
+    b, s = conf_BS.shape
+    same = (cluster_id_BS[:, :, None] == cluster_id_BS[:, None, :]) & (cluster_id_BS[:, :, None] >= 0)
+    better = eligible_BS[:, None, :] & same & (
+        (conf_BS[:, None, :] > conf_BS[:, :, None]) |
+        ((conf_BS[:, None, :] == conf_BS[:, :, None]) & (jnp.arange(s)[None, None, :] < jnp.arange(s)[None, :, None])))
+    k = jnp.sum(better, axis=2) + 1  # 1-based rank inside the cluster
+    # the rule must hold for every rank up to k: sorted confidences make (k+1)(1-c) increasing, so it suffices
+    # that it holds at the position itself
+    return eligible_BS & ((k + 1) * (1.0 - conf_BS) < 1.0)
+
+
+def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, opts: DiCoOptions,
+             mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp, mesh=None):
+    del top_p, max_new
+    params = decode_layout(params, cfg, fuse=mesh is None)
+    b, p = prompt_BP.shape
+    g, s = opts.gen_length, max_len
+    pos_S = jnp.arange(s)
+    canvas = (pos_S[None, :] >= prompt_len_B[:, None]) & (pos_S[None, :] < (prompt_len_B + g)[:, None])
+    x = jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt_BP)
+    x = jnp.where(canvas, mask_id, jnp.where(pos_S[None, :] < prompt_len_B[:, None], x, 0))
+    positions = jnp.broadcast_to(pos_S, (b, s)).astype(jnp.int32)
+    mask_full = full_mask(prompt_len_B + g, s)
+    zeros = jnp.zeros((b, s), jnp.float32)
+    state = DiCoState(x=x, masked=canvas, commit_step=jnp.full((b, s), -1, jnp.int32),
+                      cluster=jnp.zeros((b, s), bool), phase=jnp.full((b,), DIVIDE, jnp.int32), cbar=zeros,
+                      c_prev=zeros, seen=jnp.zeros((b, s), bool), done=jnp.zeros((b,), bool), nfe=jnp.int32(0),
+                      steps=jnp.int32(0), key=key, phase_steps=jnp.zeros((3,), jnp.int32))
+
+    def cond(st):
+        return ~jnp.all(st.done)
+
+    def body(st: DiCoState):
+        key, k_tok = jax.random.split(st.key)
+        h = forward(params, cfg, st.x, positions, mask_full).hidden
+        lg = unembed(params, cfg, h)
+        if opts.shift:
+            lg = jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1)
+        x0 = predict(lg, temperature, k_tok, samp.greedy)
+        prob = jax.nn.softmax(lg.astype(jnp.float32), axis=-1)
+        top2 = jax.lax.top_k(prob, 2)[0]
+        c = jnp.take_along_axis(prob, x0[..., None], axis=-1)[..., 0]
+        margin = top2[..., 0] - top2[..., 1]
+        cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
+        drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
+        active = ~st.done
+        masked = st.masked & active[:, None]
+        n_masked = jnp.sum(masked, axis=1)
+
+        # Divide: seeds, their clusters
+        eligible_seed = masked & (cbar >= opts.seed_low) & (cbar <= opts.seed_high) & (drift <= opts.stability)
+        score = cbar - opts.stability_weight * drift
+        seeds = pick_seeds(score, eligible_seed, opts.num_seeds, opts.nms_sigma)
+        has_seed = jnp.any(seeds, axis=1)
+        new_cluster = grow(seeds, masked, c, opts.grow_threshold, opts.max_radius)
+        go_final = (~has_seed) | (n_masked <= opts.final_masks)
+
+        # Conquer: factor rule inside clusters
+        cid = runs_id(st.cluster)
+        conquer_commit = factor_in_clusters(c, masked & st.cluster, cid)
+
+        # Finalize: compound score, threshold + the best one
+        fscore = jnp.where(masked, c + opts.margin_weight * margin, -jnp.inf)
+        best = jnp.argmax(fscore, axis=1)
+        final_commit = masked & ((fscore >= opts.final_threshold) | (pos_S[None, :] == best[:, None]))
+
+        # the phase acted on this step: a Conquer with nothing to commit falls through to Divide, a Divide with no
+        # seed (or few masks left) to Finalize, so every step of an active row commits at least one token
+        conquer_ok = jnp.any(conquer_commit, axis=1)
+        eff = jnp.where((st.phase == CONQUER) & ~conquer_ok, DIVIDE, st.phase)
+        eff = jnp.where((eff == DIVIDE) & go_final, FINALIZE, eff)
+        ph = eff[:, None]
+        commit = jnp.where(ph == DIVIDE, seeds, jnp.where(ph == CONQUER, conquer_commit, final_commit)) & masked
+        x = jnp.where(commit, x0, st.x)
+        new_masked = st.masked & ~commit
+        commit_step = jnp.where(commit, st.steps, st.commit_step)
+        # clusters: fresh ones from the seeds (Divide), or the old ones grown by a step at their boundaries
+        cluster = jnp.where(ph == DIVIDE, new_cluster,
+                            jnp.where(ph == CONQUER, grow(st.cluster, new_masked, c, opts.grow_threshold, 1), False))
+        phase = jnp.where(eff == FINALIZE, FINALIZE, CONQUER)
+        done, _ = answer_done(x, new_masked, canvas, eos_ids)
+        done = st.done | done
+        hist = st.phase_steps.at[eff].add(active.astype(jnp.int32))
+        return DiCoState(x=x, masked=new_masked, commit_step=commit_step, cluster=cluster, phase=phase, cbar=cbar,
+                         c_prev=c, seen=st.seen | canvas, done=done, nfe=st.nfe + 1, steps=st.steps + 1, key=key,
+                         phase_steps=hist)
+
+    st = jax.lax.while_loop(cond, body, state)
+    out, stats = finish(st, prompt_len_B, canvas, g, eos_ids)
+    stats["phase_steps"] = st.phase_steps
+    return out, stats

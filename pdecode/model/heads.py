@@ -1,0 +1,171 @@
+"""Self-drafting heads: Medusa heads, EAGLE drafters (EAGLE-1/2 and the EAGLE-3 multi-layer fusion), and
+multi-token-prediction modules (DeepSeek-V3 sequential modules; Gloeckle-style independent heads).
+
+Pure functions over params pytrees, like the decoder. Each head family has a frozen config dataclass (static under
+jit) with ``specs()`` (shapes and logical axes, drives init / sharding / restore) and the forward pieces the
+decoders and the training objectives share.
+
+Conventions. ``h`` is the target's final hidden state *after* its final norm (what its LM head reads, the "feature"
+of EAGLE); ``layer_h`` are outputs of chosen target layers before the final norm. Heads that end in logits reuse
+the target's LM head unless they own one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pdecode.config import ModelConfig
+from pdecode.errors import ConfigError
+from pdecode.model import cache as kvc
+from pdecode.model.transformer import ParamSpec, layer_specs, rms_norm, run_layers, unembed
+
+
+def _lm_head(target_params, cfg: ModelConfig, h, own=None):
+    if own is not None:
+        return jnp.einsum("...d,dv->...v", h, own, preferred_element_type=jnp.float32)
+    return unembed(target_params, cfg, h)
+
+
+# ------------------------------------------------------------------------------------------------ Medusa
+@dataclasses.dataclass(frozen=True)
+class MedusaConfig:
+    """K heads; head k (0-based) reads the hidden state at t and predicts token t + k + 2 (the base LM head
+    predicts t + 1). Each head: ``h + SiLU(W h + b)`` (``num_layers`` such residual blocks), then the LM head
+    (the target's, or its own with ``own_head``)."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    own_head: bool = False
+
+    def specs(self, cfg: ModelConfig) -> dict:
+        k, n, d = self.num_heads, self.num_layers, cfg.hidden_size
+        s = {"w": ParamSpec((k, n, d, d), (None, None, "embed", "mlp")),
+             "b": ParamSpec((k, n, d), (None, None, None), "zeros")}
+        if self.own_head:
+            s["lm_head"] = ParamSpec((k, d, cfg.vocab_size), (None, "embed", "vocab"))
+        return s
+
+
+def medusa_init_zero(params: dict) -> dict:
+    """Medusa initialises W to zero so each head starts as the base LM head (identity residual)."""
+    return {**params, "w": jnp.zeros_like(params["w"])}
+
+
+def medusa_logits(mp: dict, mcfg: MedusaConfig, target_params, cfg: ModelConfig, h_BD: jax.Array) -> jax.Array:
+    """[..., D] -> [K, ..., V] logits of every head."""
+    def one(k):
+        x = h_BD
+        for j in range(mcfg.num_layers):
+            x = x + jax.nn.silu(jnp.einsum("...d,de->...e", x, mp["w"][k, j]) + mp["b"][k, j])
+        return _lm_head(target_params, cfg, x, mp["lm_head"][k] if "lm_head" in mp else None)
+
+    return jnp.stack([one(k) for k in range(mcfg.num_heads)])
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """A one-decoder-layer drafter, autoregressive over features.
+
+    Input at position i: ``fc([emb(token_{i+1}); feature_i])`` -> one decoder block (own KV cache) -> the predicted
+    feature of position i+1 -> LM head. EAGLE-1/2: the feature is the target's final (normed) hidden state and the
+    predicted feature is regressed onto it (no extra norm). EAGLE-3 (``fuse_layers`` set): the target feature is
+    ``fuse([h_low; h_mid; h_high])`` of three layer outputs, the block output goes through its own final norm, and
+    training is on the target's distribution only (training-time test).
+    """
+
+    fuse_layers: tuple[int, ...] = ()  # EAGLE-3: target layers fused into the feature, e.g. (1, 3, 5)
+    own_head: bool = False
+    fc_bias: bool = False  # EAGLE-1 releases carry a bias on fc
+
+    @property
+    def is_eagle3(self) -> bool:
+        return bool(self.fuse_layers)
+
+    def block_cfg(self, cfg: ModelConfig) -> ModelConfig:
+        return cfg.replace(num_layers=1)
+
+    def specs(self, cfg: ModelConfig) -> dict:
+        d = cfg.hidden_size
+        s = {"fc": ParamSpec((2 * d, d), (None, "embed")), "layers": layer_specs(cfg, 1)}
+        if self.fc_bias:
+            s["fc_b"] = ParamSpec((d,), (None,), "zeros")
+        if self.is_eagle3:
+            s["fuse"] = ParamSpec((len(self.fuse_layers) * d, d), (None, "embed"))
+            s["norm"] = ParamSpec((d,), (None,), "ones")
+        if self.own_head:
+            s["lm_head"] = ParamSpec((d, cfg.vocab_size), ("embed", "vocab"))
+        return s
+
+
+def eagle_feature(ep: dict, ecfg: EagleConfig, h_BTD: jax.Array, layer_h_nBTD: jax.Array | None) -> jax.Array:
+    """The target feature the drafter reads: final hidden state (EAGLE-1/2) or the fused layer outputs (EAGLE-3)."""
+    if not ecfg.is_eagle3:
+        return h_BTD
+    cat = jnp.concatenate(list(layer_h_nBTD), axis=-1)
+    return cat @ ep["fuse"]
+
+
+def eagle_step(ep: dict, ecfg: EagleConfig, cfg: ModelConfig, target_params, tokens_BT, feat_BTD, positions_BT,
+               mask_BTS, cache: kvc.KVCache | None = None, write_at_B=None):
+    """One drafter pass: (next-token logits [B,T,V], predicted features [B,T,D], cache)."""
+    emb = jnp.take(target_params["embed"], tokens_BT, axis=0)
+    x = jnp.concatenate([emb, feat_BTD.astype(emb.dtype)], axis=-1) @ ep["fc"]
+    if "fc_b" in ep:
+        x = x + ep["fc_b"]
+    out, cache, _ = run_layers(ecfg.block_cfg(cfg), ep["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
+    h = rms_norm(out, ep["norm"], cfg.rms_norm_eps) if ecfg.is_eagle3 else out
+    return _lm_head(target_params, cfg, h, ep.get("lm_head")), out, cache
+
+
+# ------------------------------------------------------------------------------------------------ MTP
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction.
+
+    ``kind="sequential"`` (DeepSeek-V3): D modules; module k reads ``h^{k-1}_i`` (h^0 = the target's last-layer
+    output before its final norm) and the embedding of token i+k, ``proj(concat)`` -> one decoder block -> its
+    own norm -> the shared LM head predicts token i+k+1. ``emb_first``: concatenation order; the paper writes
+    [norm(h); norm(emb)], DeepSeek-V3's released checkpoints use [enorm(emb); hnorm(h)] (``emb_first=True``).
+
+    ``kind="parallel"`` (Gloeckle et al.): D independent heads, each one decoder block over the shared trunk output
+    (the target's last-layer output), head k predicting token i+k+1 through its own norm and the shared LM head.
+    """
+
+    num_modules: int = 1
+    kind: str = "sequential"
+    emb_first: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("sequential", "parallel"):
+            raise ConfigError(f"MTP kind must be 'sequential' or 'parallel', got {self.kind!r}")
+        if self.num_modules < 1:
+            raise ConfigError(f"MTP needs at least one module, got {self.num_modules}")
+
+    def block_cfg(self, cfg: ModelConfig) -> ModelConfig:
+        return cfg.replace(num_layers=1)
+
+    def specs(self, cfg: ModelConfig) -> dict:
+        d, n = cfg.hidden_size, self.num_modules
+        mod: dict[str, Any] = {"layers": layer_specs(cfg, 1), "norm": ParamSpec((d,), (None,), "ones")}
+        if self.kind == "sequential":
+            mod.update(enorm=ParamSpec((d,), (None,), "ones"), hnorm=ParamSpec((d,), (None,), "ones"),
+                       proj=ParamSpec((2 * d, d), (None, "embed")))
+        return {"modules": [mod for _ in range(n)]}
+
+
+def mtp_module(mp: dict, mcfg: MTPConfig, cfg: ModelConfig, target_params, h_prev_BTD, next_tokens_BT, positions_BT,
+               mask_BTS, cache: kvc.KVCache | None = None, write_at_B=None):
+    """One MTP module: (logits [B,T,V], output hidden h^k [B,T,D] (pre-norm), cache)."""
+    if mcfg.kind == "sequential":
+        e = rms_norm(jnp.take(target_params["embed"], next_tokens_BT, axis=0), mp["enorm"], cfg.rms_norm_eps)
+        hh = rms_norm(h_prev_BTD, mp["hnorm"], cfg.rms_norm_eps)
+        x = (jnp.concatenate([e, hh], -1) if mcfg.emb_first else jnp.concatenate([hh, e], -1)) @ mp["proj"]
+    else:
+        x = h_prev_BTD
+    out, cache, _ = run_layers(mcfg.block_cfg(cfg), mp["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
+    return unembed(target_params, cfg, rms_norm(out, mp["norm"], cfg.rms_norm_eps)), out, cache

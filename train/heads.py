@@ -1,0 +1,194 @@
+"""Recipes for the drafting heads of the zoo, all trained with the one loop and objectives module.
+
+    python -m train.heads --only code-target-medusa      # one recipe
+    python -m train.heads                                # every head recipe (post-hoc, on the frozen code-target)
+    python -m train.heads --only code-target-mtp         # the target trained natively with an MTP module
+
+Target hidden states are computed on the fly in each step (nothing is dumped to disk). Each result lands in
+``zoo/<name>/`` (heads.json + heads.safetensors, or a full model for the native MTP one) with a train_info.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pdecode.checkpoint.heads_io import save_heads
+from pdecode.checkpoint.hf import load_hf, save_hf
+from pdecode.model import heads as H
+from pdecode.model.transformer import init_from_specs, init_params, unembed
+from train import data
+from train.loop import TrainConfig, train
+from train.objectives import causal_hidden, cross_entropy, eagle_loss, medusa_loss, mtp_loss
+from train.zoo import RECIPES as LM_RECIPES
+from train.zoo import ensure_tokenizer, make_eval, token_streams
+
+
+@dataclasses.dataclass
+class HeadRecipe:
+    kind: str  # medusa | eagle | mtp | mtp-native
+    hcfg: object
+    tc: TrainConfig
+    seq_len: int = 256
+    batch_size: int = 16
+    ttt_steps: int = 1  # EAGLE-3 training-time test depth
+    base: str = "code-target"
+
+
+RECIPES: dict[str, HeadRecipe] = {
+    "code-target-medusa": HeadRecipe(
+        "medusa", H.MedusaConfig(num_heads=4, num_layers=1),
+        TrainConfig(steps=300, lr=3e-3, warmup=20, eval_every=150, ckpt_every=100, log_every=10, seed=2)),
+    "code-target-eagle": HeadRecipe(
+        "eagle", H.EagleConfig(),
+        TrainConfig(steps=360, lr=3e-3, warmup=20, eval_every=180, ckpt_every=120, log_every=10, seed=3)),
+    "code-target-eagle3": HeadRecipe(
+        "eagle", H.EagleConfig(fuse_layers=(1, 3, 5)),
+        TrainConfig(steps=300, lr=3e-3, warmup=20, eval_every=150, ckpt_every=100, log_every=10, seed=4),
+        ttt_steps=3),
+    "code-target-mtp-posthoc": HeadRecipe(
+        "mtp", H.MTPConfig(num_modules=1),
+        TrainConfig(steps=360, lr=3e-3, warmup=20, eval_every=180, ckpt_every=120, log_every=10, seed=5)),
+}
+
+# The target trained from scratch with one MTP module: code-target's recipe, plus lam * the MTP loss.
+NATIVE_MTP = "code-target-mtp"
+
+
+def _objective(r: HeadRecipe, cfg):
+    if r.kind == "medusa":
+        return medusa_loss(cfg, r.hcfg)
+    if r.kind == "eagle":
+        return eagle_loss(cfg, r.hcfg, ttt_steps=r.ttt_steps)
+    return mtp_loss(cfg, r.hcfg)
+
+
+def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
+    """Held-out metric of the heads: top-1 agreement with the target's own greedy next-next token (Medusa head 0,
+    EAGLE / MTP depth 1), i.e. the depth-1 acceptance rate under greedy verification."""
+    from pdecode.model.attention import padded_self_mask
+
+    @jax.jit
+    def agree(hp, w):
+        x = w[:, :-1]
+        b, t = x.shape
+        h, lh = causal_hidden(tparams, cfg, x, r.hcfg.fuse_layers if r.kind == "eagle" else (cfg.num_layers - 1,))
+        t_next = jnp.argmax(unembed(tparams, cfg, h), -1)  # the target's prediction of x_{i+1}
+        if r.kind == "medusa":
+            pred = jnp.argmax(H.medusa_logits(hp, r.hcfg, tparams, cfg, h)[0], -1)  # predicts x_{i+2}
+            return jnp.mean(pred[:, :-1] == t_next[:, 1:])
+        n = t - 1
+        pos = jnp.broadcast_to(jnp.arange(n), (b, n))
+        mask = padded_self_mask(jnp.full((b,), n), n)
+        if r.kind == "eagle":
+            feat = H.eagle_feature(hp, r.hcfg, h, lh)
+            lg, _, _ = H.eagle_step(hp, r.hcfg, cfg, tparams, x[:, 1:], feat[:, :-1], pos, mask)
+        else:
+            lg, _, _ = H.mtp_module(hp["modules"][0], r.hcfg, cfg, tparams, lh[0][:, :-1], x[:, 1:], pos, mask)
+        return jnp.mean(jnp.argmax(lg, -1)[:, :-1] == t_next[:, 2:])
+
+    def eval_fn(hp):
+        vals = [float(agree(hp, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
+        return {"depth1_agreement": float(np.mean(vals))}
+
+    return eval_fn
+
+
+def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None) -> dict:
+    r = RECIPES[name]
+    tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
+    tok = ensure_tokenizer(zoo)
+    tr, va = token_streams(tok, work / "data")
+    cfg, tparams = load_hf(zoo / r.base)
+    tparams = jax.tree.map(jnp.asarray, tparams)
+    hp = init_from_specs(r.hcfg.specs(cfg), jax.random.PRNGKey(tc.seed))
+    if r.kind == "medusa":
+        hp = H.medusa_init_zero(hp)
+    batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
+    val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(96)
+    eval_fn = _eval_heads(r, cfg, tparams, val_windows)
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(hp))
+    print(f"{name}: {r.kind} heads, {n_params / 1e6:.2f}M params on frozen {r.base}, {tc.steps} steps of "
+          f"{r.batch_size}x{r.seq_len}", file=sys.stderr)
+    sig = hashlib.sha1(repr((r, tc)).encode()).hexdigest()[:10]
+    t0 = time.perf_counter()
+    hp, hist = train(_objective(r, cfg), hp, tparams, batches.batch, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
+                     eval_fn=eval_fn, desc=name)
+    wall = time.perf_counter() - t0
+    info = {"name": name, "command": f"python -m train.heads --only {name}", "kind": r.kind, "params": n_params,
+            "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
+            "evals": hist["eval"], "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
+            "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
+            "ttt_steps": r.ttt_steps}
+    save_heads(zoo / name, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, hp, base_model=r.base,
+               dtype=ml_dtypes.bfloat16)
+    (zoo / name / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"{name}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min",
+          file=sys.stderr)
+    return info
+
+
+def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float = 0.3) -> dict:
+    """code-target's recipe (same config, data, steps, seed) with one sequential MTP module trained jointly."""
+    base = LM_RECIPES["code-target"]
+    tc = dataclasses.replace(base.tc, steps=steps) if steps else base.tc
+    mcfg = H.MTPConfig(num_modules=1)
+    cfg = base.cfg
+    tok = ensure_tokenizer(zoo)
+    tr, va = token_streams(tok, work / "data")
+    batches = data.TokenBatches(tr, base.seq_len, base.batch_size, seed=tc.seed)
+    val_windows = data.TokenBatches(va, base.seq_len, 1).fixed_eval(10_000)
+    lm_eval = make_eval(cfg, val_windows)
+    key = jax.random.PRNGKey(tc.seed)
+    trainable = {"base": init_params(cfg, key), "mtp": init_from_specs(mcfg.specs(cfg), jax.random.fold_in(key, 1))}
+    print(f"{NATIVE_MTP}: {cfg.num_params() / 1e6:.2f}M params + 1 MTP module, lam={lam}, {tc.steps} steps",
+          file=sys.stderr)
+    sig = hashlib.sha1(repr((cfg, tc, lam)).encode()).hexdigest()[:10]
+    t0 = time.perf_counter()
+    trainable, hist = train(mtp_loss(cfg, mcfg, native=True, lam=lam), trainable, None, batches.batch, tc,
+                            ckpt_dir=work / "ckpt" / f"{NATIVE_MTP}-{sig}",
+                            eval_fn=lambda p: lm_eval(p["base"]), desc=NATIVE_MTP)
+    wall = time.perf_counter() - t0
+    out = zoo / NATIVE_MTP
+    save_hf(cfg.replace(dtype="bfloat16"), trainable["base"], out, dtype="bfloat16", tokenizer_dir=zoo / "code-target")
+    save_heads(out, "mtp", mcfg, trainable["mtp"], base_model=".", dtype=ml_dtypes.bfloat16)
+    _, shipped = load_hf(out)
+    info = {"name": NATIVE_MTP, "command": f"python -m train.heads --only {NATIVE_MTP}", "params": cfg.num_params(),
+            "mtp_lambda": lam, "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
+            "val_loss": lm_eval(jax.tree.map(jnp.asarray, shipped))["val_loss"], "evals": hist["eval"],
+            "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc)}
+    (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"{NATIVE_MTP}: next-token validation loss {info['val_loss']:.4f}, {wall / 60:.1f} min", file=sys.stderr)
+    return info
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m train.heads", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", choices=sorted(RECIPES) + [NATIVE_MTP])
+    ap.add_argument("--zoo", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=Path("runs/zoo"))
+    ap.add_argument("--steps", type=int, default=None)
+    args = ap.parse_args(argv)
+    from pdecode.api import zoo_dir
+
+    zoo = args.zoo or zoo_dir()
+    for name in args.only or list(RECIPES):
+        if name == NATIVE_MTP:
+            train_native_mtp(zoo, args.work, args.steps)
+        else:
+            train_heads(name, zoo, args.work, args.steps)
+
+
+if __name__ == "__main__":
+    main()
