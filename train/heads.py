@@ -48,17 +48,17 @@ class HeadRecipe:
 RECIPES: dict[str, HeadRecipe] = {
     "code-target-medusa": HeadRecipe(
         "medusa", H.MedusaConfig(num_heads=4, num_layers=1),
-        TrainConfig(steps=300, lr=3e-3, warmup=20, eval_every=150, ckpt_every=100, log_every=10, seed=2)),
+        TrainConfig(steps=200, lr=3e-3, warmup=20, eval_every=100, ckpt_every=100, log_every=10, seed=2)),
     "code-target-eagle": HeadRecipe(
         "eagle", H.EagleConfig(),
-        TrainConfig(steps=360, lr=3e-3, warmup=20, eval_every=180, ckpt_every=120, log_every=10, seed=3)),
+        TrainConfig(steps=240, lr=3e-3, warmup=20, eval_every=120, ckpt_every=120, log_every=10, seed=3)),
     "code-target-eagle3": HeadRecipe(
         "eagle", H.EagleConfig(fuse_layers=(1, 3, 5)),
-        TrainConfig(steps=300, lr=3e-3, warmup=20, eval_every=150, ckpt_every=100, log_every=10, seed=4),
+        TrainConfig(steps=200, lr=3e-3, warmup=20, eval_every=100, ckpt_every=100, log_every=10, seed=4),
         ttt_steps=3),
     "code-target-mtp-posthoc": HeadRecipe(
         "mtp", H.MTPConfig(num_modules=1),
-        TrainConfig(steps=360, lr=3e-3, warmup=20, eval_every=180, ckpt_every=120, log_every=10, seed=5)),
+        TrainConfig(steps=240, lr=3e-3, warmup=20, eval_every=120, ckpt_every=120, log_every=10, seed=5)),
 }
 
 # The target trained from scratch with one MTP module: code-target's recipe, plus lam * the MTP loss.

@@ -110,14 +110,14 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
         return params, opt_state, loss, dict(metrics, grad_norm=optax.global_norm(grads))
 
     hist: dict[str, list] = {"step": [], "loss": [], "eval": []}
-    tokens = tokens_per_step or int(np.prod(np.shape(batch_fn(0))[:2]))
+    tokens = tokens_per_step or int(np.prod(np.shape(jax.tree.leaves(batch_fn(0))[0])[:2]))
     prog = Progress(tc.steps, desc, tc.log_every)
     t0 = time.perf_counter()
     key = jax.random.PRNGKey(tc.seed)
     stopped_early = False
     step = start
     for step in range(start + 1, tc.steps + 1):
-        batch = jnp.asarray(batch_fn(step))
+        batch = jax.tree.map(jnp.asarray, batch_fn(step))
         params, opt_state, loss, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
         if step % tc.log_every == 0 or step == tc.steps:
             lv = float(loss)

@@ -110,6 +110,12 @@ def medusa_loss(cfg: ModelConfig, mcfg, joint: bool = False, lm_weight: float = 
     return loss
 
 
+def smooth_l1(x, y, beta: float = 1.0):
+    """Huber-style SmoothL1 (as torch's default): 0.5 d^2 / beta below beta, |d| - 0.5 beta above."""
+    d = jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))
+    return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
+
+
 def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, reg_weight: float = 1.0,
                ce_weight: float = 0.1):
     """EAGLE drafter training on the fly from the frozen target (``frozen`` = target params).
@@ -156,7 +162,7 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
             total = total + (decay ** j) * (ce_weight if not ecfg.is_eagle3 and steps == 1 else 1.0) * ce
             metrics[f"ce{j}"] = ce
             if j == 0 and not ecfg.is_eagle3:
-                reg = jnp.mean(optax.smooth_l1_loss(out[:, :m], feat[:, 1: 1 + m]))
+                reg = jnp.mean(smooth_l1(out[:, :m], feat[:, 1: 1 + m]))
                 total = total + reg_weight * reg
                 metrics["smooth_l1"] = reg
             f_in = out  # the next step reads its own predicted features
@@ -207,20 +213,22 @@ def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
 # ------------------------------------------------------------------------------------------------ diffusion
 def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3):
     """Masked diffusion (LLaDA): per sequence t ~ U(eps, 1), every token masked with probability t, CE on the
-    masked tokens weighted by 1/t, averaged over all token slots. ``batch`` = (tokens [B, T], maskable [B, T]):
-    the SFT variant passes maskable = response positions only (the prompt stays visible). ``shift``: Dream-style
-    logits, position i predicted from the hidden state at i-1."""
+    masked tokens weighted by 1/t, averaged over the maskable slots. ``batch`` = (tokens [B, T], maskable [B, T],
+    lengths [B]): the SFT variant passes maskable = response positions only (the prompt stays visible); positions
+    past a row's length are padding (not attended, not scored). ``shift``: Dream-style logits, position i
+    predicted from the hidden state at i-1."""
 
     def loss(params, frozen, batch, rng):
         del frozen
-        tokens, maskable = batch
+        tokens, maskable, lengths = batch
         b, t = tokens.shape
+        maskable = maskable & (jnp.arange(t)[None, :] < lengths[:, None])
         k_t, k_m = jax.random.split(rng)
         tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
         masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
         x = jnp.where(masked, mask_id, tokens)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=False)
+        mask = padded_self_mask(lengths, t, causal=False)
         h = forward(params, cfg, x, pos, mask).hidden
         logits = unembed(params, cfg, h)
         if shift:  # logits at i-1 predict token i; position 0 has no predictor and is never masked in training

@@ -83,7 +83,10 @@ def _prepare_medusa(model, draft, opts, samp):
     from pdecode.decode.medusa import MedusaDrafter, check_tree
 
     mcfg, mp = _heads(model, "medusa")
-    tr = tree_lib.resolve(opts["tree"])
+    if opts["tree"] is None:  # the default tree, cut to the depth the heads can fill
+        tr = tree_lib.from_choices([p for p in tree_lib.PRESETS["medusa-18"] if len(p) <= mcfg.num_heads])
+    else:
+        tr = tree_lib.resolve(opts["tree"])
     check_tree(tr, mcfg)
     typical = None
     if opts["typical"]:
@@ -117,7 +120,7 @@ def _prepare_mtp(model, draft, opts, samp):
 
 
 register(Method("medusa", _prepare_medusa,
-                options={"tree": "medusa-18", "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3},
+                options={"tree": None, "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3},
                 summary="Medusa heads, static tree; lossless verification (typical=True: Medusa's lossy typical "
                         "acceptance)"))
 register(Method("eagle", _prepare_eagle, options={"tree_top_k": 4, "depth": 5, "total_tokens": 24},

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pdecode.config import ModelConfig
-from pdecode.decode.diffusion import answer_done, finish, full_mask, predict
+from pdecode.decode.diffusion import answer_done, finish, full_mask, no_mask, predict
 from pdecode.errors import ConfigError
 from pdecode.model.transformer import decode_layout, forward, unembed
 
@@ -158,6 +158,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         lg = unembed(params, cfg, h)
         if opts.shift:
             lg = jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1)
+        lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, samp.greedy)
         prob = jax.nn.softmax(lg.astype(jnp.float32), axis=-1)
         top2 = jax.lax.top_k(prob, 2)[0]

@@ -129,6 +129,11 @@ def entropy(logits: jax.Array) -> jax.Array:
     return -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
 
 
+def no_mask(logits: jax.Array, mask_id: int) -> jax.Array:
+    """The mask token is never a prediction: its logit is removed before any sampler looks at the logits."""
+    return logits.at[..., mask_id].set(NEG)
+
+
 def predict(logits: jax.Array, temperature, key, greedy: bool) -> jax.Array:
     from pdecode.sampling import argmax
 
@@ -294,6 +299,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                 return partial(st.x, cache, st.block)
 
             lg, cache = jax.lax.cond(st.step_in_block == 0, do_refresh, do_partial, None)
+        lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, greedy)
         conf = confidence(lg, x0, opts.alg, k_conf)
         ent = entropy(lg) if opts.rule == "eb" else conf
