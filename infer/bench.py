@@ -102,7 +102,7 @@ class OurRunner:
         return {"new_tokens": s["new_tokens"], "wall_s": s["wall_s"], "compile_s": s["compile_s"],
                 "target_forwards": s["target_forwards"], "draft_forwards": s.get("draft_forwards", 0),
                 "row_forwards": s["row_forwards"], "tokens": out.tokens, "tree_size": s.get("tree_size"),
-                "extra": {k: v for k, v in s.items() if k in ("acceptance_per_depth", "mean_accepted")}}
+                "extra": {k: v for k, v in s.items() if k in ("accepted_histogram",)}}
 
 
 class HFRunner:
@@ -211,8 +211,11 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {sp} | {tau} "
                      f"| {pj} | {ov} | {r['compile_s']:.2f} | {r['peak_extra_mb']:.0f} |")
     for r in rows:
-        if r["extra"].get("acceptance_per_depth"):
-            acc = r["extra"]["acceptance_per_depth"][0]
+        hists = r["extra"].get("accepted_histogram")
+        if hists:
+            hist = np.sum(np.asarray(hists), axis=0)
+            reached = [hist[d:].sum() for d in range(len(hist))]
+            acc = [reached[d] / reached[d - 1] if reached[d - 1] else None for d in range(1, len(hist))]
             lines.append(f"- T={r['temperature']:g} batch {r['batch']} {r['method']}: acceptance per depth "
                          + ", ".join("-" if a is None else f"{a:.2f}" for a in acc))
     if meta.get("verify_cost"):
@@ -267,7 +270,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="code-target")
+    ap.add_argument("--suite", choices=["decode", "diffusion"], default="decode",
+                    help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
+                         "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py)")
+    ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=["ar"], help="method[:key=value,...] ...")
     ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-assisted",
@@ -285,6 +291,40 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="measure one forward over k tokens vs k = 1 (zoo target and a ~150M random config) and "
                          "project each method's speedup where that cost is flat")
     ap.add_argument("--out", type=Path, default=Path("bench_out/latest"))
+    ap.add_argument("--gen-lengths", nargs="+", type=int, default=[64, 256], help="diffusion suite")
+    ap.add_argument("--items", type=int, default=64, help="diffusion suite: held-out task items per row")
+    ap.add_argument("--samplers", nargs="+", default=None, help="diffusion suite: subset of samplers")
+    ap.add_argument("--judge", default="code-target", help="diffusion suite: AR model for generative perplexity")
+    ap.add_argument("--recompute-verify-cost", action="store_true",
+                    help="reuse --out/results.json: only (re)measure the verify cost and the projections")
+
+
+def add_verify_cost(model, rows: list[dict], meta: dict, batches, ctx: int, label: str) -> None:
+    import jax
+
+    from pdecode.config import ModelConfig
+    from pdecode.model.transformer import init_params
+
+    ks = sorted({1, 2, 4, 8, 16, 32, 64} | {r["tree_size"] for r in rows if r.get("tree_size")})
+    vc = verify_cost(model.cfg, model.params, ks, tuple(batches), ctx, label=label)
+    big = ModelConfig(**RANDOM_150M)
+    big_params = init_params(big, jax.random.PRNGKey(0))
+    vc += verify_cost(big, big_params, (1, 2, 4, 8, 16, 32, 64), tuple(batches), ctx, repeats=3,
+                      label=f"random {big.num_params() / 1e6:.0f}M")
+    del big_params
+    meta.update(verify_cost=vc, verify_cost_ks=[1, 2, 4, 8, 16, 32, 64], verify_cost_context=ctx)
+    projections(rows, [r for r in vc if r["model"] == label])
+
+
+def write_results(out: Path, rows: list[dict], meta: dict) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r.pop("tokens", None)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = to_markdown(rows, meta)
+    (out / "results.md").write_text(md)
+    plot(rows, out / "tokens_per_s.png")
+    return md
 
 
 def run_from_args(args) -> int:
@@ -292,7 +332,20 @@ def run_from_args(args) -> int:
 
     import pdecode
 
+    if args.suite == "diffusion":
+        from infer import diffusion_bench
+
+        args.model = args.model or "code-dllm"
+        return diffusion_bench.run(args)
+    args.model = args.model or "code-target"
     model = pdecode.load(args.model, dtype=args.dtype)
+    if args.recompute_verify_cost:
+        saved = json.loads((args.out / "results.json").read_text())
+        rows, meta = saved["rows"], saved["meta"]
+        add_verify_cost(model, rows, meta, sorted({r["batch"] for r in rows}),
+                        meta["prompt_tokens"] + meta["new_tokens"] // 2, meta["model"])
+        print(write_results(args.out, rows, meta))
+        return 0
     needs_draft = any(parse_method(m)[0] in ("sd", "tree") for m in args.methods) or \
         "transformers-assisted" in args.peer
     draft = pdecode.load(args.draft or "code-draft", dtype=args.dtype) if (args.draft or needs_draft) else None
@@ -335,28 +388,8 @@ def run_from_args(args) -> int:
     if not args.no_limit:
         meta["limit"] = cpu_limit(model, rows, args.prompt_tokens + args.new_tokens // 2)
     if args.verify_cost:
-        import jax
-
-        from pdecode.config import ModelConfig
-        from pdecode.model.transformer import init_params
-
-        ks = sorted({1, 2, 4, 8, 16, 32, 64} | {r["tree_size"] for r in rows if r.get("tree_size")})
-        ctx = args.prompt_tokens + args.new_tokens // 2
-        vc = verify_cost(model.cfg, model.params, ks, tuple(args.batch), ctx, label=args.model)
-        big = ModelConfig(**RANDOM_150M)
-        big_params = init_params(big, jax.random.PRNGKey(0))
-        vc += verify_cost(big, big_params, (1, 2, 4, 8, 16, 32, 64), tuple(args.batch), ctx, repeats=3,
-                          label=f"random {big.num_params() / 1e6:.0f}M")
-        del big_params
-        meta.update(verify_cost=vc, verify_cost_ks=[1, 2, 4, 8, 16, 32, 64], verify_cost_context=ctx)
-        projections(rows, [r for r in vc if r["model"] == args.model])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        r.pop("tokens", None)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = to_markdown(rows, meta)
-    (args.out / "results.md").write_text(md)
-    plot(rows, args.out / "tokens_per_s.png")
+        add_verify_cost(model, rows, meta, args.batch, args.prompt_tokens + args.new_tokens // 2, args.model)
+    md = write_results(args.out, rows, meta)
     print(md)
     print(f"wrote {args.out}/results.json, results.md, tokens_per_s.png", file=sys.stderr)
     return 0
@@ -398,13 +431,20 @@ def verify_cost(cfg, params, ks=(1, 2, 4, 8, 16, 32, 64), batches=(1, 8), contex
     from pdecode.model import cache as kvc
     from pdecode.model.transformer import UNROLL_MAX_LAYERS, decode_layout, forward, unembed
 
-    def step(params, tokens, cache):
+    inner = 20  # forwards per timed call: timing a loop of them inside one jit leaves out dispatch overhead
+
+    def many(params, tokens, cache):
         params = decode_layout(params, cfg)
         b, k = tokens.shape
         pos = cache.lengths[:, None] + jnp.arange(k)[None, :]
         mask = common.step_mask(cfg, cache, attention.causal_intra(k), pos)
-        fo = forward(params, cfg, tokens, pos, mask, cache=cache)
-        return unembed(params, cfg, fo.hidden)
+
+        def body(i, carry):
+            c, acc = carry
+            fo = forward(params, cfg, tokens + (acc > 1e30).astype(tokens.dtype), pos, mask, cache=c)
+            return fo.cache, acc + jnp.sum(unembed(params, cfg, fo.hidden))
+
+        return jax.lax.fori_loop(0, inner, body, (cache, jnp.float32(0.0)))[1]
 
     rows = []
     for b in batches:
@@ -414,13 +454,13 @@ def verify_cost(cfg, params, ks=(1, 2, 4, 8, 16, 32, 64), batches=(1, 8), contex
             cache = kvc.set_lengths(kvc.init_cache(cfg, b, context + max(ks), per_layer=per_layer),
                                     jnp.full((b,), context, jnp.int32))
             tokens = jnp.ones((b, k), jnp.int32)
-            f = jax.jit(step)
+            f = jax.jit(many)
             jax.block_until_ready(f(params, tokens, cache))
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(params, tokens, cache))
-                ts.append(time.perf_counter() - t0)
+                ts.append((time.perf_counter() - t0) / inner)
             t = statistics.median(ts)
             base = base or t
             rows.append({"model": label, "batch": b, "k": k, "seconds": t, "ratio_to_k1": t / base})
