@@ -1,0 +1,43 @@
+"""The benchmark harness end to end on a tiny budget: rows, peer rows, files, verify-cost projection."""
+
+import json
+
+from infer.bench import main as bench_main
+from infer.bench import parse_method, projections, verify_cost
+
+
+def test_parse_method():
+    assert parse_method("sd:gamma=4,adaptive=true") == ("sd", {"gamma": 4, "adaptive": True})
+    assert parse_method("tree:tree=binary-14") == ("tree", {"tree": "binary-14"})
+    assert parse_method("ar") == ("ar", {})
+
+
+def test_decode_suite_writes_tables_and_plot(tmp_path):
+    out = tmp_path / "b"
+    rc = bench_main(["--methods", "ar", "sd:gamma=2", "lookup", "--peer", "transformers", "transformers-lookup",
+                     "--batch", "1", "2", "--prompts", "2", "--new-tokens", "8", "--repeats", "1", "--no-limit",
+                     "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["batch"]): r for r in res["rows"]}
+    assert ("transformers-lookup", 2) not in rows  # HF assisted generation is batch-1 only: skipped, not faked
+    assert rows[("ar", 1)]["tau"] == 1.0 and rows[("sd:gamma=2", 2)]["tau"] >= 1.0
+    assert rows[("sd:gamma=2", 1)]["speedup_vs_ar"] > 0 and rows[("transformers", 2)]["tokens_per_s"] > 0
+    assert (out / "tokens_per_s.png").stat().st_size > 1000
+    md = (out / "results.md").read_text()
+    assert "| 0 | 2 | sd:gamma=2 |" in md and "acceptance per depth" in md
+
+
+def test_verify_cost_and_projection(tiny):
+    rows = verify_cost(tiny.cfg, tiny.params, ks=(1, 4), batches=(1,), context=8, repeats=1, label="tiny")
+    assert [r["k"] for r in rows] == [1, 4] and rows[0]["ratio_to_k1"] == 1.0 and rows[1]["seconds"] > 0
+    bench_rows = [{"method": "ar", "batch": 1, "temperature": 0.0, "wall_s_median": 1.0, "target_forwards": 100,
+                   "tau": 1.0},
+                  {"method": "sd", "batch": 1, "temperature": 0.0, "wall_s_median": 0.8, "target_forwards": 40,
+                   "tau": 2.5, "tree_size": 4}]
+    cost = [{"batch": 1, "k": 1, "seconds": 0.01}, {"batch": 1, "k": 4, "seconds": 0.015}]
+    projections(bench_rows, cost)
+    sd = bench_rows[1]
+    # t_step = 0.02, overhead = 0.005, flat = 0.015, t_ar = 0.01: projected = 2.5 * 0.01 / 0.015
+    assert abs(sd["projected_speedup_flat_verify"] - 2.5 * 0.01 / 0.015) < 1e-9
+    assert abs(sd["overhead_fraction_of_flat_step"] - 0.005 / 0.015) < 1e-9
