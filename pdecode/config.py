@@ -57,6 +57,7 @@ class ModelConfig:
     sliding_window: int | None = None
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
+    layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -112,8 +113,14 @@ class ModelConfig:
     # ----------------------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary."""
+        """Build from a Hugging Face config.json dictionary (LLaDA and Dream configs included)."""
         model_type = hf.get("model_type")
+        if model_type == "llada":
+            return cls._from_llada(hf)
+        if model_type in ("Dream", "dream"):
+            # Dream: a Qwen2 network run bidirectionally, logits shifted by one
+            base = cls.from_hf({**hf, "model_type": "qwen2"})
+            return base.replace(causal=False, diffusion_shift=True, layout="hf")
         if model_type not in _HF_FAMILIES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r} in config.json; pdecode loads "
@@ -168,6 +175,24 @@ class ModelConfig:
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
         return cls(**cfg_kw)
+
+    @classmethod
+    def _from_llada(cls, hf: dict[str, Any]) -> "ModelConfig":
+        try:
+            d, heads, layers = int(hf["d_model"]), int(hf["n_heads"]), int(hf["n_layers"])
+            ff = int(hf.get("mlp_hidden_size") or int(hf["mlp_ratio"]) * d)
+        except KeyError as e:
+            raise ConfigError(f"LLaDA config.json lacks the field {e.args[0]!r}") from None
+        vocab = int(hf.get("embedding_size") or hf["vocab_size"])
+        eos = hf.get("eos_token_id")
+        return cls(vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=layers, num_heads=heads,
+                   num_kv_heads=int(hf.get("n_kv_heads") or heads), head_dim=d // heads, family="llama",
+                   max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
+                   rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                   tie_word_embeddings=bool(hf.get("weight_tying", False)), causal=False,
+                   eos_token_ids=(int(eos),) if eos is not None else (), pad_token_id=hf.get("pad_token_id"),
+                   mask_token_id=hf.get("mask_token_id", 126336), layout="llada",
+                   dtype=str(hf.get("torch_dtype") or "float32"))
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dictionary that `transformers` loads (AutoConfig / AutoModelForCausalLM)."""

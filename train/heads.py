@@ -95,7 +95,8 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
             lg, _, _ = H.eagle_step(hp, r.hcfg, cfg, tparams, x[:, 1:], feat[:, :-1], pos, mask)
         else:
             lg, _, _ = H.mtp_module(hp["modules"][0], r.hcfg, cfg, tparams, lh[0][:, :-1], x[:, 1:], pos, mask)
-        return jnp.mean(jnp.argmax(lg, -1)[:, :-1] == t_next[:, 2:])
+        # pair i = (x_{i+1}, feature_i) predicts x_{i+2}, which the target predicts from position i + 1
+        return jnp.mean(jnp.argmax(lg, -1) == t_next[:, 1:])
 
     def eval_fn(hp):
         vals = [float(agree(hp, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
@@ -126,6 +127,7 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
                      eval_fn=eval_fn, desc=name)
     wall = time.perf_counter() - t0
     info = {"name": name, "command": f"python -m train.heads --only {name}", "kind": r.kind, "params": n_params,
+            "final_eval": hist["eval"][-1] if hist["eval"] else None,
             "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
             "evals": hist["eval"], "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
             "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
@@ -136,6 +138,26 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     print(f"{name}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min",
           file=sys.stderr)
     return info
+
+
+def reevaluate(name: str, zoo: Path, work: Path) -> dict:
+    """Recompute the held-out depth-1 agreement of saved heads and record it in their train_info.json."""
+    from pdecode.checkpoint.heads_io import load_heads
+
+    r = RECIPES[name]
+    tok = ensure_tokenizer(zoo)
+    _, va = token_streams(tok, work / "data")
+    cfg, tparams = load_hf(zoo / r.base)
+    tparams = jax.tree.map(jnp.asarray, tparams)
+    _, _, hp, _ = load_heads(zoo / name, cfg)
+    ev = _eval_heads(r, cfg, tparams, data.TokenBatches(va, r.seq_len, 1).fixed_eval(96))(
+        jax.tree.map(jnp.asarray, hp))
+    f = zoo / name / "train_info.json"
+    info = json.loads(f.read_text())
+    info["final_eval"] = ev
+    f.write_text(json.dumps(info, indent=1) + "\n")
+    print(f"{name}: {ev}", file=sys.stderr)
+    return ev
 
 
 def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float = 0.3) -> dict:
@@ -179,12 +201,15 @@ def main(argv=None):
     ap.add_argument("--zoo", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=Path("runs/zoo"))
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--eval-only", action="store_true", help="re-measure saved heads' depth-1 agreement")
     args = ap.parse_args(argv)
     from pdecode.api import zoo_dir
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):
-        if name == NATIVE_MTP:
+        if args.eval_only and name != NATIVE_MTP:
+            reevaluate(name, zoo, args.work)
+        elif name == NATIVE_MTP:
             train_native_mtp(zoo, args.work, args.steps)
         else:
             train_heads(name, zoo, args.work, args.steps)

@@ -53,6 +53,32 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     return rules
 
 
+def llada_rules(cfg: ModelConfig) -> list[Rule]:
+    """LLaDA's checkpoint names (``model.transformer.blocks.N.*``); the network is our Llama block, run
+    bidirectionally."""
+    p = "model.transformer.blocks.{i}."
+    rules = [
+        Rule("model.transformer.wte.weight", "embed", "plain"),
+        Rule(p + "attn_norm.weight", "layers/attn_norm", "plain"),
+        Rule(p + "q_proj.weight", "layers/wq", "heads_in"),
+        Rule(p + "k_proj.weight", "layers/wk", "heads_in"),
+        Rule(p + "v_proj.weight", "layers/wv", "heads_in"),
+        Rule(p + "attn_out.weight", "layers/wo", "heads_out"),
+        Rule(p + "ff_norm.weight", "layers/mlp_norm", "plain"),
+        Rule(p + "ff_proj.weight", "layers/w_gate", "linear"),
+        Rule(p + "up_proj.weight", "layers/w_up", "linear"),
+        Rule(p + "ff_out.weight", "layers/w_down", "linear"),
+        Rule("model.transformer.ln_f.weight", "final_norm", "plain"),
+    ]
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("model.transformer.ff_out.weight", "lm_head", "linear"))
+    return rules
+
+
+def rules_for(cfg: ModelConfig) -> list[Rule]:
+    return llada_rules(cfg) if cfg.layout == "llada" else llama_rules(cfg)
+
+
 def _to_ours(a: np.ndarray, layout: str, shape: tuple[int, ...]) -> np.ndarray:
     if layout == "plain":
         return a.reshape(shape)
@@ -164,8 +190,9 @@ def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
     tensors = read_checkpoint_dir(path)
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
-    params = tensors_to_params(tensors, param_specs(cfg), llama_rules(cfg), cfg.num_layers, dtype, source=str(path))
-    return cfg, params
+    params = tensors_to_params(tensors, param_specs(cfg), rules_for(cfg), cfg.num_layers, dtype, source=str(path))
+    # once loaded, the params are ours: saving writes the transformers (Llama/Qwen) naming
+    return cfg.replace(layout="hf"), params
 
 
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "float32",
