@@ -69,3 +69,15 @@ def test_batches_depend_only_on_step():
     np.testing.assert_array_equal(b.batch(7), b.batch(7))
     assert not np.array_equal(b.batch(7), b.batch(8))
     assert b.batch(0).shape == (4, 17)
+
+
+def test_self_distillation_stream(tiny):
+    stream = np.arange(3, 90, dtype=np.int32).repeat(3)
+    out = data.self_distillation_stream(tiny, stream, 150, prompt_len=8, new_tokens=12, batch=4, seed=1)
+    assert out.shape == (150,) and out.dtype == np.int32
+    # sequences are prompt (a corpus window) + the target's own greedy-or-sampled continuation + EOS
+    eos = tiny.cfg.eos_token_ids[0]
+    seqs = np.split(out, np.nonzero(out == eos)[0] + 1)
+    first = seqs[0]
+    assert len(first) == 8 + 12 + 1 and first[-1] == eos
+    assert np.all(np.diff(first[:8]) >= 0)  # the prompt is a window of the (sorted) corpus stream
