@@ -27,11 +27,9 @@ class Rule(NamedTuple):
     layout: str  # plain | linear | heads_in | heads_out | bias_heads
 
 
-def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
-    """Llama / Mistral / Qwen2 / Qwen3 names (the layout transformers uses for all four)."""
-    p = prefix + "layers.{i}."
-    rules = [
-        Rule(prefix + "embed_tokens.weight", "embed", "plain"),
+def block_rules(p: str) -> list[Rule]:
+    """One transformers-style decoder block under prefix ``p`` (e.g. "model.layers.{i}.")."""
+    return [
         Rule(p + "input_layernorm.weight", "layers/attn_norm", "plain"),
         Rule(p + "self_attn.q_proj.weight", "layers/wq", "heads_in"),
         Rule(p + "self_attn.k_proj.weight", "layers/wk", "heads_in"),
@@ -41,8 +39,14 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
         Rule(p + "mlp.gate_proj.weight", "layers/w_gate", "linear"),
         Rule(p + "mlp.up_proj.weight", "layers/w_up", "linear"),
         Rule(p + "mlp.down_proj.weight", "layers/w_down", "linear"),
-        Rule(prefix + "norm.weight", "final_norm", "plain"),
     ]
+
+
+def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
+    """Llama / Mistral / Qwen2 / Qwen3 names (the layout transformers uses for all four)."""
+    p = prefix + "layers.{i}."
+    rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"), *block_rules(p),
+             Rule(prefix + "norm.weight", "final_norm", "plain")]
     if cfg.attention_bias:
         rules += [Rule(p + f"self_attn.{n}_proj.bias", f"layers/b{n}", "bias_heads") for n in "qkv"]
     if cfg.qk_norm:

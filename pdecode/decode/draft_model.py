@@ -17,7 +17,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.speculative import Context, Drafter, Proposal
+from pdecode.decode.speculative import Context, Drafter, DynamicTreeShape, Proposal, StaticTreeShape
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
@@ -135,24 +135,12 @@ class DraftChain(_DraftModelDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftStaticTree(_DraftModelDrafter):
+class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     """Token tree from a static shape: each node takes the top-``rank`` token of its parent's draft
     distribution (Medusa-style choice paths). One draft forward per depth."""
 
     dcfg: ModelConfig
     tree: tree_lib.StaticTree
-
-    @property
-    def tree_size(self) -> int:
-        return self.tree.size
-
-    @property
-    def max_depth(self) -> int:
-        return self.tree.max_depth
-
-    @property
-    def max_children(self) -> int:
-        return self.tree.max_children
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
         return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
@@ -205,27 +193,15 @@ def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftDynamicTree(_DraftModelDrafter):
-    """EAGLE-2-style dynamic tree grown with the draft model: expand the ``top_k`` best frontier nodes per depth
-    (each proposing its top_k children), score every node by cumulative draft log-probability, and keep the best
-    ``total_tokens`` nodes for verification."""
+class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
+    """EAGLE-2-style dynamic tree grown with the draft model: expand the ``tree_top_k`` best frontier nodes per
+    depth (each proposing its tree_top_k children), score every node by cumulative draft log-probability, and keep
+    the best ``total_tokens`` nodes for verification."""
 
     dcfg: ModelConfig
-    top_k: int
+    tree_top_k: int
     depth: int
     total_tokens: int
-
-    @property
-    def tree_size(self) -> int:
-        return self.total_tokens + 1
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.top_k
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
         return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
@@ -233,7 +209,7 @@ class DraftDynamicTree(_DraftModelDrafter):
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, self.depth + 1)
         prop, cache = grow_dynamic_tree(
-            ctx, cache, jax.nn.log_softmax(logits0), self.top_k, self.depth, self.total_tokens,
+            ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth, self.total_tokens,
             lambda c, tok, pos, write_at, mask, st: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask) + (st,),
             base_B=ctx.seq_len, pos1_B=ctx.seq_len)
         return prop, {**dstate, "cache": cache}

@@ -17,32 +17,17 @@ import jax.numpy as jnp
 
 from pdecode.config import ModelConfig
 from pdecode.decode.draft_model import grow_dynamic_tree
-from pdecode.decode.speculative import Context, Drafter
+from pdecode.decode.speculative import Context, Drafter, DynamicTreeShape
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.heads import EagleConfig, MTPConfig, eagle_feature, eagle_step, mtp_module
 from pdecode.model.transformer import unstack_layers
 
 
-class FeatureDrafter(Drafter):
+class FeatureDrafter(DynamicTreeShape, Drafter):
     """Base: subclasses give ``step`` (one drafter pass) and ``target_feature``; trees are grown EAGLE-2 style."""
 
     cfg: ModelConfig
-    tree_top_k: int
-    depth: int
-    total_tokens: int
-
-    @property
-    def tree_size(self) -> int:
-        return self.total_tokens + 1
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.tree_top_k
 
     def block_cfg(self) -> ModelConfig:
         return self.cfg.replace(num_layers=1)

@@ -15,28 +15,16 @@ import numpy as np
 
 from pdecode.config import ModelConfig
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.speculative import Context, Drafter, Proposal
+from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
 from pdecode.model.heads import MedusaConfig, medusa_logits
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(Drafter):
+class MedusaDrafter(StaticTreeShape, Drafter):
     cfg: ModelConfig
     mcfg: MedusaConfig
     tree: tree_lib.StaticTree
     typical: tuple[float, float] | None = None
-
-    @property
-    def tree_size(self) -> int:
-        return self.tree.size
-
-    @property
-    def max_depth(self) -> int:
-        return self.tree.max_depth
-
-    @property
-    def max_children(self) -> int:
-        return self.tree.max_children
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         mp, tparams = dparams, ctx.target

@@ -70,6 +70,45 @@ class Drafter:
         return dstate
 
 
+class StaticTreeShape:
+    """Drafters whose every step proposes the same static ``tree``."""
+
+    tree: Any
+
+    @property
+    def tree_size(self) -> int:
+        return self.tree.size
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    @property
+    def max_children(self) -> int:
+        return self.tree.max_children
+
+
+class DynamicTreeShape:
+    """Drafters growing EAGLE-2 dynamic trees: ``tree_top_k`` children per expanded node, ``depth`` levels, the
+    best ``total_tokens`` nodes kept."""
+
+    tree_top_k: int
+    depth: int
+    total_tokens: int
+
+    @property
+    def tree_size(self) -> int:
+        return self.total_tokens + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.tree_top_k
+
+
 @struct.dataclass
 class SpecState:
     out: common.Outputs
