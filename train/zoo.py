@@ -47,6 +47,7 @@ class Recipe:
     seq_len: int
     batch_size: int
     teacher: str | None = None  # distil from this zoo model instead of plain next-token training
+    self_distill: int = 0  # train on this many tokens the teacher generated itself (half the batches)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -60,7 +61,7 @@ RECIPES: dict[str, Recipe] = {
     "code-draft": Recipe(
         _cfg(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64),
         TrainConfig(steps=240, lr=3e-3, warmup=30, eval_every=120, ckpt_every=60, log_every=10, seed=1),
-        seq_len=512, batch_size=16, teacher="code-target"),
+        seq_len=512, batch_size=16, teacher="code-target", self_distill=1_500_000),
 }
 
 
@@ -121,6 +122,12 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     tok = ensure_tokenizer(zoo)
     tr, va = token_streams(tok, work / "data")
     batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
+    batch_fn = batches.batch
+    if r.self_distill:  # half of every batch from the teacher's own continuations: what a draft sees at decode time
+        gen = data.TokenBatches(data.self_distilled(zoo, work, r.teacher, tr, r.self_distill), r.seq_len,
+                                r.batch_size // 2, seed=tc.seed + 1)
+        corpus = data.TokenBatches(tr, r.seq_len, r.batch_size - r.batch_size // 2, seed=tc.seed)
+        batch_fn = lambda i: np.concatenate([corpus.batch(i), gen.batch(i)])  # noqa: E731
     val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(10_000)
     eval_fn = make_eval(r.cfg, val_windows)
     params = init_params(r.cfg, jax.random.PRNGKey(tc.seed))
@@ -135,8 +142,8 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
           f"{len(val_windows)} windows", file=sys.stderr)
     t0 = time.perf_counter()
     # checkpoints are keyed by the recipe, so a changed recipe never resumes from another one's state
-    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher)).encode()).hexdigest()[:10]
-    params, hist = train(objective, params, frozen, batches.batch, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
+    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher, r.self_distill)).encode()).hexdigest()[:10]
+    params, hist = train(objective, params, frozen, batch_fn, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
                          eval_fn=eval_fn, desc=name)
     wall = time.perf_counter() - t0
     out = zoo / name
@@ -163,6 +170,7 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
         "python": sys.version.split()[0],
         "corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
         "teacher": r.teacher,
+        "self_distill_tokens": r.self_distill,
     }
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{name}: validation loss {info['val_loss']:.4f} (bf16 weights), {wall / 60:.1f} min -> {out}",
