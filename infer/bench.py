@@ -76,7 +76,8 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
 
 # ------------------------------------------------------------------------------------------------ runners
 def parse_method(spec: str) -> tuple[str, dict]:
-    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
+    """``name`` or ``name:key=value,key=value`` -> (name, options). A ``@model`` suffix on the name (e.g.
+    ``eagle@code-target-eagle3``) is kept in the name; `split_model` separates it."""
     name, _, rest = spec.partition(":")
     opts = {}
     for kv in filter(None, rest.split(",")):
@@ -86,6 +87,12 @@ def parse_method(spec: str) -> tuple[str, dict]:
         except json.JSONDecodeError:
             opts[k] = v
     return name, opts
+
+
+def split_model(name: str) -> tuple[str, str | None]:
+    """``eagle@code-target-eagle3`` -> ("eagle", "code-target-eagle3")."""
+    method, _, model = name.partition("@")
+    return method, model or None
 
 
 class OurRunner:
@@ -351,9 +358,15 @@ def run_from_args(args) -> int:
     draft = pdecode.load(args.draft or "code-draft", dtype=args.dtype) if (args.draft or needs_draft) else None
     prompts = default_prompts(model, args.prompts, args.prompt_tokens)
     runners = []
+    loaded = {}
     for spec in args.methods:
         name, opts = parse_method(spec)
-        runners.append(OurRunner(model, name, opts, draft=draft if name in ("sd", "tree") else None))
+        method, other = split_model(name)
+        m = model
+        if other:  # a model with heads (e.g. code-target-medusa): same target weights, heads attached
+            m = loaded.setdefault(other, pdecode.load(other, dtype=args.dtype))
+        label = spec
+        runners.append(OurRunner(m, method, opts, draft=draft if method in ("sd", "tree") else None, label=label))
     for peer in args.peer:
         if peer == "transformers":
             runners.append(HFRunner(model, "transformers"))
