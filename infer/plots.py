@@ -20,8 +20,7 @@ def commit_order_plot(commit_step, path: str | Path, title: str = "", labels: li
         a = a[None]
     a = np.where(a < 0, np.nan, a)
     fig, ax = plt.subplots(figsize=(min(18, 4 + a.shape[1] / 12), max(2.2, 1.2 + 0.45 * a.shape[0])))
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("lightgrey")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     im = ax.imshow(a, aspect="auto", cmap=cmap, interpolation="nearest")
     ax.set_xlabel("canvas position")
     if labels:

@@ -41,3 +41,32 @@ def test_verify_cost_and_projection(tiny):
     # t_step = 0.02, overhead = 0.005, flat = 0.015, t_ar = 0.01: projected = 2.5 * 0.01 / 0.015
     assert abs(sd["projected_speedup_flat_verify"] - 2.5 * 0.01 / 0.015) < 1e-9
     assert abs(sd["overhead_fraction_of_flat_step"] - 0.005 / 0.015) < 1e-9
+
+
+def test_diffusion_suite_runs_end_to_end(tmp_path):
+    import jax
+    import numpy as np
+
+    import pdecode
+    from pdecode.checkpoint.hf import save_hf
+    from pdecode.config import ModelConfig
+    from pdecode.model.transformer import init_params
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=512, causal=False, mask_token_id=2,
+                      eos_token_ids=(0,), pad_token_id=1, tie_word_embeddings=True)
+    save_hf(cfg, init_params(cfg, jax.random.PRNGKey(0)), tmp_path / "dllm",
+            tokenizer_dir=pdecode.zoo_dir() / "code-target")
+    out = tmp_path / "d"
+    rc = bench_main(["--suite", "diffusion", "--model", str(tmp_path / "dllm"), "--gen-lengths", "16",
+                     "--batch", "1", "2", "--items", "4", "--samplers", "vanilla", "fast-dllm-0.9-dual", "dico",
+                     "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert {(r["sampler"], r["batch"]) for r in res["rows"]} == {(s, b) for s in ("vanilla", "fast-dllm-0.9-dual",
+                                                                                   "dico") for b in (1, 2)}
+    for r in res["rows"]:
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["nfe_per_prompt"] >= 1 and r["tokens_per_s"] > 0
+    assert all(np.isfinite(q["gen_ppl"]) for q in res["quality"] if q["tokens"])
+    for p in res["meta"]["pictures"]:
+        assert (tmp_path / p).exists() or __import__("pathlib").Path(p).exists()
