@@ -51,3 +51,15 @@ def test_load_with_mesh_and_orbax_round_trip(hf_dirs, tmp_path):
     ids = [[3, 4, 5, 6]]
     assert pdecode.generate(m2, ids, max_new_tokens=8, mesh=mesh).tokens == \
         pdecode.generate(m, ids, max_new_tokens=8).tokens
+
+
+def test_sharded_speculative_equals_single_device(tiny):
+    mesh = make_mesh(2, 4)
+    prompts = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 14, 15]]
+    for method, opts in (("sd", dict(gamma=3)), ("lookup", dict(gamma=3))):
+        draft = tiny if method == "sd" else None
+        single = pdecode.generate(tiny, prompts, method=method, draft=draft, max_new_tokens=12, stop_at_eos=False,
+                                  **opts)
+        sharded = pdecode.generate(tiny, prompts, method=method, draft=draft, max_new_tokens=12, stop_at_eos=False,
+                                   mesh=mesh, **opts)
+        assert sharded.tokens == single.tokens

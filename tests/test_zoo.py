@@ -68,3 +68,40 @@ def test_generates_python(target):
                            max_new_tokens=40)
     assert all(len(t) > 0 for t in out.texts)
     assert any(kw in out.texts[0] + out.texts[1] for kw in ("return", "self", "if ", "=")), out.texts
+
+
+HEADS = {"code-target-medusa": "medusa", "code-target-eagle": "eagle", "code-target-eagle3": "eagle",
+         "code-target-mtp-posthoc": "mtp"}
+
+
+@pytest.mark.parametrize("name,kind", sorted(HEADS.items()))
+def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
+    m = pdecode.load(name)
+    assert kind in m.extras and m.cfg == target.cfg
+    info = json.loads((ZOO / name / "train_info.json").read_text())
+    assert info["train_minutes_this_run"] < 20 and info["command"].startswith("python -m train.heads")
+    prompts = ["def add(a, b):\n", "import os\n\n\nclass Config:\n"]
+    ar = pdecode.generate(target, prompts, max_new_tokens=24)
+    out = pdecode.generate(m, prompts, method=kind, max_new_tokens=24)
+    assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > 1.2
+
+
+def test_native_mtp_model():
+    m = pdecode.load("code-target-mtp")
+    assert "mtp" in m.extras and m.tokenizer is not None
+    info = json.loads((ZOO / "code-target-mtp" / "train_info.json").read_text())
+    assert info["val_loss"] < 4.0 and info["mtp_lambda"] > 0
+    out = pdecode.generate(m, ["def main():\n"], method="mtp", max_new_tokens=16)
+    ref = pdecode.generate(m, ["def main():\n"], max_new_tokens=16)
+    assert out.tokens == ref.tokens
+
+
+def test_code_dllm_answers_tasks():
+    from train.tasks import score, split
+
+    m = pdecode.load("code-dllm")
+    assert not m.cfg.causal and m.cfg.mask_token_id == 2
+    items = split()[1][:16]
+    out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=32, block_length=8,
+                           rule="threshold", threshold=0.9)
+    assert sum(score(it, t) for it, t in zip(items, out.texts)) >= 4  # well above chance: the model learned the tasks

@@ -4,8 +4,9 @@ trained with the masked-diffusion objective on the zoo corpus and, as SFT, on th
     python -m train.dllm                 # about 30 minutes on 2 CPU cores
 
 Each batch mixes corpus windows (every token maskable) and task examples ``prompt + answer + EOS fill`` (only the
-response maskable) whose response length varies (48..256 tokens), so the model learns to close an answer with EOS
-at any generation length.
+response maskable) whose response length varies (16..256 tokens), so the model learns to close an answer with EOS
+at any generation length; the EOS fill after the first EOS is down-weighted (0.05) so it does not drown the
+answer tokens.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ from train.zoo import _cfg, ensure_tokenizer, token_streams
 NAME = "code-dllm"
 CFG = _cfg(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
            causal=False)
-TC = TrainConfig(steps=900, lr=2e-3, warmup=60, eval_every=300, ckpt_every=150, log_every=10, seed=7)
+TC = TrainConfig(steps=1000, lr=2e-3, warmup=60, eval_every=250, ckpt_every=125, log_every=10, seed=7)
 SEQ = 288
 BATCH = 16
-SFT_FRACTION = 0.75
-RESPONSE_LENGTHS = (48, 64, 128, 256)
+SFT_FRACTION = 0.875
+RESPONSE_LENGTHS = (16, 32, 64, 128, 256)
+EOS_FILL_WEIGHT = 0.05  # loss weight of the EOS fill after an answer's first EOS
 
 
 class MixedBatches:
-    """Batch i (deterministic in i): SFT task examples and corpus windows, as (tokens, maskable, lengths)."""
+    """Batch i (deterministic in i): SFT task examples and corpus windows, as (tokens, maskable, lengths,
+    weights)."""
 
     def __init__(self, tok, stream: np.ndarray, items: list, seed: int):
         self.stream, self.seed = stream, seed
@@ -53,21 +56,23 @@ class MixedBatches:
         toks = np.full((BATCH, SEQ), self.eos, np.int32)
         maskable = np.zeros((BATCH, SEQ), bool)
         lengths = np.full((BATCH,), SEQ, np.int32)
+        weights = np.ones((BATCH, SEQ), np.float32)
         n_sft = int(round(BATCH * SFT_FRACTION))
         for r in range(BATCH):
             if r < n_sft:
                 p, a = self.items[rng.integers(len(self.items))]
-                resp = int(rng.choice(RESPONSE_LENGTHS))
+                resp = max(int(rng.choice(RESPONSE_LENGTHS)), len(a) + 1)
                 n = min(len(p) + resp, SEQ)
                 toks[r, : len(p)] = p
                 toks[r, len(p): len(p) + len(a)] = a
                 maskable[r, len(p): n] = True
                 lengths[r] = n
+                weights[r, len(p) + len(a) + 1:] = EOS_FILL_WEIGHT
             else:
                 s = rng.integers(0, len(self.stream) - SEQ)
                 toks[r] = self.stream[s: s + SEQ]
                 maskable[r] = True
-        return toks, maskable, lengths
+        return toks, maskable, lengths, weights
 
 
 def main(argv=None):
@@ -97,7 +102,8 @@ def main(argv=None):
     params = init_params(CFG, jax.random.PRNGKey(tc.seed))
     print(f"{NAME}: {CFG.num_params() / 1e6:.2f}M params (bidirectional), {tc.steps} steps of {BATCH}x{SEQ}, "
           f"{SFT_FRACTION:.0%} task SFT / rest corpus", file=sys.stderr)
-    sig = hashlib.sha1(repr((CFG, tc, SEQ, BATCH, SFT_FRACTION)).encode()).hexdigest()[:10]
+    sig = hashlib.sha1(repr((CFG, tc, SEQ, BATCH, SFT_FRACTION, RESPONSE_LENGTHS, EOS_FILL_WEIGHT)).encode()
+                       ).hexdigest()[:10]
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc,
                          ckpt_dir=args.work / "ckpt" / f"{NAME}-{sig}", eval_fn=eval_fn, desc=NAME,
@@ -109,6 +115,7 @@ def main(argv=None):
             "train_minutes_this_run": round(wall / 60, 2), "evals": hist["eval"],
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc),
             "seq_len": SEQ, "batch_size": BATCH, "sft_fraction": SFT_FRACTION,
+            "response_lengths": RESPONSE_LENGTHS, "eos_fill_weight": EOS_FILL_WEIGHT,
             "task_items": {"train": len(train_items), "heldout": len(heldout)}}
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{NAME}: done in {wall / 60:.1f} min -> {out}", file=sys.stderr)

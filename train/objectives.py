@@ -214,13 +214,15 @@ def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
 def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3):
     """Masked diffusion (LLaDA): per sequence t ~ U(eps, 1), every token masked with probability t, CE on the
     masked tokens weighted by 1/t, averaged over the maskable slots. ``batch`` = (tokens [B, T], maskable [B, T],
-    lengths [B]): the SFT variant passes maskable = response positions only (the prompt stays visible); positions
-    past a row's length are padding (not attended, not scored). ``shift``: Dream-style logits, position i
-    predicted from the hidden state at i-1."""
+    lengths [B]) or with a fourth element, per-token loss weights [B, T]: the SFT variant passes maskable =
+    response positions only (the prompt stays visible) and may down-weight a long EOS fill so it does not drown
+    the answer; positions past a row's length are padding (not attended, not scored). ``shift``: Dream-style
+    logits, position i predicted from the hidden state at i-1."""
 
     def loss(params, frozen, batch, rng):
         del frozen
-        tokens, maskable, lengths = batch
+        tokens, maskable, lengths = batch[:3]
+        tok_w = batch[3] if len(batch) > 3 else None
         b, t = tokens.shape
         maskable = maskable & (jnp.arange(t)[None, :] < lengths[:, None])
         k_t, k_m = jax.random.split(rng)
@@ -236,7 +238,10 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
             masked = masked.at[:, 0].set(False)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         w = masked.astype(jnp.float32) / tt
-        denom = jnp.maximum(jnp.sum(maskable, axis=1, keepdims=True), 1).astype(jnp.float32)
+        slots = maskable.astype(jnp.float32)
+        if tok_w is not None:
+            w, slots = w * tok_w, slots * tok_w
+        denom = jnp.maximum(jnp.sum(slots, axis=1, keepdims=True), 1.0)
         val = jnp.mean(jnp.sum(ce * w / denom, axis=1))
         return val, {"masked_ce": jnp.sum(ce * masked) / jnp.maximum(jnp.sum(masked), 1)}
 
