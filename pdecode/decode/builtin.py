@@ -123,8 +123,9 @@ register(Method("medusa", _prepare_medusa,
                 options={"tree": None, "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3},
                 summary="Medusa heads, static tree; lossless verification (typical=True: Medusa's lossy typical "
                         "acceptance)"))
-register(Method("eagle", _prepare_eagle, options={"tree_top_k": 4, "depth": 5, "total_tokens": 24},
-                summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees"))
+register(Method("eagle", _prepare_eagle, options={"tree_top_k": 10, "depth": 7, "total_tokens": 60},
+                summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees (defaults: EAGLE-2's top_k 10, depth 7, "
+                        "total_tokens 60)"))
 register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": 1},
                 summary="multi-token prediction module as drafter: chain (default, one token) or tree; depth > 1 "
                         "reuses the first module on its own output"))
