@@ -81,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--zoo", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=Path("runs/zoo"))
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this model's weights (a second stage of training on top of a first)")
     args = ap.parse_args(argv)
     from pdecode.api import zoo_dir
 
@@ -100,10 +102,19 @@ def main(argv=None):
                                                      for j, b in enumerate(val_batches)]))}
 
     params = init_params(CFG, jax.random.PRNGKey(tc.seed))
+    stages = []
+    if args.init_from:
+        from pdecode.checkpoint.hf import load_hf
+
+        _, init = load_hf(args.init_from)
+        params = jax.tree.map(jnp.asarray, init)
+        prev = args.init_from / "train_info.json"
+        if prev.exists():
+            stages = json.loads(prev.read_text()).get("stages", []) or [json.loads(prev.read_text())]
     print(f"{NAME}: {CFG.num_params() / 1e6:.2f}M params (bidirectional), {tc.steps} steps of {BATCH}x{SEQ}, "
           f"{SFT_FRACTION:.0%} task SFT / rest corpus", file=sys.stderr)
-    sig = hashlib.sha1(repr((CFG, tc, SEQ, BATCH, SFT_FRACTION, RESPONSE_LENGTHS, EOS_FILL_WEIGHT)).encode()
-                       ).hexdigest()[:10]
+    sig = hashlib.sha1(repr((CFG, tc, SEQ, BATCH, SFT_FRACTION, RESPONSE_LENGTHS, EOS_FILL_WEIGHT,
+                             str(args.init_from), len(stages))).encode()).hexdigest()[:10]
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc,
                          ckpt_dir=args.work / "ckpt" / f"{NAME}-{sig}", eval_fn=eval_fn, desc=NAME,
@@ -111,12 +122,16 @@ def main(argv=None):
     wall = time.perf_counter() - t0
     out = zoo / NAME
     save_hf(CFG.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=zoo / "code-target")
-    info = {"name": NAME, "command": "python -m train.dllm", "params": CFG.num_params(), "steps": hist["last_step"],
+    command = "python -m train.dllm" + (f" --init-from {args.init_from} --steps {tc.steps}" if args.init_from else "")
+    info = {"name": NAME, "command": command, "params": CFG.num_params(), "steps": hist["last_step"],
             "train_minutes_this_run": round(wall / 60, 2), "evals": hist["eval"],
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc),
             "seq_len": SEQ, "batch_size": BATCH, "sft_fraction": SFT_FRACTION,
             "response_lengths": RESPONSE_LENGTHS, "eos_fill_weight": EOS_FILL_WEIGHT,
             "task_items": {"train": len(train_items), "heldout": len(heldout)}}
+    info["stages"] = [{k: v for k, v in st.items() if k != "stages"} for st in stages] + [
+        {k: v for k, v in info.items() if k not in ("loss_curve",)}]
+    info["train_minutes_total"] = round(sum(st.get("train_minutes_this_run", 0) for st in info["stages"]), 2)
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{NAME}: done in {wall / 60:.1f} min -> {out}", file=sys.stderr)
 
