@@ -7,6 +7,7 @@ second call with the same shapes does not recompile; ``stats['compile_s']`` says
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -142,7 +143,16 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
 
 
 # ------------------------------------------------------------------------------------------------ compile cache
-_COMPILED: dict[Any, Any] = {}
+_COMPILED: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()
+# Executables are kept least-recently-used first out: each holds JIT code pages, and a long sweep of shapes and
+# options (benchmarks, test suites) would otherwise pile up memory maps without bound.
+COMPILE_CACHE_SIZE = int(os.environ.get("PDECODE_COMPILE_CACHE_SIZE", "48"))
+
+
+def clear_compile_cache() -> None:
+    """Drop every cached executable (pdecode's and JAX's own jit caches)."""
+    _COMPILED.clear()
+    jax.clear_caches()
 
 
 def _signature(args) -> tuple:
@@ -156,11 +166,14 @@ def compiled(fn, static: dict[str, Any], *args):
     key = (fn, tuple(sorted(static.items(), key=lambda kv: kv[0])), _signature(args))
     hit = _COMPILED.get(key)
     if hit is not None:
+        _COMPILED.move_to_end(key)
         return hit, 0.0
     t0 = time.perf_counter()
     exe = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static).compile()
     dt = time.perf_counter() - t0
     _COMPILED[key] = exe
+    while len(_COMPILED) > max(1, COMPILE_CACHE_SIZE):
+        _COMPILED.popitem(last=False)
     return exe, dt
 
 

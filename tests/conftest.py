@@ -11,6 +11,20 @@ import pytest  # noqa: E402
 from tests.helpers import make_hf_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Free compiled executables after each test module: every one holds JIT code pages (memory maps), and the
+    whole suite's worth in one process runs into the kernel's map-count limit (vm.max_map_count), which aborts
+    XLA mid-compile."""
+    yield
+    import gc
+
+    import pdecode
+
+    pdecode.clear_compile_cache()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """family -> (directory, torch model) of tiny random checkpoints saved with `save_pretrained`."""

@@ -129,6 +129,18 @@ def test_compiled_function_is_cached(tiny):
     assert a.stats["compile_s"] >= 0
 
 
+def test_compile_cache_is_bounded(tiny, monkeypatch):
+    """Executables leave least-recently-used first, so a sweep over many shapes cannot exhaust memory maps."""
+    from pdecode import api
+
+    monkeypatch.setattr(api, "COMPILE_CACHE_SIZE", 2)
+    pdecode.clear_compile_cache()
+    outs = [pdecode.generate(tiny, [[1, 2, 3]], max_new_tokens=n) for n in (3, 4, 5)]
+    assert len(api._COMPILED) == 2 and all(o.stats["compile_s"] > 0 for o in outs)
+    assert pdecode.generate(tiny, [[4, 5]], max_new_tokens=5).stats["compile_s"] == 0.0  # recent: kept
+    assert pdecode.generate(tiny, [[4, 5]], max_new_tokens=3).stats["compile_s"] > 0  # oldest: evicted
+
+
 def test_whole_generation_is_one_while_loop(tiny):
     s = sampling.Sampling()
     prompt = jnp.zeros((2, 8), jnp.int32)
