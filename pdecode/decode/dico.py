@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pdecode.config import ModelConfig
-from pdecode.decode.diffusion import answer_done, finish, full_mask, no_mask, predict
+from pdecode.decode.diffusion import answer_done, finish, full_mask, no_mask, predict, top2
 from pdecode.errors import ConfigError
 from pdecode.model.transformer import decode_layout, forward, unembed
 
@@ -161,9 +161,9 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, samp.greedy)
         prob = jax.nn.softmax(lg.astype(jnp.float32), axis=-1)
-        top2 = jax.lax.top_k(prob, 2)[0]
+        first, second = top2(prob)
         c = jnp.take_along_axis(prob, x0[..., None], axis=-1)[..., 0]
-        margin = top2[..., 0] - top2[..., 1]
+        margin = first - second
         cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
         drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
         active = ~st.done
