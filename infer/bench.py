@@ -77,8 +77,12 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
 # ------------------------------------------------------------------------------------------------ runners
 def parse_method(spec: str) -> tuple[str, dict]:
     """``name`` or ``name:key=value,key=value`` -> (name, options). A ``@model`` suffix on the name (e.g.
-    ``eagle@code-target-eagle3``) is kept in the name; `split_model` separates it."""
+    ``eagle@code-target-eagle3``) is kept in the name; `split_model` separates it. The suffix may also follow the
+    options: ``mtp:depth=3@code-target-mtp`` equals ``mtp@code-target-mtp:depth=3``."""
     name, _, rest = spec.partition(":")
+    if "@" in rest and "@" not in name:
+        rest, _, model = rest.rpartition("@")
+        name = f"{name}@{model}"
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
