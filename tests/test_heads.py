@@ -37,6 +37,7 @@ HEAD_CASES = [
     ("eagle", H.EagleConfig(fc_bias=True), {"tree_top_k": 1, "depth": 3, "total_tokens": 3}),
     ("mtp", H.MTPConfig(num_modules=1), {}),
     ("mtp", H.MTPConfig(num_modules=2, emb_first=True), {"tree_top_k": 3, "depth": 2, "total_tokens": 6}),
+    ("mtp", H.MTPConfig(num_modules=1), {"depth": 3}),  # a chain of 3: total_tokens follows depth
 ]
 
 
@@ -47,6 +48,8 @@ def test_greedy_identical_to_ar(target, kind, hcfg, opts):
     out = pdecode.generate(m, PROMPTS, method=kind, max_new_tokens=20, stop_at_eos=False, **opts)
     assert out.tokens == ref.tokens
     assert out.stats["tokens_per_forward"] >= 1.0
+    if kind == "mtp" and opts == {"depth": 3}:
+        assert len(out.stats["accepted_histogram"]) == 4  # 0..3 drafted tokens accepted: three were drafted
 
 
 def test_heads_that_copy_the_target_are_accepted(target):

@@ -116,6 +116,8 @@ def _prepare_mtp(model, draft, opts, samp):
     if mcfg.kind != "sequential":
         raise ConfigError("decoding with parallel (Gloeckle-style) MTP heads is not implemented; method 'mtp' "
                           "drafts with sequential (DeepSeek-V3-style) modules")
+    if opts.get("total_tokens") is None:  # default: every node of the chain / the depth x top_k frontier
+        opts = {**opts, "total_tokens": _int_opt(opts, "depth") * _int_opt(opts, "tree_top_k")}
     return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)))
 
 
@@ -126,9 +128,9 @@ register(Method("medusa", _prepare_medusa,
 register(Method("eagle", _prepare_eagle, options={"tree_top_k": 10, "depth": 7, "total_tokens": 60},
                 summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees (defaults: EAGLE-2's top_k 10, depth 7, "
                         "total_tokens 60)"))
-register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": 1},
+register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": None},
                 summary="multi-token prediction module as drafter: chain (default, one token) or tree; depth > 1 "
-                        "reuses the first module on its own output"))
+                        "reuses the first module on its own output (total_tokens defaults to depth x tree_top_k)"))
 
 
 def _diffusion_model(model, method):
