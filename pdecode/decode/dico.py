@@ -19,7 +19,9 @@ iteration runs one model forward, then acts according to the phase it is in:
 * **Finalize** — the remaining masks are decoded by the compound score ``c + margin_weight * (top1 - top2)``:
   every mask scoring >= ``final_threshold`` is committed, and always the best one.
 
-Choices the paper leaves open: the EMA form of the trajectory weight, the seed band and stability limit, the
+``num_seeds`` defaults to 8: the paper reports DiCo stable for 2-10 seeds; on code-dllm at generation length 256,
+4 seeds took 78 forwards per held-out item and 8 took 41 (8 items; the model solves none, so this choice rests on
+forwards alone). Choices the paper leaves open: the EMA form of the trajectory weight, the seed band and stability limit, the
 Gaussian NMS kernel, committing seeds in Divide, the growth threshold, and Finalize's threshold and weight.
 EOS handling is shared with the other samplers (a row stops once its answer is complete).
 """
@@ -43,7 +45,7 @@ DIVIDE, CONQUER, FINALIZE = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class DiCoOptions:
     gen_length: int = 64
-    num_seeds: int = 4
+    num_seeds: int = 8
     seed_low: float = 0.3
     seed_high: float = 0.95
     stability: float = 0.2
