@@ -27,19 +27,19 @@ class Rule(NamedTuple):
     layout: str  # plain | linear | heads_in | heads_out | bias_heads
 
 
-def block_rules(p: str) -> list[Rule]:
-    """One transformers-style decoder block under prefix ``p`` (e.g. "model.layers.{i}.")."""
-    return [
-        Rule(p + "input_layernorm.weight", "layers/attn_norm", "plain"),
-        Rule(p + "self_attn.q_proj.weight", "layers/wq", "heads_in"),
-        Rule(p + "self_attn.k_proj.weight", "layers/wk", "heads_in"),
-        Rule(p + "self_attn.v_proj.weight", "layers/wv", "heads_in"),
-        Rule(p + "self_attn.o_proj.weight", "layers/wo", "heads_out"),
-        Rule(p + "post_attention_layernorm.weight", "layers/mlp_norm", "plain"),
-        Rule(p + "mlp.gate_proj.weight", "layers/w_gate", "linear"),
-        Rule(p + "mlp.up_proj.weight", "layers/w_up", "linear"),
-        Rule(p + "mlp.down_proj.weight", "layers/w_down", "linear"),
-    ]
+# our decoder block's weights, in order, with their layouts; the names each checkpoint family gives them
+_BLOCK = (("layers/attn_norm", "plain"), ("layers/wq", "heads_in"), ("layers/wk", "heads_in"),
+          ("layers/wv", "heads_in"), ("layers/wo", "heads_out"), ("layers/mlp_norm", "plain"),
+          ("layers/w_gate", "linear"), ("layers/w_up", "linear"), ("layers/w_down", "linear"))
+HF_BLOCK_NAMES = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LLADA_BLOCK_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "ff_norm", "ff_proj", "up_proj",
+                     "ff_out")
+
+
+def block_rules(p: str, names: tuple[str, ...] = HF_BLOCK_NAMES) -> list[Rule]:
+    """One decoder block under prefix ``p`` (e.g. "model.layers.{i}."), transformers' names by default."""
+    return [Rule(f"{p}{n}.weight", ours, layout) for n, (ours, layout) in zip(names, _BLOCK, strict=True)]
 
 
 def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
@@ -60,20 +60,9 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
 def llada_rules(cfg: ModelConfig) -> list[Rule]:
     """LLaDA's checkpoint names (``model.transformer.blocks.N.*``); the network is our Llama block, run
     bidirectionally."""
-    p = "model.transformer.blocks.{i}."
-    rules = [
-        Rule("model.transformer.wte.weight", "embed", "plain"),
-        Rule(p + "attn_norm.weight", "layers/attn_norm", "plain"),
-        Rule(p + "q_proj.weight", "layers/wq", "heads_in"),
-        Rule(p + "k_proj.weight", "layers/wk", "heads_in"),
-        Rule(p + "v_proj.weight", "layers/wv", "heads_in"),
-        Rule(p + "attn_out.weight", "layers/wo", "heads_out"),
-        Rule(p + "ff_norm.weight", "layers/mlp_norm", "plain"),
-        Rule(p + "ff_proj.weight", "layers/w_gate", "linear"),
-        Rule(p + "up_proj.weight", "layers/w_up", "linear"),
-        Rule(p + "ff_out.weight", "layers/w_down", "linear"),
-        Rule("model.transformer.ln_f.weight", "final_norm", "plain"),
-    ]
+    rules = [Rule("model.transformer.wte.weight", "embed", "plain"),
+             *block_rules("model.transformer.blocks.{i}.", LLADA_BLOCK_NAMES),
+             Rule("model.transformer.ln_f.weight", "final_norm", "plain")]
     if not cfg.tie_word_embeddings:
         rules.append(Rule("model.transformer.ff_out.weight", "lm_head", "linear"))
     return rules

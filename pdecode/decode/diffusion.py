@@ -123,14 +123,13 @@ def confidence(logits: jax.Array, x0: jax.Array, alg: str, key) -> jax.Array:
     """Per-position confidence of the prediction x0 under the model's distribution (higher = surer)."""
     if alg == "random":
         return jax.random.uniform(key, x0.shape)
+    if alg == "entropy":
+        return -entropy(logits)
     p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     if alg == "confidence":
         return jnp.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
-    if alg == "margin":
-        first, second = top2(p)
-        return first - second
-    logp = jnp.log(jnp.maximum(p, 1e-30))
-    return jnp.sum(p * logp, axis=-1)  # -entropy
+    first, second = top2(p)  # margin
+    return first - second
 
 
 def entropy(logits: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.speculative import Context, Drafter, Proposal
+from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
 
 
 def broom(branches: int, length: int) -> tree_lib.StaticTree:
@@ -51,7 +51,7 @@ def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: 
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupDrafter(Drafter):
+class LookupDrafter(StaticTreeShape, Drafter):
     gamma: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
@@ -60,18 +60,6 @@ class LookupDrafter(Drafter):
     @property
     def tree(self) -> tree_lib.StaticTree:
         return broom(self.branches, self.gamma)
-
-    @property
-    def tree_size(self) -> int:
-        return 1 + self.branches * self.gamma
-
-    @property
-    def max_depth(self) -> int:
-        return self.gamma
-
-    @property
-    def max_children(self) -> int:
-        return self.branches
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         b, s_max = ctx.seq.shape
