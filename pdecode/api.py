@@ -125,14 +125,15 @@ def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None) -> 
 
 
 def attach_heads(m: Model, path: str | os.PathLike) -> Model:
-    """``m`` with the drafting heads of a heads directory (Medusa / EAGLE / MTP) in ``m.extras[kind]``."""
+    """``m`` with the drafting heads of a heads directory (Medusa / EAGLE / MTP) in ``m.extras[kind]`` and the
+    directory's heads.json (e.g. a calibrated Medusa tree) in ``m.extras[kind + "_meta"]``."""
     from pdecode.checkpoint import heads_io
 
     path = resolve_path(path)
     if not heads_io.is_heads_dir(path):
         raise CheckpointError(f"{path} has no heads.json (expected a pdecode heads directory)")
-    kind, hcfg, params, _ = heads_io.load_heads(path, m.cfg, dtype=np.dtype(jnp.dtype(m.dtype)))
-    extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params))}
+    kind, hcfg, params, meta = heads_io.load_heads(path, m.cfg, dtype=np.dtype(jnp.dtype(m.dtype)))
+    extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params)), f"{kind}_meta": meta}
     return dataclasses.replace(m, extras=extras, _sharded={})
 
 

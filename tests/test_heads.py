@@ -197,6 +197,45 @@ def test_pdecode_heads_round_trip(target, tmp_path):
     assert a.tokens == b.tokens and a.stats["tokens_per_forward"] == b.stats["tokens_per_forward"]
 
 
+def test_calibrated_paths_are_the_best_tree():
+    """Medusa's tree construction against brute force: the n best paths by product of per-depth accuracies."""
+    import itertools
+
+    from pdecode.decode.tree import calibrated_paths
+
+    acc = np.random.default_rng(0).uniform(0.01, 0.9, (3, 4))
+    for n in (1, 5, 10, 30):
+        paths, expected = calibrated_paths(acc, n)
+        assert len(paths) == n and len({tuple(p) for p in paths}) == n
+        assert all(p[:-1] in paths for p in paths if len(p) > 1)  # prefix-closed: a valid tree
+        score = {p: np.prod([acc[i, r] for i, r in enumerate(p)])
+                 for d in (1, 2, 3) for p in itertools.product(range(4), repeat=d)}
+        best = sorted(score.values(), reverse=True)[:n]
+        np.testing.assert_allclose(sorted(score[tuple(p)] for p in paths), sorted(best))
+        np.testing.assert_allclose(expected, 1 + sum(best))
+    with pytest.raises(pdecode.ConfigError):
+        calibrated_paths(acc + 1, 3)
+
+
+def test_medusa_uses_the_tree_calibrated_in_heads_json(target, tmp_path):
+    hcfg = H.MedusaConfig(num_heads=3)
+    m = _with_heads(target, "medusa", hcfg)
+    acc = [[0.6, 0.2], [0.5, 0.1], [0.4, 0.1]]
+    heads_io.save_heads(tmp_path / "h", "medusa", hcfg, m.extras["medusa"][1], base_model=str(target.path),
+                        extra={"tree": [[0], [0, 0]], "tree_calibration": {"accuracy": acc}})
+    m2 = pdecode.load(tmp_path / "h")
+    ref = pdecode.generate(target, PROMPTS, max_new_tokens=16, stop_at_eos=False)
+    shipped = pdecode.generate(m2, PROMPTS, method="medusa", max_new_tokens=16, stop_at_eos=False)
+    rebuilt = pdecode.generate(m2, PROMPTS, method="medusa", max_new_tokens=16, stop_at_eos=False,
+                               tree="calibrated:6")  # [0] .6, [0,0] .3, [1] .2, [0,0,0] .12, [0,1] .06, [1,0] .1
+    default = pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=16, stop_at_eos=False)
+    assert shipped.tokens == rebuilt.tokens == default.tokens == ref.tokens
+    assert len(shipped.stats["accepted_histogram"]) == 3  # the shipped 2-deep tree, not the 3-deep default
+    assert len(rebuilt.stats["accepted_histogram"]) == 4 == len(default.stats["accepted_histogram"])
+    with pytest.raises(pdecode.ConfigError, match="calibrate-tree"):
+        pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=4, tree="calibrated")
+
+
 def test_import_public_medusa_layout(target):
     rng = np.random.default_rng(0)
     d, v, k, n = target.cfg.hidden_size, target.cfg.vocab_size, 3, 1

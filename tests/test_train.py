@@ -81,3 +81,34 @@ def test_self_distillation_stream(tiny):
     first = seqs[0]
     assert len(first) == 8 + 12 + 1 and first[-1] == eos
     assert np.all(np.diff(first[:8]) >= 0)  # the prompt is a window of the (sorted) corpus stream
+
+
+def test_dllm_mixed_batches_layout():
+    """code-dllm's batches: task rows keep the prompt visible and make only the response (answer + EOS fill)
+    maskable, the fill after the first EOS down-weighted; corpus rows are maskable everywhere; the shapes and the
+    task/corpus split follow the stage options."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pdecode.api import zoo_dir
+    from train import dllm, tasks
+
+    tok = HFTokenizer.from_file(str(zoo_dir() / "code-target" / "tokenizer.json"))
+    items = tasks.split()[0][:50]
+    stream = np.arange(3, 3003, dtype=np.int32)
+    mb = dllm.MixedBatches(tok, stream, items, seed=3, seq=48, batch=8, sft_fraction=0.75, response_lengths=(16,))
+    toks, maskable, lengths, weights = mb.batch(5)
+    assert toks.shape == maskable.shape == weights.shape == (8, 48) and lengths.shape == (8,)
+    again = mb.batch(5)
+    assert all(np.array_equal(a, b) for a, b in zip((toks, maskable, lengths, weights), again))
+    eos = tok.token_to_id(data.EOT)
+    by_prompt = {tuple(tok.encode(it.prompt, add_special_tokens=False).ids): it for it in items}
+    for r in range(6):  # task rows
+        p = next(k for k in by_prompt if tuple(toks[r, :len(k)]) == k)
+        a = tok.encode(by_prompt[p].answer, add_special_tokens=False).ids
+        n = len(p) + max(16, len(a) + 1)
+        assert not maskable[r, :len(p)].any() and maskable[r, len(p):n].all() and not maskable[r, n:].any()
+        assert lengths[r] == n and list(toks[r, len(p):len(p) + len(a)]) == a
+        assert (toks[r, len(p) + len(a):] == eos).all()
+        assert (weights[r, :len(p) + len(a) + 1] == 1).all() and (weights[r, len(p) + len(a) + 1:] < 1).all()
+    for r in (6, 7):  # corpus rows
+        assert maskable[r].all() and lengths[r] == 48 and (np.diff(toks[r]) == 1).all()

@@ -78,6 +78,9 @@ HEADS = {"code-target-medusa": "medusa", "code-target-eagle": "eagle", "code-tar
 def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
     m = pdecode.load(name)
     assert kind in m.extras and m.cfg == target.cfg
+    if kind == "medusa":  # ships the tree calibrated for its heads (python -m train.heads --calibrate-tree 64)
+        meta = m.extras["medusa_meta"]
+        assert len(meta["tree"]) == meta["tree_calibration"]["nodes"] == 64
     info = json.loads((ZOO / name / "train_info.json").read_text())
     assert info["train_minutes_this_run"] < 20 and info["command"].startswith("python -m train.heads")
     prompts = ["def add(a, b):\n", "import os\n\n\nclass Config:\n"]

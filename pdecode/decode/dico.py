@@ -54,6 +54,7 @@ class DiCoOptions:
     nms_sigma: float = 8.0
     grow_threshold: float = 0.5
     max_radius: int = 8
+    conquer_growth: int = 1
     final_masks: int = 4
     final_threshold: float = 0.9
     margin_weight: float = 0.5
@@ -62,8 +63,10 @@ class DiCoOptions:
     def __post_init__(self):
         if not (0.0 <= self.seed_low < self.seed_high <= 1.0):
             raise ConfigError(f"need 0 <= seed_low < seed_high <= 1, got {self.seed_low}, {self.seed_high}")
-        if self.num_seeds < 1 or self.max_radius < 0 or self.final_masks < 0 or self.nms_sigma <= 0:
-            raise ConfigError("num_seeds >= 1, max_radius >= 0, final_masks >= 0 and nms_sigma > 0 are required")
+        if (self.num_seeds < 1 or self.max_radius < 0 or self.conquer_growth < 0 or self.final_masks < 0
+                or self.nms_sigma <= 0):
+            raise ConfigError("num_seeds >= 1, max_radius >= 0, conquer_growth >= 0, final_masks >= 0 and "
+                              "nms_sigma > 0 are required")
         if not 0.0 <= self.traj_beta < 1.0:
             raise ConfigError(f"traj_beta must be in [0, 1), got {self.traj_beta}")
 
@@ -201,7 +204,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         commit_step = jnp.where(commit, st.steps, st.commit_step)
         # clusters: fresh ones from the seeds (Divide), or the old ones grown by a step at their boundaries
         cluster = jnp.where(ph == DIVIDE, new_cluster,
-                            jnp.where(ph == CONQUER, grow(st.cluster, new_masked, c, opts.grow_threshold, 1), False))
+                            jnp.where(ph == CONQUER, grow(st.cluster, new_masked, c, opts.grow_threshold,
+                                                           opts.conquer_growth), False))
         phase = jnp.where(eff == FINALIZE, FINALIZE, CONQUER)
         done, _ = answer_done(x, new_masked, canvas, eos_ids)
         done = st.done | done

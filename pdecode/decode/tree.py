@@ -94,6 +94,37 @@ def full_tree(branching: tuple[int, ...]) -> StaticTree:
     return from_choices(paths)
 
 
+def calibrated_paths(acc_KR, n: int) -> tuple[list[list[int]], float]:
+    """Medusa's tree construction: the ``n`` choice paths with the highest expected acceptance, given calibrated
+    accuracies ``acc[k][r]`` (how often the rank-r candidate at depth k + 1 is the target's token). A path
+    (r_1, ..., r_d) is scored by the product of acc[i][r_i] along it (depths taken as independent); the expected
+    tokens per step of the tree is 1 + the sum of its paths' scores, returned alongside.
+
+    Best-first search from the root: a child never scores above its parent, and ties go to the shorter path, so the
+    result is prefix-closed (a valid tree) and deterministic.
+    """
+    import heapq
+
+    acc = np.asarray(acc_KR, np.float64)
+    if acc.ndim != 2 or acc.size == 0 or np.any(acc < 0) or np.any(acc > 1):
+        raise ConfigError(f"calibrated accuracies must be a [depth, rank] table of values in [0, 1], got shape "
+                          f"{acc.shape}")
+    if n < 1:
+        raise ConfigError(f"a calibrated tree needs n >= 1 nodes, got {n}")
+    k_max, r_max = acc.shape
+    heap = [(-acc[0, r], 1, (r,)) for r in range(r_max)]
+    heapq.heapify(heap)
+    out, total = [], 0.0
+    while heap and len(out) < n:
+        neg, d, path = heapq.heappop(heap)
+        out.append(list(path))
+        total += -neg
+        if d < k_max:
+            for r in range(r_max):
+                heapq.heappush(heap, (neg * acc[d, r], d + 1, path + (r,)))
+    return out, 1.0 + total
+
+
 # Named static trees; the number is the count of drafted nodes (the root comes on top). "medusa-63" follows the
 # shape of Medusa's published 63-node tree for 7B models (wide near the root, deep along the top ranks); the
 # others are small, CPU-friendly trees.
