@@ -51,10 +51,14 @@ def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> lis
                 walls, correct, nfe, toks = [], 0, 0, 0
                 for r in range(repeats):
                     wall, correct, nfe, toks = 0.0, 0, 0, 0
+                    by_kind: dict[str, list[int]] = {}
                     for grp in groups:
                         out = _run(m, [it.prompt for it in grp], method, opts, g)
                         wall += out.stats["wall_s"]
-                        correct += sum(score(it, t) for it, t in zip(grp, out.texts))
+                        for it, t in zip(grp, out.texts):
+                            ok = score(it, t)
+                            correct += ok
+                            by_kind.setdefault(it.kind, []).append(int(ok))
                         nfe += out.stats["nfe"] * len(grp)
                         toks += out.stats["new_tokens"]
                     walls.append(wall)
@@ -63,6 +67,7 @@ def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> lis
                 row = {"sampler": name, "gen_length": g, "batch": b, "accuracy": correct / n, "items": n,
                        "nfe_per_prompt": nfe / n, "tokens_per_forward": toks / max(nfe, 1),
                        "tokens_per_s": toks / med, "wall_s_median": med, "compile_s": warm.stats["compile_s"],
+                       "accuracy_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
                        "options": opts}
                 rows.append(row)
                 print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f}, NFE {row['nfe_per_prompt']:.1f}, "
@@ -130,6 +135,16 @@ def to_markdown(rows, quality, meta) -> str:
         lines.append(f"| {r['gen_length']} | {r['batch']} | {r['sampler']} | {r['accuracy']:.3f} | "
                      f"{r['nfe_per_prompt']:.1f} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['compile_s']:.1f} |")
+    big = [r for r in rows if r["gen_length"] == max(x["gen_length"] for x in rows) and r["batch"] == rows[0]["batch"]]
+    kinds = sorted({k for r in big for k in r.get("accuracy_by_kind", {})})
+    if kinds:
+        counts = ", ".join(f"{k} {n}" for k, n in meta.get("items_by_kind", {}).items())
+        lines += ["", f"Accuracy by task kind (gen length {big[0]['gen_length']}, batch {big[0]['batch']}; items per "
+                      f"kind: {counts}):", "",
+                  "| sampler | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        for r in big:
+            lines.append(f"| {r['sampler']} | " + " | ".join(f"{r['accuracy_by_kind'].get(k, 0):.2f}" for k in kinds)
+                         + " |")
     if quality:
         lines += ["", f"Free generation ({quality[0]['gen_length']} tokens after 32-token validation-code prompts), "
                       f"judged by {meta['judge']}:", "",
@@ -166,6 +181,7 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "items": len(items), "repeats": args.repeats, "judge": args.judge,
+            "items_by_kind": {k: sum(it.kind == k for it in items) for k in sorted({it.kind for it in items})},
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
             "bench_minutes": (time.perf_counter() - t0) / 60}
     meta["pictures"] = pictures(m, items, samplers, max(args.gen_lengths), out)

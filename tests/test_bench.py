@@ -70,6 +70,11 @@ def test_diffusion_suite_runs_end_to_end(tmp_path):
                                                                                    "dico") for b in (1, 2)}
     for r in res["rows"]:
         assert 0.0 <= r["accuracy"] <= 1.0 and r["nfe_per_prompt"] >= 1 and r["tokens_per_s"] > 0
+        kinds = res["meta"]["items_by_kind"]
+        assert set(r["accuracy_by_kind"]) == set(kinds) and sum(kinds.values()) == 4
+        # the overall accuracy is the item-weighted mean of the per-kind ones
+        assert abs(sum(r["accuracy_by_kind"][k] * n for k, n in kinds.items()) / 4 - r["accuracy"]) < 1e-9
+    assert "Accuracy by task kind" in (out / "results.md").read_text()
     assert all(np.isfinite(q["gen_ppl"]) for q in res["quality"] if q["tokens"])
     for p in res["meta"]["pictures"]:
         assert (tmp_path / p).exists() or __import__("pathlib").Path(p).exists()

@@ -127,9 +127,10 @@ def test_eos_stops_a_row_and_trims(dllm):
     assert out.stats["nfe"] <= 16
 
 
-def test_dico_invariants(dllm):
+@pytest.mark.parametrize("growth", [1, 4])
+def test_dico_invariants(dllm, growth):
     out = pdecode.generate(dllm, PROMPTS, method="dico", max_new_tokens=32, stop_at_eos=False, num_seeds=3,
-                           seed_low=0.0, seed_high=1.0, stability=1.0)
+                           seed_low=0.0, seed_high=1.0, stability=1.0, conquer_growth=growth)
     steps = np.array(out.stats["commit_step"])
     assert (steps >= 0).all() and all(len(t) == 32 and MASK not in t for t in out.tokens)
     assert out.stats["nfe"] <= 32  # every step commits at least one token
@@ -137,7 +138,7 @@ def test_dico_invariants(dllm):
     assert sum(ph) >= out.stats["nfe"] and ph[0] >= 1  # Divide ran
     for prompt, toks in zip(PROMPTS, out.tokens):  # batch == per row
         one = pdecode.generate(dllm, [prompt], method="dico", max_new_tokens=32, stop_at_eos=False, num_seeds=3,
-                               seed_low=0.0, seed_high=1.0, stability=1.0)
+                               seed_low=0.0, seed_high=1.0, stability=1.0, conquer_growth=growth)
         assert one.tokens[0] == toks
 
 

@@ -1,7 +1,12 @@
 """The zoo's masked-diffusion model ``code-dllm``: a bidirectional Llama-style network on the zoo tokenizer,
 trained with the masked-diffusion objective on the zoo corpus and, as SFT, on the checkable task set.
 
-    python -m train.dllm                 # about 30 minutes on 2 CPU cores
+    python -m train.dllm                 # one stage: 1000 steps of 16 x 288 tokens, about 40 minutes on 2 CPU cores
+    bash scripts/train_dllm.sh           # the shipped model: four stages (about 2 hours), see that script
+
+Later stages start from an earlier one (``--init-from``) and may change the row length, batch, task kinds and
+learning rate (``--seq``, ``--batch``, ``--task-kinds``, ``--lr``); each eval also decodes 64 held-out task items
+and reports their exact-answer accuracy.
 
 Each batch mixes corpus windows (every token maskable) and task examples ``prompt + answer + EOS fill`` (only the
 response maskable) whose response length varies (16..256 tokens), so the model learns to close an answer with EOS
@@ -108,6 +113,8 @@ def main(argv=None):
                     help=f"share of rows that are task examples, the rest corpus windows (default {SFT_FRACTION})")
     ap.add_argument("--response-lengths", type=int, nargs="+", default=list(RESPONSE_LENGTHS),
                     help="response lengths a task example is padded to with EOS (one drawn per row)")
+    ap.add_argument("--task-kinds", nargs="+", default=list(tasks.KINDS), choices=tasks.KINDS, metavar="KIND",
+                    help=f"task kinds to train on (default: all, {' '.join(tasks.KINDS)})")
     ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {TC.lr})")
     ap.add_argument("--warmup", type=int, default=None, help=f"warmup steps (default {TC.warmup})")
     args = ap.parse_args(argv)
@@ -123,7 +130,7 @@ def main(argv=None):
                                                       ("warmup", args.warmup)) if v is not None})
     tok = ensure_tokenizer(zoo)
     tr, va = token_streams(tok, args.work / "data")
-    train_items, heldout = tasks.split()
+    train_items, heldout = tasks.split(kinds=tuple(args.task_kinds))
     batches = MixedBatches(tok, tr, train_items, tc.seed, seq, bs, frac, resp_lengths)
     val = MixedBatches(tok, va, heldout, 12345, seq, bs, frac, resp_lengths)
     loss = masked_diffusion_loss(CFG, mask_id=CFG.mask_token_id)
@@ -148,8 +155,9 @@ def main(argv=None):
             stages = json.loads(prev.read_text()).get("stages", []) or [json.loads(prev.read_text())]
     print(f"{NAME}: {CFG.num_params() / 1e6:.2f}M params (bidirectional), {tc.steps} steps of {bs}x{seq}, "
           f"{frac:.0%} task SFT / rest corpus", file=sys.stderr)
-    sig = hashlib.sha1(repr((CFG, tc, seq, bs, frac, resp_lengths, EOS_FILL_WEIGHT,
-                             str(args.init_from), len(stages))).encode()).hexdigest()[:10]
+    kinds = tuple(args.task_kinds)
+    sig = hashlib.sha1(repr((CFG, tc, seq, bs, frac, resp_lengths, EOS_FILL_WEIGHT, str(args.init_from), len(stages))
+                            + ((kinds,) if kinds != tasks.KINDS else ())).encode()).hexdigest()[:10]
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc,
                          ckpt_dir=args.work / "ckpt" / f"{NAME}-{sig}", eval_fn=eval_fn, desc=NAME,
@@ -163,7 +171,7 @@ def main(argv=None):
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc),
             "seq_len": seq, "batch_size": bs, "sft_fraction": frac,
             "response_lengths": resp_lengths, "eos_fill_weight": EOS_FILL_WEIGHT,
-            "task_items": {"train": len(train_items), "heldout": len(heldout)}}
+            "task_kinds": list(kinds), "task_items": {"train": len(train_items), "heldout": len(heldout)}}
     info["stages"] = [{k: v for k, v in st.items() if k != "stages"} for st in stages] + [
         {k: v for k, v in info.items() if k not in ("loss_curve",)}]
     info["train_minutes_total"] = round(sum(st.get("train_minutes_this_run", 0) for st in info["stages"]), 2)

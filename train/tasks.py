@@ -1,9 +1,12 @@
 """A deterministic, checkable task set written as Python-like text, for diffusion models and samplers.
 
 Each item is a prompt and an exact answer: arithmetic (``assert 37 + 58 == `` -> ``95``), sorting
-(``sorted([5, 2, 9]) == `` -> ``[2, 5, 9]``), reversal and copying (``'abc'[::-1] == `` -> ``'cba'``), and
-bracket completion (``close('([{') == `` -> ``'}])'``). Items are generated from a seed; the split between train
-and held-out is by a hash of the prompt, so it never depends on the generation order.
+(``sorted([5, 2, 9]) == `` -> ``[2, 5, 9]``), reversal and copying of strings (``'abc'[::-1] == `` -> ``'cba'``)
+and of digit lists (``[3, 1, 4][::-1] == `` -> ``[4, 1, 3]``), the maximum of a digit list, and bracket completion
+(``close('([{') == `` -> ``'}])'``). String kinds are hard for a small model on the zoo's BPE (letters merge into
+multi-character tokens); the digit-list kinds keep one token per element, so position-wise copying suffices.
+Items are generated from a seed; the split between train and held-out is by a hash of the prompt, so it never
+depends on the generation order.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import dataclasses
 import hashlib
 import random
 
-KINDS = ("add", "sub", "mul", "sort", "reverse", "copy", "brackets")
+KINDS = ("add", "sub", "mul", "sort", "reverse", "copy", "brackets", "copy_list", "reverse_list", "max")
 HELDOUT_PERCENT = 20
 
 
@@ -41,6 +44,13 @@ def _item(rng: random.Random, kind: str) -> Item:
     if kind == "sort":
         xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
         return Item(kind, f"assert sorted({xs}) == ", str(sorted(xs)))
+    if kind in ("copy_list", "reverse_list", "max"):
+        xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
+        if kind == "copy_list":
+            return Item(kind, f"assert list({tuple(xs)}) == ", str(xs))
+        if kind == "reverse_list":
+            return Item(kind, f"assert {xs}[::-1] == ", str(xs[::-1]))
+        return Item(kind, f"assert max({xs}) == ", str(max(xs)))
     letters = "abcdefghij"
     if kind == "reverse":
         s = "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
@@ -55,13 +65,16 @@ def _item(rng: random.Random, kind: str) -> Item:
     raise ValueError(kind)
 
 
-def generate_items(n: int, seed: int = 0) -> list[Item]:
-    """n distinct items (by prompt), kinds in rotation."""
+def generate_items(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[Item]:
+    """n distinct items (by prompt), ``kinds`` in rotation."""
+    unknown = set(kinds) - set(KINDS)
+    if not kinds or unknown:
+        raise ValueError(f"unknown task kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
     rng = random.Random(seed)
     seen, out = set(), []
     i = 0
     while len(out) < n:
-        it = _item(rng, KINDS[i % len(KINDS)])
+        it = _item(rng, kinds[i % len(kinds)])
         i += 1
         if it.prompt not in seen:
             seen.add(it.prompt)
@@ -71,8 +84,8 @@ def generate_items(n: int, seed: int = 0) -> list[Item]:
     return out
 
 
-def split(n: int = 6000, seed: int = 0) -> tuple[list[Item], list[Item]]:
-    items = generate_items(n, seed)
+def split(n: int = 6000, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> tuple[list[Item], list[Item]]:
+    items = generate_items(n, seed, tuple(kinds))
     return [x for x in items if not x.heldout], [x for x in items if x.heldout]
 
 
