@@ -144,18 +144,22 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self
     return info
 
 
-def reevaluate(name: str, zoo: Path, work: Path) -> dict:
-    """Recompute the held-out depth-1 agreement of saved heads and record it in their train_info.json."""
+def _saved_heads(name: str, zoo: Path, work: Path):
+    """(recipe, (train, validation) token streams, base cfg, base params, head config, head params, heads.json) of
+    saved heads, params as device arrays."""
     from pdecode.checkpoint.heads_io import load_heads
 
     r = RECIPES[name]
-    tok = ensure_tokenizer(zoo)
-    _, va = token_streams(tok, work / "data")
+    streams = token_streams(ensure_tokenizer(zoo), work / "data")
     cfg, tparams = load_hf(zoo / r.base)
-    tparams = jax.tree.map(jnp.asarray, tparams)
-    _, _, hp, _ = load_heads(zoo / name, cfg)
-    ev = _eval_heads(r, cfg, tparams, data.TokenBatches(va, r.seq_len, 1).fixed_eval(96))(
-        jax.tree.map(jnp.asarray, hp))
+    _, hcfg, hp, meta = load_heads(zoo / name, cfg)
+    return r, streams, cfg, jax.tree.map(jnp.asarray, tparams), hcfg, jax.tree.map(jnp.asarray, hp), meta
+
+
+def reevaluate(name: str, zoo: Path, work: Path) -> dict:
+    """Recompute the held-out depth-1 agreement of saved heads and record it in their train_info.json."""
+    r, (_, va), cfg, tparams, _, hp, _ = _saved_heads(name, zoo, work)
+    ev = _eval_heads(r, cfg, tparams, data.TokenBatches(va, r.seq_len, 1).fixed_eval(96))(hp)
     f = zoo / name / "train_info.json"
     info = json.loads(f.read_text())
     info["final_eval"] = ev
@@ -197,23 +201,16 @@ def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_
     (192 tokens) of 96 training-stream prompts (64 tokens) — and store the best ``nodes``-node tree
     (`tree.calibrated_paths`) in heads.json, where ``method="medusa"`` picks it up by default."""
     import pdecode
-
-    from pdecode.checkpoint.heads_io import load_heads
     from pdecode.decode.tree import calibrated_paths
 
-    r = RECIPES[name]
-    tok = ensure_tokenizer(zoo)
-    tr, _ = token_streams(tok, work / "data")
-    cfg, tparams = load_hf(zoo / r.base)
-    tparams = jax.tree.map(jnp.asarray, tparams)
-    _, hcfg, hp, meta = load_heads(zoo / name, cfg)
+    r, (tr, _), cfg, tparams, hcfg, hp, meta = _saved_heads(name, zoo, work)
     prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(96)[:, :CALIBRATION_PROMPT]
     target = pdecode.load(zoo / r.base)
     cont = [pdecode.generate(target, [list(map(int, p)) for p in prompts[i: i + 16]],
                              max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False).tokens
             for i in range(0, len(prompts), 16)]
     windows = np.concatenate([prompts, np.asarray([t for c in cont for t in c], np.int32)], axis=1)
-    acc = medusa_rank_accuracy(jax.tree.map(jnp.asarray, hp), hcfg, cfg, tparams, windows,
+    acc = medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows,
                                start=CALIBRATION_PROMPT)
     paths, expected = calibrated_paths(acc, nodes)
     meta["tree"] = paths
