@@ -205,13 +205,12 @@ def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_
 
     r, (tr, _), cfg, tparams, hcfg, hp, meta = _saved_heads(name, zoo, work)
     prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(96)[:, :CALIBRATION_PROMPT]
-    target = pdecode.load(zoo / r.base)
+    target = pdecode.Model(cfg=cfg, params=tparams, name=r.base)  # the base already loaded above
     cont = [pdecode.generate(target, [list(map(int, p)) for p in prompts[i: i + 16]],
                              max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False).tokens
             for i in range(0, len(prompts), 16)]
     windows = np.concatenate([prompts, np.asarray([t for c in cont for t in c], np.int32)], axis=1)
-    acc = medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows,
-                               start=CALIBRATION_PROMPT)
+    acc = medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows, start=CALIBRATION_PROMPT)
     paths, expected = calibrated_paths(acc, nodes)
     meta["tree"] = paths
     meta["tree_calibration"] = {"nodes": nodes, "expected_tokens_per_step": round(float(expected), 4),

@@ -85,22 +85,19 @@ def _prepare_medusa(model, draft, opts, samp):
     mcfg, mp = _heads(model, "medusa")
     meta = model.extras.get("medusa_meta", {})
     spec = opts["tree"]
-    if isinstance(spec, str) and spec.startswith("calibrated"):
+    if spec is None:  # the tree calibrated for these heads (in heads.json), else medusa-18 cut to their depth
+        spec = "calibrated" if meta.get("tree") else [p for p in tree_lib.PRESETS["medusa-18"]
+                                                       if len(p) <= mcfg.num_heads]
+    if spec == "calibrated" or (isinstance(spec, str) and spec.startswith("calibrated:")):
         # "calibrated": the tree shipped with the heads; "calibrated:N": the best N nodes for their accuracies
         size = spec.partition(":")[2]
-        if "tree_calibration" not in meta:
-            raise ConfigError(f"tree={spec!r} needs heads calibrated with `python -m train.heads --calibrate-tree N`"
-                              f"; these heads have no calibration in heads.json")
         if size and not size.isdigit():
             raise ConfigError(f"invalid tree spec {spec!r}: use 'calibrated' or 'calibrated:N' with N nodes")
-        tr = tree_lib.from_choices(tree_lib.calibrated_paths(meta["tree_calibration"]["accuracy"], int(size))[0]
-                                   if size else meta["tree"])
-    elif spec is None and meta.get("tree"):  # the tree calibrated for these heads (shipped in heads.json)
-        tr = tree_lib.from_choices(meta["tree"])
-    elif spec is None:  # the default tree, cut to the depth the heads can fill
-        tr = tree_lib.from_choices([p for p in tree_lib.PRESETS["medusa-18"] if len(p) <= mcfg.num_heads])
-    else:
-        tr = tree_lib.resolve(spec)
+        if not meta.get("tree_calibration" if size else "tree"):
+            raise ConfigError(f"tree={spec!r} needs heads calibrated with `python -m train.heads --calibrate-tree N`"
+                              f"; these heads have no calibration in heads.json")
+        spec = tree_lib.calibrated_paths(meta["tree_calibration"]["accuracy"], int(size))[0] if size else meta["tree"]
+    tr = tree_lib.resolve(spec)
     check_tree(tr, mcfg)
     typical = None
     if opts["typical"]:

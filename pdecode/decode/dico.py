@@ -14,8 +14,8 @@ iteration runs one model forward, then acts according to the phase it is in:
 * **Conquer** — every cluster decodes in parallel: inside a cluster the masked positions sorted by confidence
   c_(1) >= c_(2) >= ... are committed while ``(k + 1)(1 - c_(k)) < 1`` (the factor rule with f = 1, the set
   S_t = {i : (|S_t| + 1)(1 - c_i) < 1}). Cluster boundaries then take in up to ``conquer_growth`` adjacent
-  masked positions each side whose confidence clears ``grow_threshold``. A Conquer step that commits nothing, or a cluster set with no masks left,
-  returns to Divide.
+  masked positions each side whose confidence clears ``grow_threshold``. A Conquer step that commits nothing, or
+  a cluster set with no masks left, returns to Divide.
 * **Finalize** — the remaining masks are decoded by the compound score ``c + margin_weight * (top1 - top2)``:
   every mask scoring >= ``final_threshold`` is committed, and always the best one.
 
@@ -205,7 +205,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         x = jnp.where(commit, x0, st.x)
         new_masked = st.masked & ~commit
         commit_step = jnp.where(commit, st.steps, st.commit_step)
-        # clusters: fresh ones from the seeds (Divide), or the old ones grown by a step at their boundaries
+        # clusters: fresh ones from the seeds (Divide), or the old ones grown at their boundaries (Conquer)
         cluster = jnp.where(ph == DIVIDE, new_cluster,
                             jnp.where(ph == CONQUER, grow(st.cluster, new_masked, c, opts.grow_threshold,
                                                            opts.conquer_growth), False))

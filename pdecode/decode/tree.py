@@ -11,6 +11,7 @@ distribution the node takes, e.g. ``[[0], [1], [0, 0], [0, 1], [1, 0]]``.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -103,8 +104,6 @@ def calibrated_paths(acc_KR, n: int) -> tuple[list[list[int]], float]:
     Best-first search from the root: a child never scores above its parent, and ties go to the shorter path, so the
     result is prefix-closed (a valid tree) and deterministic.
     """
-    import heapq
-
     acc = np.asarray(acc_KR, np.float64)
     if acc.ndim != 2 or acc.size == 0 or np.any(acc < 0) or np.any(acc > 1):
         raise ConfigError(f"calibrated accuracies must be a [depth, rank] table of values in [0, 1], got shape "
