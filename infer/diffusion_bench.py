@@ -26,6 +26,8 @@ SAMPLERS = {
     "fast-dllm-0.9": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9)),
     "fast-dllm-0.9-dual": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9,
                                                         cache="dual")),
+    "fast-dllm-0.9-dual-r2": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9,
+                                                           cache="dual", refresh_every=2)),
     "eb-sampler": ("diffusion", lambda g: dict(block_length=min(32, g), rule="eb", eb_gamma=0.3)),
     "dico": ("dico", lambda g: {}),
 }

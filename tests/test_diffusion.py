@@ -127,19 +127,55 @@ def test_eos_stops_a_row_and_trims(dllm):
     assert out.stats["nfe"] <= 16
 
 
-@pytest.mark.parametrize("growth", [1, 4])
-def test_dico_invariants(dllm, growth):
-    out = pdecode.generate(dllm, PROMPTS, method="dico", max_new_tokens=32, stop_at_eos=False, num_seeds=3,
-                           seed_low=0.0, seed_high=1.0, stability=1.0, conquer_growth=growth)
+@pytest.mark.parametrize("growth,divide,block", [(1, "seeds", 0), (4, "factor", 0), (4, "factor", 8)])
+def test_dico_invariants(dllm, growth, divide, block):
+    kw = dict(num_seeds=3, seed_low=0.0, seed_high=1.0, stability=1.0, conquer_growth=growth, divide_commit=divide,
+              block_length=block)
+    out = pdecode.generate(dllm, PROMPTS, method="dico", max_new_tokens=32, stop_at_eos=False, **kw)
     steps = np.array(out.stats["commit_step"])
     assert (steps >= 0).all() and all(len(t) == 32 and MASK not in t for t in out.tokens)
     assert out.stats["nfe"] <= 32  # every step commits at least one token
     ph = out.stats["phase_steps"]
     assert sum(ph) >= out.stats["nfe"] and ph[0] >= 1  # Divide ran
+    if block:  # semi-AR blocks: a row finishes block k before it commits anything in block k + 1
+        per_block = steps.reshape(len(PROMPTS), 32 // block, block)
+        assert (per_block[:, :-1].max(axis=2) < per_block[:, 1:].min(axis=2)).all()
     for prompt, toks in zip(PROMPTS, out.tokens):  # batch == per row
-        one = pdecode.generate(dllm, [prompt], method="dico", max_new_tokens=32, stop_at_eos=False, num_seeds=3,
-                               seed_low=0.0, seed_high=1.0, stability=1.0, conquer_growth=growth)
+        one = pdecode.generate(dllm, [prompt], method="dico", max_new_tokens=32, stop_at_eos=False, **kw)
         assert one.tokens[0] == toks
+
+
+def test_before_answer_end():
+    x = jnp.asarray([[7, 7, MASK, EOS, MASK, EOS, 7], [7, MASK, MASK, MASK, MASK, MASK, MASK]])
+    masked = x == MASK
+    canvas = jnp.asarray([[False, True, True, True, True, True, True]] * 2)
+    got = np.asarray(D.before_answer_end(x, masked, canvas, (EOS,)))
+    assert got[0].tolist() == [False, True, True, False, False, False, False]  # up to the first committed EOS
+    assert got[1].tolist() == canvas[1].tolist()  # no EOS committed yet: the whole canvas
+
+
+@pytest.mark.parametrize("method,opts", [("diffusion", dict(rule="threshold", threshold=0.5, block_length=16)),
+                                         ("dico", dict(num_seeds=3, seed_low=0.0, seed_high=1.0, stability=1.0))])
+def test_nothing_after_a_committed_eos_is_decoded(dllm, method, opts):
+    free = pdecode.generate(dllm, PROMPTS, method=method, max_new_tokens=16, stop_at_eos=False, **opts).tokens
+    eos = max(set(free[0]), key=free[0].count)  # the most frequent token of a free run plays EOS
+    m = pdecode.Model(cfg=dllm.cfg.replace(eos_token_ids=(eos,)), params=dllm.params)
+    out = pdecode.generate(m, PROMPTS, method=method, max_new_tokens=16, **opts)
+    steps = np.array(out.stats["commit_step"])
+    for r, n in enumerate(out.count if hasattr(out, "count") else [len(t) for t in out.tokens]):
+        toks = out.tokens[r]
+        assert MASK not in toks
+        if toks and toks[-1] == eos:  # the answer ended at an EOS: nothing after it was committed later
+            assert (steps[r, n:] <= steps[r, n - 1]).all()
+
+
+def test_dual_cache_refreshed_every_step_equals_no_cache(dllm):
+    kw = dict(method="diffusion", max_new_tokens=16, stop_at_eos=False, rule="threshold", threshold=0.3,
+              block_length=8)
+    plain = pdecode.generate(dllm, PROMPTS, **kw)
+    fresh = pdecode.generate(dllm, PROMPTS, cache="dual", refresh_every=1, **kw)
+    assert fresh.tokens == plain.tokens
+    assert fresh.stats["commit_step"] == plain.stats["commit_step"]
 
 
 def test_dico_pieces():

@@ -193,7 +193,7 @@ def _diffusion_stats(s):
 register(Method("diffusion", _prepare_diffusion, wants_max_new=True,
                 options={"block_length": None, "steps": None, "rule": "schedule", "alg": "confidence",
                          "threshold": 0.9, "factor": 1.0, "eb_gamma": 0.1, "alg_temp": 0.0, "cfg_scale": 0.0,
-                         "cache": "none"},
+                         "cache": "none", "refresh_every": 0},
                 summary="masked diffusion: LLaDA schedule / Fast-dLLM threshold & factor / EB-sampler rules, "
                         "Dream confidence algorithms, semi-AR blocks, prefix & dual KV cache, CFG"))
 def _dico_defaults():

@@ -56,6 +56,7 @@ class DiffusionOptions:
     alg_temp: float = 0.0
     cfg_scale: float = 0.0
     cache: str = "none"  # none | prefix | dual
+    refresh_every: int = 0  # cached runs: also refresh the whole cache every this many steps of a block (0: never)
     shift: bool = False  # Dream: position i is predicted from the hidden state at i - 1
 
     def __post_init__(self):
@@ -73,6 +74,8 @@ class DiffusionOptions:
                 problems.append(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not 0.0 < self.threshold <= 1.0:
             problems.append(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.refresh_every < 0:
+            problems.append(f"refresh_every must be >= 0 (0: refresh only at a block start), got {self.refresh_every}")
         if self.factor <= 0 or self.eb_gamma < 0 or self.alg_temp < 0 or self.cfg_scale < 0:
             problems.append("factor must be > 0; eb_gamma, alg_temp and cfg_scale >= 0")
         if problems:
@@ -207,6 +210,13 @@ def answer_done(x_BS, masked_BS, canvas_BS, eos_ids) -> tuple[jax.Array, jax.Arr
     return jnp.any(hit, axis=1) | ~jnp.any(masked_BS, axis=1), first
 
 
+def before_answer_end(x_BS, masked_BS, canvas_BS, eos_ids) -> jax.Array:
+    """[B, S]: canvas positions before the row's first committed EOS (the whole canvas while none is committed).
+    Masks after it never reach the answer, so the adaptive rules and DiCo leave them alone."""
+    is_eos = common.is_eos(x_BS, eos_ids) & canvas_BS & ~masked_BS
+    return canvas_BS & (jnp.cumsum(is_eos.astype(jnp.int32), axis=1) == 0)
+
+
 # ------------------------------------------------------------------------------------------------ sampler
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig,
              opts: DiffusionOptions, mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp,
@@ -306,13 +316,18 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
             def do_partial(_):
                 return partial(st.x, cache, st.block)
 
-            lg, cache = jax.lax.cond(st.step_in_block == 0, do_refresh, do_partial, None)
+            fresh = st.step_in_block == 0
+            if opts.refresh_every > 0:
+                fresh = fresh | (st.step_in_block % opts.refresh_every == 0)
+            lg, cache = jax.lax.cond(fresh, do_refresh, do_partial, None)
         lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, greedy)
         conf = confidence(lg, x0, opts.alg, k_conf)
         ent = entropy(lg) if opts.rule == "eb" else conf
         active = ~st.done
         eligible = st.masked & in_block(st.block) & active[:, None]
+        if opts.rule != "schedule":
+            eligible = eligible & before_answer_end(st.x, st.masked, canvas, eos_ids)
         k_sched = schedule_counts(st.block_masks, opts.steps_per_block, st.step_in_block)
         commit = select(opts.rule, opts, conf, ent, eligible, k_sched, k_sel)
         x = jnp.where(commit, x0, st.x)
