@@ -133,3 +133,25 @@ def test_bad_configs(tmp_path, bad):
     write_safetensors(tmp_path / "model.safetensors", {"x": np.zeros(1, np.float32)})
     with pytest.raises(pdecode.CheckpointError):
         pdecode.load(tmp_path)
+
+
+def test_compressed_safetensors_round_trip(tmp_path):
+    import lzma
+
+    import ml_dtypes
+
+    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, write_safetensors
+
+    t = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, ml_dtypes.bfloat16)}
+    plain = write_safetensors(tmp_path / "model.safetensors", t)
+    packed = write_safetensors(tmp_path / "model.safetensors", t, compress=True)
+    assert packed.name == "model.safetensors.xz" and not plain.exists()  # no stale plain copy left behind
+    assert lzma.decompress(packed.read_bytes())[8:9] == b"{"  # an xz stream of a safetensors file
+    got = read_safetensors(tmp_path / "model.safetensors")  # found through its .xz form
+    assert got.keys() == t.keys() and np.array_equal(got["a"], t["a"]) and got["b"].dtype == ml_dtypes.bfloat16
+    assert read_checkpoint_dir(tmp_path).keys() == t.keys()
+    write_safetensors(tmp_path / "model.safetensors", t)  # and back: the .xz copy is removed
+    assert not packed.exists() and read_checkpoint_dir(tmp_path).keys() == t.keys()
+    (tmp_path / "bad.safetensors.xz").write_bytes(b"not xz")
+    with pytest.raises(pdecode.CheckpointError, match="not a valid xz file"):
+        read_safetensors(tmp_path / "bad.safetensors")

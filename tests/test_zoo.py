@@ -34,6 +34,16 @@ def test_sizes_and_format(target, draft):
     assert total < 15e6
 
 
+def test_whole_zoo_stays_under_its_budget():
+    # the later models (heads, native MTP, code-dllm) are stored xz-compressed; the HF pair stays plain
+    files = [f for f in ZOO.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) < 30e6
+    assert {f.parent.name for f in files if f.name.endswith(".safetensors")} == {"code-target", "code-draft"}
+    assert {f.parent.name for f in files if f.name.endswith(".safetensors.xz")} == {
+        "code-dllm", "code-target-mtp", "code-target-mtp-posthoc", "code-target-medusa", "code-target-eagle",
+        "code-target-eagle3"}
+
+
 def test_shared_tokenizer(target, draft):
     assert target.cfg.vocab_size == draft.cfg.vocab_size == target.tokenizer.vocab_size == 4096
     assert (ZOO / "code-target" / "tokenizer.json").read_bytes() == (ZOO / "code-draft" / "tokenizer.json").read_bytes()

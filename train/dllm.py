@@ -164,7 +164,8 @@ def main(argv=None):
                          tokens_per_step=bs * seq)
     wall = time.perf_counter() - t0
     out = zoo / NAME
-    save_hf(CFG.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=zoo / "code-target")
+    save_hf(CFG.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=zoo / "code-target",
+            compress=True)
     command = "python -m train.dllm" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     info = {"name": NAME, "command": command, "params": CFG.num_params(), "steps": hist["last_step"],
             "train_minutes_this_run": round(wall / 60, 2), "evals": hist["eval"],

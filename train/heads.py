@@ -137,7 +137,7 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self
             "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
             "ttt_steps": r.ttt_steps}
     save_heads(zoo / name, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, hp, base_model=r.base,
-               dtype=ml_dtypes.bfloat16)
+               dtype=ml_dtypes.bfloat16, compress=True)
     (zoo / name / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{name}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min",
           file=sys.stderr)
@@ -246,8 +246,9 @@ def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float
                             eval_fn=lambda p: lm_eval(p["base"]), desc=NATIVE_MTP)
     wall = time.perf_counter() - t0
     out = zoo / NATIVE_MTP
-    save_hf(cfg.replace(dtype="bfloat16"), trainable["base"], out, dtype="bfloat16", tokenizer_dir=zoo / "code-target")
-    save_heads(out, "mtp", mcfg, trainable["mtp"], base_model=".", dtype=ml_dtypes.bfloat16)
+    save_hf(cfg.replace(dtype="bfloat16"), trainable["base"], out, dtype="bfloat16",
+            tokenizer_dir=zoo / "code-target", compress=True)
+    save_heads(out, "mtp", mcfg, trainable["mtp"], base_model=".", dtype=ml_dtypes.bfloat16, compress=True)
     _, shipped = load_hf(out)
     info = {"name": NATIVE_MTP, "command": f"python -m train.heads --only {NATIVE_MTP}", "params": cfg.num_params(),
             "mtp_lambda": lam, "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),

@@ -78,13 +78,13 @@ def _unflatten_like(flat: dict, template):
 
 
 def save_heads(out_dir: str | Path, kind: str, hcfg, params, base_model: str, dtype=None,
-               extra: dict | None = None) -> Path:
+               extra: dict | None = None, compress: bool = False) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flat = _flatten(params)
     if dtype is not None:
         flat = {k: v.astype(dtype) for k, v in flat.items()}
-    write_safetensors(out / "heads.safetensors", flat, metadata={"format": "pdecode-heads"})
+    write_safetensors(out / "heads.safetensors", flat, metadata={"format": "pdecode-heads"}, compress=compress)
     meta = {"kind": kind, "config": dataclasses.asdict(hcfg), "base_model": base_model, **(extra or {})}
     (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
     return out

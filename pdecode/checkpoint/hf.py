@@ -189,15 +189,16 @@ def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
 
 
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "float32",
-            tokenizer_dir: str | Path | None = None, extra_config: dict | None = None) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer files copied from ``tokenizer_dir``)."""
+            tokenizer_dir: str | Path | None = None, extra_config: dict | None = None, compress: bool = False) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files copied from ``tokenizer_dir``); ``compress`` writes
+    model.safetensors.xz instead (pdecode reads it; `transformers` needs the plain file)."""
     import ml_dtypes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     tensors = params_to_tensors(params, llama_rules(cfg), np_dtype)
-    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, compress=compress)
     hf = cfg.replace(dtype=dtype).to_hf()
     if extra_config:
         hf.update(extra_config)

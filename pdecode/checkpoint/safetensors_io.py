@@ -2,11 +2,17 @@
 
 The `safetensors` package's numpy backend cannot read bfloat16, which is what our zoo and most checkpoints
 store, so reading is done here; the format is a little-endian u64 header length, a JSON header, then raw bytes.
+
+A file may also be stored xz-compressed as ``<name>.safetensors.xz`` (stdlib ``lzma``; bf16 weights shrink to
+about 71%). The zoo keeps its later models (heads, the native-MTP target, code-dllm) that way so the whole zoo
+stays small; ``code-target`` and ``code-draft`` stay plain so `transformers` reads them as they are. Reading
+decompresses into memory; asking for ``x.safetensors`` finds ``x.safetensors.xz`` when only that exists.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 import mmap
 import struct
 from pathlib import Path
@@ -23,23 +29,39 @@ _DTYPES = {
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as read-only numpy views over a memory map."""
+XZ = ".xz"
+
+
+def stored_path(path: str | Path) -> Path:
+    """The file that holds ``path``: itself, or its ``.xz``-compressed form when only that exists."""
     path = Path(path)
+    xz = path.with_name(path.name + XZ)
+    return xz if not path.exists() and xz.exists() else path
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one file as read-only numpy views (over a memory map, or the decompressed bytes of .xz)."""
+    path = stored_path(path)
     try:
         f = open(path, "rb")
     except OSError as e:
         raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
     with f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{path} is not a safetensors file (bad header)") from None
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if path.name.endswith(XZ):
+            try:
+                buf = lzma.decompress(f.read())
+            except lzma.LZMAError as e:
+                raise CheckpointError(f"{path} is not a valid xz file: {e}") from None
+        else:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+    if len(buf) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", buf[:8])
+    try:
+        header = json.loads(bytes(buf[8: 8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path} is not a safetensors file (bad header)") from None
+    mm = buf
     base = 8 + n
     out = {}
     for name, info in header.items():
@@ -54,7 +76,10 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                      compress: bool = False) -> Path:
+    """Write ``path`` (or ``path.xz``, xz-compressed, when ``compress``); a stale copy in the other form is removed.
+    Returns the path written."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -70,11 +95,29 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data section
+    path = Path(path)
+    xz = path.with_name(path.name + XZ)
+    if compress:
+        data = struct.pack("<Q", len(blob)) + blob + b"".join(a.tobytes() for a in arrays)
+        xz.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+        path.unlink(missing_ok=True)
+        return xz
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for a in arrays:
             f.write(a.tobytes())
+    xz.unlink(missing_ok=True)
+    return path
+
+
+def compress_file(path: str | Path) -> Path:
+    """Rewrite a plain .safetensors file as .safetensors.xz (same tensors and metadata); returns the new path."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = json.loads(f.read(n)).get("__metadata__")
+    return write_safetensors(path, {k: np.array(v) for k, v in read_safetensors(path).items()}, meta, compress=True)
 
 
 def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
@@ -87,11 +130,11 @@ def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{index[0]} is not a valid safetensors index (needs a weight_map)") from None
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
-            if not (path / shard).exists():
+            if not stored_path(path / shard).exists():
                 raise CheckpointError(f"{index[0].name} names shard {shard}, which is missing from {path}")
             tensors.update(read_safetensors(path / shard))
         return tensors
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.safetensors" + XZ))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {path} (pdecode reads HF safetensors checkpoints)")
     tensors = {}
