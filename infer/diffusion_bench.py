@@ -30,6 +30,7 @@ SAMPLERS = {
                                                            cache="dual", refresh_every=2)),
     "eb-sampler": ("diffusion", lambda g: dict(block_length=min(32, g), rule="eb", eb_gamma=0.3)),
     "dico": ("dico", lambda g: {}),
+    "dico-blocks": ("dico", lambda g: dict(block_length=min(32, g))),
 }
 
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pdecode.config import ModelConfig
-from pdecode.decode.diffusion import answer_done, before_answer_end, finish, full_mask, no_mask, predict, top2
+from pdecode.decode.diffusion import answer_done, before_answer_end, finish, full_mask, no_mask, predict, prob_stats
 from pdecode.errors import ConfigError
 from pdecode.model.transformer import decode_layout, forward, unembed
 
@@ -190,9 +190,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
             lg = jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1)
         lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, samp.greedy)
-        prob = jax.nn.softmax(lg.astype(jnp.float32), axis=-1)
-        first, second = top2(prob)
-        c = jnp.take_along_axis(prob, x0[..., None], axis=-1)[..., 0]
+        c, first, second = prob_stats(lg, x0)
         margin = first - second
         cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
         drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
