@@ -27,13 +27,14 @@ whole canvas one block) that lie before the row's first committed EOS: masks aft
 ``num_seeds`` defaults to 8: the paper reports DiCo stable for 2-10 seeds; on an earlier code-dllm at generation
 length 256, 4 seeds took 78 forwards per held-out item and 8 took 41. ``conquer_growth`` defaults to
 ``max_radius`` (8): "boundaries updated as tokens pass" does not say by how much; on the shipped code-dllm (40
-held-out items, length 256, batch 8, seeds committed in Divide) growth 1 / 4 / 8 took 137.6 / 39.4 / 22.6 forwards per batch at the same
-accuracy (11/40). ``divide_commit`` and ``block_length`` were chosen on held-out items 400-559 (a tuning slice
-the bench does not use; length 256, batch 8): committing the seeds with 32-token blocks solved 32/160 items,
-conquering the new clusters at once 37/160 with blocks and 40/160 on the whole canvas (Fast-dLLM threshold
-0.9: 39/160). Choices the paper leaves open: the EMA form of the trajectory weight, the seed band and stability
-limit, the Gaussian NMS kernel, what Divide commits, the growth threshold and step, blocks, and Finalize's
-threshold and weight.
+held-out items, length 256, batch 8, seeds committed in Divide) growth 1 / 4 / 8 took 137.6 / 39.4 / 22.6
+forwards per batch at the same accuracy (11/40). ``divide_commit`` and ``block_length`` were chosen on
+held-out items 400-719 (a tuning slice the bench does not use; length 256, batch 8): on items 400-559,
+committing the seeds with 32-token blocks solved 32/160, conquering the new clusters at once 37/160 with blocks
+and 40/160 on the whole canvas (Fast-dLLM threshold 0.9: 39/160); on items 400-719, whole canvas 88/320 at 8.6
+forwards per batch, 32-token blocks 81/320 at 7.4, Fast-dLLM 87/320 at 8.7. Choices the paper leaves open: the
+EMA form of the trajectory weight, the seed band and stability limit, the Gaussian NMS kernel, what Divide
+commits, the growth threshold and step, blocks, and Finalize's threshold and weight.
 EOS handling is shared with the other samplers (a row stops once its answer is complete).
 """
 
@@ -196,7 +197,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
         active = ~st.done
         # every phase works on the masks of the row's current block (the whole canvas when block_length is 0)
-        masked = st.masked & active[:, None] & in_block(st.block) & before_answer_end(st.x, st.masked, canvas, eos_ids)
+        live = before_answer_end(st.x, st.masked, canvas, eos_ids)
+        masked = st.masked & active[:, None] & in_block(st.block) & live
         n_masked = jnp.sum(masked, axis=1)
 
         # Divide: seeds, their clusters
@@ -231,7 +233,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         eff = jnp.where((st.phase == CONQUER) & ~conquer_ok, DIVIDE, st.phase)
         eff = jnp.where((eff == DIVIDE) & go_final, FINALIZE, eff)
         ph = eff[:, None]
-        commit = jnp.where(ph == DIVIDE, divide_commit, jnp.where(ph == CONQUER, conquer_commit, final_commit)) & masked
+        commit = jnp.where(ph == DIVIDE, divide_commit,
+                           jnp.where(ph == CONQUER, conquer_commit, final_commit)) & masked
         x = jnp.where(commit, x0, st.x)
         new_masked = st.masked & ~commit
         commit_step = jnp.where(commit, st.steps, st.commit_step)
