@@ -140,7 +140,7 @@ def test_compressed_safetensors_round_trip(tmp_path):
 
     import ml_dtypes
 
-    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, write_safetensors
+    from pdecode.checkpoint.safetensors_io import compress_file, read_checkpoint_dir, read_safetensors, write_safetensors
 
     t = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, ml_dtypes.bfloat16)}
     plain = write_safetensors(tmp_path / "model.safetensors", t)
@@ -152,6 +152,15 @@ def test_compressed_safetensors_round_trip(tmp_path):
     assert read_checkpoint_dir(tmp_path).keys() == t.keys()
     write_safetensors(tmp_path / "model.safetensors", t)  # and back: the .xz copy is removed
     assert not packed.exists() and read_checkpoint_dir(tmp_path).keys() == t.keys()
+    # a stale .xz beside the plain file (say, after `xz -dk` and a re-save) never wins over it
+    old = {"a": np.zeros((3, 4), np.float32), "b": np.zeros(5, ml_dtypes.bfloat16)}
+    old_file = write_safetensors(tmp_path / "old.safetensors", old)
+    (tmp_path / "model.safetensors.xz").write_bytes(lzma.compress(old_file.read_bytes()))
+    old_file.unlink()
+    got = read_checkpoint_dir(tmp_path)
+    assert np.array_equal(got["a"], t["a"])
+    with pytest.raises(pdecode.CheckpointError, match="plain .safetensors"):
+        compress_file(tmp_path / "model.safetensors.xz")
     (tmp_path / "bad.safetensors.xz").write_bytes(b"not xz")
     with pytest.raises(pdecode.CheckpointError, match="not a valid xz file"):
         read_safetensors(tmp_path / "bad.safetensors")

@@ -114,6 +114,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
 def compress_file(path: str | Path) -> Path:
     """Rewrite a plain .safetensors file as .safetensors.xz (same tensors and metadata); returns the new path."""
     path = Path(path)
+    if path.name.endswith(XZ) or not path.is_file():
+        raise CheckpointError(f"compress_file needs a plain .safetensors file, got {path}")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         meta = json.loads(f.read(n)).get("__metadata__")
@@ -134,7 +136,10 @@ def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
                 raise CheckpointError(f"{index[0].name} names shard {shard}, which is missing from {path}")
             tensors.update(read_safetensors(path / shard))
         return tensors
-    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.safetensors" + XZ))
+    plain = sorted(path.glob("*.safetensors"))
+    # a plain file wins over an .xz of the same name (as in stored_path); heads files are not model weights
+    files = plain + [f for f in sorted(path.glob("*.safetensors" + XZ)) if not f.with_suffix("").exists()]
+    files = [f for f in files if not f.name.startswith("heads.safetensors")]
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {path} (pdecode reads HF safetensors checkpoints)")
     tensors = {}

@@ -56,7 +56,8 @@ class DiffusionOptions:
     alg_temp: float = 0.0
     cfg_scale: float = 0.0
     cache: str = "none"  # none | prefix | dual
-    refresh_every: int = 0  # cached runs: also refresh the whole cache every this many steps of a block (0: never)
+    refresh_every: int = 0  # cached runs: also refresh the whole cache every this many steps of a block (0: only
+    # at a block start, as Fast-dLLM does)
     shift: bool = False  # Dream: position i is predicted from the hidden state at i - 1
 
     def __post_init__(self):
@@ -76,6 +77,8 @@ class DiffusionOptions:
             problems.append(f"threshold must be in (0, 1], got {self.threshold}")
         if self.refresh_every < 0:
             problems.append(f"refresh_every must be >= 0 (0: refresh only at a block start), got {self.refresh_every}")
+        if self.refresh_every > 0 and self.cache == "none":
+            problems.append("refresh_every applies to a KV cache: set cache='prefix' or 'dual', or drop refresh_every")
         if self.factor <= 0 or self.eb_gamma < 0 or self.alg_temp < 0 or self.cfg_scale < 0:
             problems.append("factor must be > 0; eb_gamma, alg_temp and cfg_scale >= 0")
         if problems:
