@@ -41,22 +41,26 @@ def _run(m, prompts, method, opts, g, seed=0):
 
 
 def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> list[dict]:
+    """One row per (length, batch, sampler). The repeats are interleaved (every sampler once per round), so drift
+    in this machine's speed over a run touches all samplers alike; tokens/s is the median over rounds."""
     from train.tasks import score
 
     rows = []
     for g in gen_lengths:
         for b in batches:
-            for name in samplers:
-                method, mk = SAMPLERS[name]
-                opts = mk(g)
-                groups = [items[i: i + b] for i in range(0, len(items) - b + 1, b)]
-                warm = _run(m, [it.prompt for it in groups[0]], method, opts, g)
-                walls, correct, nfe, toks = [], 0, 0, 0
-                for r in range(repeats):
+            groups = [items[i: i + b] for i in range(0, len(items) - b + 1, b)]
+            n = len(groups) * b
+            warm = {name: _run(m, [it.prompt for it in groups[0]], SAMPLERS[name][0], SAMPLERS[name][1](g), g)
+                    for name in samplers}
+            walls: dict[str, list[float]] = {name: [] for name in samplers}
+            tally: dict[str, dict] = {}
+            for r in range(repeats):
+                for name in samplers:
+                    method, mk = SAMPLERS[name]
                     wall, correct, nfe, toks = 0.0, 0, 0, 0
                     by_kind: dict[str, list[int]] = {}
                     for grp in groups:
-                        out = _run(m, [it.prompt for it in grp], method, opts, g)
+                        out = _run(m, [it.prompt for it in grp], method, mk(g), g)
                         wall += out.stats["wall_s"]
                         for it, t in zip(grp, out.texts):
                             ok = score(it, t)
@@ -64,14 +68,17 @@ def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> lis
                             by_kind.setdefault(it.kind, []).append(int(ok))
                         nfe += out.stats["nfe"] * len(grp)
                         toks += out.stats["new_tokens"]
-                    walls.append(wall)
-                n = len(groups) * b
-                med = statistics.median(walls)
-                row = {"sampler": name, "gen_length": g, "batch": b, "accuracy": correct / n, "items": n,
-                       "nfe_per_prompt": nfe / n, "tokens_per_forward": toks / max(nfe, 1),
-                       "tokens_per_s": toks / med, "wall_s_median": med, "compile_s": warm.stats["compile_s"],
-                       "accuracy_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
-                       "options": opts}
+                    walls[name].append(wall)
+                    tally[name] = {"correct": correct, "nfe": nfe, "toks": toks, "by_kind": by_kind}
+            for name in samplers:
+                t = tally[name]
+                med = statistics.median(walls[name])
+                row = {"sampler": name, "gen_length": g, "batch": b, "accuracy": t["correct"] / n, "items": n,
+                       "nfe_per_prompt": t["nfe"] / n, "tokens_per_forward": t["toks"] / max(t["nfe"], 1),
+                       "tokens_per_s": t["toks"] / med, "wall_s_median": med,
+                       "compile_s": warm[name].stats["compile_s"],
+                       "accuracy_by_kind": {k: float(np.mean(v)) for k, v in sorted(t["by_kind"].items())},
+                       "options": SAMPLERS[name][1](g)}
                 rows.append(row)
                 print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f}, NFE {row['nfe_per_prompt']:.1f}, "
                       f"{row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -130,8 +137,8 @@ def pictures(m, items, samplers, g: int, out_dir: Path) -> list[str]:
 
 
 def to_markdown(rows, quality, meta) -> str:
-    lines = [f"Held-out task items: {meta['items']} per row, {meta['repeats']} repeats (median wall), model "
-             f"{meta['model']}, {meta['machine']}.", "",
+    lines = [f"Held-out task items: {meta['items']} per row, {meta['repeats']} repeats interleaved across samplers "
+             f"(median wall), model {meta['model']}, {meta['machine']}.", "",
              "| gen length | batch | sampler | accuracy | NFE / prompt | tokens / forward | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
