@@ -50,17 +50,17 @@ def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> lis
         for b in batches:
             groups = [items[i: i + b] for i in range(0, len(items) - b + 1, b)]
             n = len(groups) * b
-            warm = {name: _run(m, [it.prompt for it in groups[0]], SAMPLERS[name][0], SAMPLERS[name][1](g), g)
+            opts = {name: SAMPLERS[name][1](g) for name in samplers}
+            warm = {name: _run(m, [it.prompt for it in groups[0]], SAMPLERS[name][0], opts[name], g)
                     for name in samplers}
             walls: dict[str, list[float]] = {name: [] for name in samplers}
             tally: dict[str, dict] = {}
             for r in range(repeats):
                 for name in samplers:
-                    method, mk = SAMPLERS[name]
                     wall, correct, nfe, toks = 0.0, 0, 0, 0
                     by_kind: dict[str, list[int]] = {}
                     for grp in groups:
-                        out = _run(m, [it.prompt for it in grp], method, mk(g), g)
+                        out = _run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g)
                         wall += out.stats["wall_s"]
                         for it, t in zip(grp, out.texts):
                             ok = score(it, t)
@@ -78,7 +78,7 @@ def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> lis
                        "tokens_per_s": t["toks"] / med, "wall_s_median": med,
                        "compile_s": warm[name].stats["compile_s"],
                        "accuracy_by_kind": {k: float(np.mean(v)) for k, v in sorted(t["by_kind"].items())},
-                       "options": SAMPLERS[name][1](g)}
+                       "options": opts[name]}
                 rows.append(row)
                 print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f}, NFE {row['nfe_per_prompt']:.1f}, "
                       f"{row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)

@@ -39,9 +39,9 @@ def stored_path(path: str | Path) -> Path:
     return xz if not path.exists() and xz.exists() else path
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as read-only numpy views (over a memory map, or the decompressed bytes of .xz)."""
-    path = stored_path(path)
+def _load(path: Path) -> tuple[dict[str, np.ndarray], dict | None]:
+    """(tensors as read-only numpy views over a memory map or the decompressed bytes of .xz, the header's
+    __metadata__) of one safetensors file, plain or .xz."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -61,7 +61,6 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         header = json.loads(bytes(buf[8: 8 + n]))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path} is not a safetensors file (bad header)") from None
-    mm = buf
     base = 8 + n
     out = {}
     for name, info in header.items():
@@ -71,9 +70,14 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         if dt is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         lo, hi = info["data_offsets"]
-        arr = np.frombuffer(mm, dtype=dt, count=(hi - lo) // np.dtype(dt).itemsize, offset=base + lo)
+        arr = np.frombuffer(buf, dtype=dt, count=(hi - lo) // np.dtype(dt).itemsize, offset=base + lo)
         out[name] = arr.reshape(info["shape"])
-    return out
+    return out, header.get("__metadata__")
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one file (``path`` or, when only that exists, ``path.xz``) as read-only numpy views."""
+    return _load(stored_path(path))[0]
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
@@ -116,10 +120,8 @@ def compress_file(path: str | Path) -> Path:
     path = Path(path)
     if path.name.endswith(XZ) or not path.is_file():
         raise CheckpointError(f"compress_file needs a plain .safetensors file, got {path}")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n)).get("__metadata__")
-    return write_safetensors(path, {k: np.array(v) for k, v in read_safetensors(path).items()}, meta, compress=True)
+    tensors, meta = _load(path)
+    return write_safetensors(path, {k: np.array(v) for k, v in tensors.items()}, meta, compress=True)
 
 
 def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:

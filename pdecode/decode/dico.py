@@ -197,8 +197,9 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
         active = ~st.done
         # every phase works on the masks of the row's current block (the whole canvas when block_length is 0)
+        blk = in_block(st.block)
         live = before_answer_end(st.x, st.masked, canvas, eos_ids)
-        masked = st.masked & active[:, None] & in_block(st.block) & live
+        masked = st.masked & active[:, None] & blk & live
         n_masked = jnp.sum(masked, axis=1)
 
         # Divide: seeds, their clusters
@@ -239,13 +240,13 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         new_masked = st.masked & ~commit
         commit_step = jnp.where(commit, st.steps, st.commit_step)
         # clusters: fresh ones from the seeds (Divide), or the old ones grown at their boundaries (Conquer)
-        grown = grow(st.cluster, new_masked & in_block(st.block), c, opts.grow_threshold, opts.conquer_growth)
+        grown = grow(st.cluster, new_masked & blk, c, opts.grow_threshold, opts.conquer_growth)
         cluster = jnp.where(ph == DIVIDE, new_cluster, jnp.where(ph == CONQUER, grown, False))
         phase = jnp.where(eff == FINALIZE, FINALIZE, CONQUER)
         done, _ = answer_done(x, new_masked, canvas, eos_ids)
         done = st.done | done
         # a row whose block is fully decoded moves to the next one and starts again with Divide
-        advance = ~jnp.any(new_masked & in_block(st.block), axis=1)
+        advance = ~jnp.any(new_masked & blk, axis=1)
         block = st.block + advance.astype(jnp.int32)
         phase = jnp.where(advance, DIVIDE, phase)
         cluster = cluster & ~advance[:, None]

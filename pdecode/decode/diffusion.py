@@ -39,6 +39,7 @@ from pdecode.decode import common
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
+from pdecode.sampling import argmax
 
 NEG = -1e30
 
@@ -122,10 +123,8 @@ def prob_stats(logits: jax.Array, x0: jax.Array) -> tuple[jax.Array, jax.Array, 
     is a masked max, not `lax.top_k`: inside a `while_loop` that lowers to a sort on XLA:CPU, which once cost DiCo
     5x its model forward per step."""
     lg = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(lg, axis=-1)
     mx = jnp.max(lg, axis=-1)
-    lse = mx + jnp.log(jnp.sum(jnp.exp(lg - mx[..., None]), axis=-1))
-    from pdecode.sampling import argmax
-
     arg = argmax(lg)  # not jnp.argmax: XLA:CPU's variadic-reduce argmax over the vocabulary costs ~5x more
     m2 = jnp.max(jnp.where(jnp.arange(lg.shape[-1]) == arg[..., None], -jnp.inf, lg), axis=-1)
     at = jnp.take_along_axis(lg, x0[..., None], axis=-1)[..., 0]
@@ -153,8 +152,6 @@ def no_mask(logits: jax.Array, mask_id: int) -> jax.Array:
 
 
 def predict(logits: jax.Array, temperature, key, greedy: bool) -> jax.Array:
-    from pdecode.sampling import argmax
-
     if greedy:
         return argmax(logits)
     g = jax.random.gumbel(key, logits.shape, jnp.float32)
@@ -206,11 +203,16 @@ def schedule_counts(n_B: jax.Array, steps: int, step) -> jax.Array:
     return base + (step < rem).astype(n_B.dtype)
 
 
+def committed_eos(x_BS, masked_BS, canvas_BS, eos_ids) -> jax.Array:
+    """[B, S]: canvas positions holding a committed EOS."""
+    return common.is_eos(x_BS, eos_ids) & canvas_BS & ~masked_BS
+
+
 def answer_done(x_BS, masked_BS, canvas_BS, eos_ids) -> tuple[jax.Array, jax.Array]:
     """(done [B], end [B]): a row is done when an EOS is committed with every canvas position before it
     committed, or when nothing is masked; ``end`` is the first such EOS position (else the canvas end)."""
     s = x_BS.shape[1]
-    is_eos = common.is_eos(x_BS, eos_ids) & canvas_BS & ~masked_BS
+    is_eos = committed_eos(x_BS, masked_BS, canvas_BS, eos_ids)
     before_ok = jnp.cumsum((masked_BS & canvas_BS).astype(jnp.int32), axis=1) == 0  # no mask at or before
     hit = is_eos & before_ok
     first = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), s)
@@ -220,8 +222,8 @@ def answer_done(x_BS, masked_BS, canvas_BS, eos_ids) -> tuple[jax.Array, jax.Arr
 def before_answer_end(x_BS, masked_BS, canvas_BS, eos_ids) -> jax.Array:
     """[B, S]: canvas positions before the row's first committed EOS (the whole canvas while none is committed).
     Masks after it never reach the answer, so the adaptive rules and DiCo leave them alone."""
-    is_eos = common.is_eos(x_BS, eos_ids) & canvas_BS & ~masked_BS
-    return canvas_BS & (jnp.cumsum(is_eos.astype(jnp.int32), axis=1) == 0)
+    hit = committed_eos(x_BS, masked_BS, canvas_BS, eos_ids)
+    return canvas_BS & (jnp.cumsum(hit.astype(jnp.int32), axis=1) == 0)
 
 
 # ------------------------------------------------------------------------------------------------ sampler
@@ -323,9 +325,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
             def do_partial(_):
                 return partial(st.x, cache, st.block)
 
-            fresh = st.step_in_block == 0
-            if opts.refresh_every > 0:
-                fresh = fresh | (st.step_in_block % opts.refresh_every == 0)
+            # refresh at a block start, and every refresh_every steps when set
+            fresh = st.step_in_block % opts.refresh_every == 0 if opts.refresh_every else st.step_in_block == 0
             lg, cache = jax.lax.cond(fresh, do_refresh, do_partial, None)
         lg = no_mask(lg, mask_id)
         x0 = predict(lg, temperature, k_tok, greedy)
