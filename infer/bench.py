@@ -58,20 +58,67 @@ class PeakRSS:
 
 
 # ------------------------------------------------------------------------------------------------ machine limit
-def matmul_gflops(m: int, k: int, n: int, repeats: int = 20) -> float:
+def matmul_gflops(m: int, k: int, n: int, repeats: int = 5, dtype: str = "float32", inner: int = 20) -> float:
+    """[m, k] x [k, n] matmuls (operands in ``dtype``, float32 accumulation), ``inner`` of them per timed call so
+    dispatch is left out; median GFLOP/s."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((m, k), jnp.float32)
-    b = jnp.ones((k, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
+    a = jnp.ones((m, k), dtype)
+    b = jnp.ones((k, n), dtype) * 1e-3
+
+    def many(a, b):
+        return jax.lax.fori_loop(0, inner, lambda i, acc: acc + jnp.matmul(
+            a + acc[:, :1].astype(a.dtype) * 0, b, preferred_element_type=jnp.float32), jnp.zeros((m, n)))
+
+    f = jax.jit(many)
     f(a, b).block_until_ready()
     ts = []
     for _ in range(repeats):
         t = time.perf_counter()
         f(a, b).block_until_ready()
-        ts.append(time.perf_counter() - t)
+        ts.append((time.perf_counter() - t) / inner)
     return 2 * m * k * n / statistics.median(ts) / 1e9
+
+
+def matmul_floor(cfg, batch: int, dtype: str = "float32", inner: int = 30, repeats: int = 5) -> float:
+    """Seconds per decode step spent in the model's weight matmuls alone: every layer's q/k/v, output, gate/up and
+    down projections and the unembedding (random weights of the model's shapes in ``dtype``), chained as in a
+    forward, at ``batch`` rows, timed inside one jit. The step time of a decoder with free attention, norms and
+    bookkeeping on this machine: the floor AR tok/s is compared against."""
+    import jax
+    import jax.numpy as jnp
+
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+    key = jax.random.PRNGKey(0)
+    shapes = [(d, qkv), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
+    ws = [[(0.02 * jax.random.normal(jax.random.fold_in(key, 8 * i + j), s)).astype(dtype) for j, s in enumerate(shapes)]
+          for i in range(cfg.num_layers)]
+    u = (0.02 * jax.random.normal(key, (d, cfg.vocab_size))).astype(dtype)
+
+    def mm(x, w):
+        return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def many(x, ws, u):
+        def body(i, c):
+            x, acc = c
+            for wqkv, wo, wgu, wdown in ws:
+                x = x + mm(mm(x, wqkv)[:, : cfg.num_heads * hd], wo)
+                g = mm(x, wgu)
+                x = 0.5 * (x + mm(g[:, :f] * g[:, f:], wdown))
+            return x, acc + mm(x, u)[:, :1].sum()
+        return jax.lax.fori_loop(0, inner, body, (x, jnp.float32(0)))
+
+    fn = jax.jit(many)
+    x = jnp.full((batch, d), 0.1, jnp.float32)
+    jax.block_until_ready(fn(x, ws, u))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x, ws, u))
+        ts.append((time.perf_counter() - t) / inner)
+    return statistics.median(ts)
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -119,7 +166,8 @@ class OurRunner:
 class HFRunner:
     """transformers' generate on our weights exported to HF format (fp32, CPU torch)."""
 
-    def __init__(self, model, label: str = "transformers", assistant=None, mode: str = "plain", **gen_kwargs):
+    def __init__(self, model, label: str = "transformers", assistant=None, mode: str = "plain",
+                 dtype: str = "float32", **gen_kwargs):
         import torch
         import transformers
 
@@ -129,7 +177,7 @@ class HFRunner:
         self.label, self.mode, self.gen_kwargs = label, mode, gen_kwargs
         self._tmp = tempfile.TemporaryDirectory(prefix="pdecode-bench-")
         d = pdecode.save_hf(model, Path(self._tmp.name) / "target", dtype="float32")
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
         self.assistant = None
         if assistant is not None:
             ad = pdecode.save_hf(assistant, Path(self._tmp.name) / "draft", dtype="float32")
@@ -242,13 +290,16 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     if meta.get("limit"):
         lim = meta["limit"]
         lines += ["", f"CPU limit: {lim['model_mflops_per_token']:.1f} MFLOP per token (forward, context "
-                      f"{lim['context']}); measured matmul throughput {lim['gemv_gflops']:.1f} GFLOP/s at batch 1 "
-                      f"(weights x vector), {lim['gemm_gflops']:.1f} GFLOP/s at batch 8, {lim['peak_gflops']:.1f} "
-                      f"GFLOP/s for a large GEMM."]
-        for b, u in lim.get("utilization", {}).items():
-            lines.append(f"- batch {b}: our AR at {u['tokens_per_s']:.0f} tok/s = {u['gflops']:.1f} GFLOP/s = "
-                         f"{100 * u['of_matched']:.0f}% of the matmul throughput at that batch, "
-                         f"{100 * u['of_peak']:.0f}% of the large-GEMM peak")
+                      f"{lim['context']}); a large GEMM runs at {lim['peak_gflops']:.0f} GFLOP/s (float32), "
+                      f"{lim.get('peak_gflops_bf16', float('nan')):.0f} (bfloat16). The matmul floor is the model's "
+                      "weight matmuls alone at that batch and operand dtype, timed inside one jit:", ""]
+        for row, u in lim.get("utilization", {}).items():
+            if "of_floor" not in u:
+                continue
+            lines.append(f"- {row}: {u['step_ms']:.3f} ms/step ({u['tokens_per_s']:.0f} tok/s, {u['gflops']:.1f} "
+                         f"GFLOP/s); matmul floor {u['matmul_floor_ms']:.3f} ms/step ({u['matmul_floor_tokens_per_s']:.0f}"
+                         f" tok/s): {100 * u['of_floor']:.0f}% of the floor's speed, {100 * u['of_peak']:.0f}% of "
+                         "the large-GEMM peak")
     return "\n".join(lines) + "\n"
 
 
@@ -287,9 +338,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=["ar"], help="method[:key=value,...] ...")
-    ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-assisted",
-                                                              "transformers-lookup"],
-                    help="peer rows on the same weights")
+    ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-bf16",
+                                                              "transformers-assisted", "transformers-lookup"],
+                    help="peer rows on the same weights (transformers-bf16: torch in bfloat16)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--temperature", nargs="+", type=float, default=[0.0])
     ap.add_argument("--prompts", type=int, default=8, help="number of prompts (validation files)")
@@ -359,21 +410,31 @@ def run_from_args(args) -> int:
         return 0
     needs_draft = any(parse_method(m)[0] in ("sd", "tree") for m in args.methods) or \
         "transformers-assisted" in args.peer
-    draft = pdecode.load(args.draft or "code-draft", dtype=args.dtype) if (args.draft or needs_draft) else None
+    draft_name = args.draft or "code-draft"
+    draft = pdecode.load(draft_name, dtype=args.dtype) if (args.draft or needs_draft) else None
     prompts = default_prompts(model, args.prompts, args.prompt_tokens)
     runners = []
-    loaded = {}
+    loaded = {(args.model, args.dtype, None): model, (draft_name, args.dtype, None): draft}
+
+    def variant(name, dtype, act):  # one load per (model, params dtype, activation dtype)
+        if (name, dtype, act) not in loaded:
+            loaded[(name, dtype, act)] = pdecode.load(name, dtype=dtype, activation_dtype=act)
+        return loaded[(name, dtype, act)]
+
     for spec in args.methods:
         name, opts = parse_method(spec)
         method, other = split_model(name)
-        m = model
-        if other:  # a model with heads (e.g. code-target-medusa): same target weights, heads attached
-            m = loaded.setdefault(other, pdecode.load(other, dtype=args.dtype))
-        label = spec
-        runners.append(OurRunner(m, method, opts, draft=draft if method in ("sd", "tree") else None, label=label))
+        # precision per row: "ar:dtype=bfloat16,activation_dtype=float32" (target and draft loaded that way)
+        dt, act = opts.pop("dtype", args.dtype), opts.pop("activation_dtype", None)
+        # `other`: a model with heads (e.g. code-target-medusa): same target weights, heads attached
+        m = variant(other or args.model, dt, act)
+        d = variant(draft_name, dt, act) if method in ("sd", "tree") else None
+        runners.append(OurRunner(m, method, opts, draft=d, label=spec))
     for peer in args.peer:
         if peer == "transformers":
             runners.append(HFRunner(model, "transformers"))
+        elif peer == "transformers-bf16":
+            runners.append(HFRunner(model, "transformers-bf16", dtype="bfloat16"))
         elif peer == "transformers-assisted":
             runners.append(HFRunner(model, "transformers-assisted", assistant=draft))
         elif peer == "transformers-lookup":
@@ -413,21 +474,29 @@ def run_from_args(args) -> int:
 
 
 def cpu_limit(model, rows: list[dict], context: int) -> dict:
+    """How close AR decoding comes to this CPU's limit: the model's FLOPs per token against (a) the model's own
+    weight matmuls timed alone at the row's batch and operand dtype (the step time if everything else were free)
+    and (b) a large GEMM's throughput (the arithmetic peak)."""
     cfg = model.cfg
     flops = cfg.flops_per_token(context)
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    gemv = matmul_gflops(1, d, f)
-    gemm = matmul_gflops(8, d, f)
-    peak = matmul_gflops(1024, 1024, 1024, repeats=5)
-    util = {}
+    peak = {dt: matmul_gflops(1024, 1024, 1024, dtype=dt, inner=5) for dt in ("float32", "bfloat16")}
+    floors, util = {}, {}
     for r in rows:
-        if r["method"] == "ar" and r["temperature"] == 0:
-            g = r["tokens_per_s"] * flops / 1e9
-            matched = gemv if r["batch"] == 1 else gemm
-            util[r["batch"]] = {"tokens_per_s": r["tokens_per_s"], "gflops": g, "of_matched": g / matched,
-                                "of_peak": g / peak}
-    return {"model_mflops_per_token": flops / 1e6, "context": context, "gemv_gflops": gemv, "gemm_gflops": gemm,
-            "peak_gflops": peak, "utilization": util}
+        method, opts = parse_method(r["method"])
+        if method != "ar" or r["temperature"] != 0:
+            continue
+        dt = "bfloat16" if opts.get("dtype", model.dtype.name) == "bfloat16" else "float32"
+        if (dt, r["batch"]) not in floors:
+            floors[(dt, r["batch"])] = matmul_floor(cfg, r["batch"], dt)
+        floor_s = floors[(dt, r["batch"])]
+        step_s = r["batch"] / r["tokens_per_s"]
+        g = r["tokens_per_s"] * flops / 1e9
+        util[f"{r['method']} batch {r['batch']}"] = {
+            "tokens_per_s": r["tokens_per_s"], "gflops": g, "step_ms": 1e3 * step_s, "matmul_floor_ms": 1e3 * floor_s,
+            "matmul_floor_tokens_per_s": r["batch"] / floor_s, "of_floor": floor_s / step_s, "of_peak": g / peak[dt],
+            "operands": dt}
+    return {"model_mflops_per_token": flops / 1e6, "context": context, "peak_gflops": peak["float32"],
+            "peak_gflops_bf16": peak["bfloat16"], "utilization": util}
 
 
 # ------------------------------------------------------------------------------------------------ verify cost

@@ -62,8 +62,8 @@ def cmd_generate(args) -> int:
     import pdecode
 
     prompts = _read_prompts(args)
-    m = pdecode.load(args.model, dtype=args.dtype)
-    draft = pdecode.load(args.draft, dtype=args.dtype) if args.draft else None
+    m = pdecode.load(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype)
+    draft = pdecode.load(args.draft, dtype=args.dtype, activation_dtype=args.activation_dtype) if args.draft else None
     mesh = None
     if args.mesh:
         from pdecode.sharding import make_mesh
@@ -144,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="params' dtype")
+    g.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="residual stream / attention dtype (default: --dtype); --dtype bfloat16 --activation-dtype "
+                        "float32 is mixed precision (fastest at batch > 1 on CPU)")
     g.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 2x4")
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")

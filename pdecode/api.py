@@ -88,12 +88,20 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name (zoo: {avail})")
 
 
-def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None) -> Model:
+def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None,
+         activation_dtype: str | None = None) -> Model:
     """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]) or a pdecode
-    orbax directory (config.json + params/). ``dtype``: float32 (default), bfloat16 or float16. With ``mesh``,
-    params are placed by the logical sharding rules."""
+    orbax directory (config.json + params/). ``dtype``: the params' dtype, float32 (default), bfloat16 or
+    float16. ``activation_dtype``: the dtype of the residual stream, norms and attention (default: ``dtype``);
+    ``dtype="bfloat16", activation_dtype="float32"`` is mixed precision: bfloat16 weights (half the bytes a decode
+    step reads) in matmuls accumulating in float32. With ``mesh``, params are placed by the logical sharding rules."""
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if activation_dtype is not None and activation_dtype not in _DTYPES:
+        raise InputError(f"activation_dtype must be one of {', '.join(_DTYPES)}, got {activation_dtype!r}")
+    if activation_dtype is not None and activation_dtype != dtype:
+        m = load(name_or_path, dtype=dtype, mesh=mesh)
+        return dataclasses.replace(m, cfg=m.cfg.replace(activation_dtype=activation_dtype), _sharded={})
     path = resolve_path(name_or_path)
     from pdecode.checkpoint import heads_io
     from pdecode.checkpoint import orbax as orbax_ckpt

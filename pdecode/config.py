@@ -63,6 +63,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     mask_token_id: int | None = None
     dtype: str = "float32"  # dtype the checkpoint stores (params may be cast at load)
+    # dtype of the residual stream, norms and attention; None = the params' dtype. "float32" with bfloat16 params:
+    # bfloat16 matmul operands accumulating in float32, everything else in float32 (mixed precision).
+    activation_dtype: str | None = None
 
     def __post_init__(self):
         problems = []
@@ -76,6 +79,8 @@ class ModelConfig:
             problems.append(f"head_dim must be even for RoPE (got {self.head_dim})")
         if self.family not in ("llama", "mistral", "qwen2", "qwen3"):
             problems.append(f"unknown family {self.family!r}; expected one of llama, mistral, qwen2, qwen3")
+        if self.activation_dtype not in (None, "float32", "bfloat16", "float16"):
+            problems.append(f"activation_dtype must be float32, bfloat16, float16 or None (got {self.activation_dtype!r})")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 

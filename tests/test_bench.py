@@ -31,6 +31,25 @@ def test_decode_suite_writes_tables_and_plot(tmp_path):
     assert "| 0 | 2 | sd:gamma=2 |" in md and "acceptance per depth" in md
 
 
+def test_precision_rows_and_cpu_limit(tmp_path):
+    """A row may load the model in another precision ("ar:dtype=bfloat16,activation_dtype=float32"); the CPU limit
+    compares each AR row with the model's own matmuls timed alone in that row's operand dtype."""
+    out = tmp_path / "p"
+    rc = bench_main(["--methods", "ar", "ar:dtype=bfloat16,activation_dtype=float32", "--batch", "2",
+                     "--prompts", "2", "--new-tokens", "8", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    mixed = rows["ar:dtype=bfloat16,activation_dtype=float32"]
+    assert mixed["tau"] == 1.0 and mixed["speedup_vs_ar"] > 0  # compared with the float32 AR row
+    util = res["meta"]["limit"]["utilization"]
+    assert util["ar batch 2"]["operands"] == "float32"
+    u = util["ar:dtype=bfloat16,activation_dtype=float32 batch 2"]
+    assert u["operands"] == "bfloat16" and 0 < u["of_floor"] and u["matmul_floor_ms"] > 0
+    assert abs(u["step_ms"] - 1e3 * 2 / mixed["tokens_per_s"]) < 1e-6
+    assert "matmul floor" in (out / "results.md").read_text()
+
+
 def test_verify_cost_and_projection(tiny):
     rows = verify_cost(tiny.cfg, tiny.params, ks=(1, 4), batches=(1,), context=8, repeats=1, label="tiny")
     assert [r["k"] for r in rows] == [1, 4] and rows[0]["ratio_to_k1"] == 1.0 and rows[1]["seconds"] > 0

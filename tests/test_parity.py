@@ -97,3 +97,39 @@ def test_bf16_inference(hf_dirs, tmp_path):
     np.testing.assert_array_equal(np.asarray(m32.params["embed"]), np.asarray(m16.params["embed"], np.float32))
     out16 = pdecode.generate(m16, [list(ids[0])], max_new_tokens=8)
     assert len(out16.tokens[0]) >= 1
+
+
+def test_mixed_precision(hf_dirs):
+    """bfloat16 weights with float32 activations: closer to the float32 reference than all-bfloat16, and the
+    weights stay bfloat16 inside the forward (matmuls take bfloat16 operands; no weight matrix is upcast)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.model import attention
+    from pdecode.model.transformer import decode_layout, forward
+
+    d, ref_model = hf_dirs["llama"]
+    mix = pdecode.load(d, dtype="bfloat16", activation_dtype="float32")
+    m16 = pdecode.load(d, dtype="bfloat16")
+    assert str(mix.dtype) == "bfloat16" and mix.cfg.activation_dtype == "float32"
+    ids = _ids(2, 24, seed=5)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids)).logits.numpy()
+    err_mix = np.abs(np.asarray(pdecode.forward_logits(mix, ids)) - ref).max()
+    err_16 = np.abs(np.asarray(pdecode.forward_logits(m16, ids)) - ref).max()
+    assert err_mix < 0.05 and err_mix < err_16, (err_mix, err_16)
+
+    params = decode_layout(mix.params, mix.cfg)
+    weight_shapes = {a.shape for a in jax.tree.leaves(params) if a.ndim == 2}
+    tok = jnp.zeros((2, 3), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    jaxpr = jax.make_jaxpr(lambda p: forward(p, mix.cfg, tok, pos, attention.causal_intra(3)[None]).hidden)(params)
+    eqns = jaxpr.jaxpr.eqns
+    upcast = [e for e in eqns if e.primitive.name == "convert_element_type"
+              and e.invars[0].aval.dtype == jnp.bfloat16 and e.invars[0].aval.shape in weight_shapes]
+    assert not upcast
+    dots = [e for e in eqns if e.primitive.name == "dot_general" and e.invars[1].aval.shape in weight_shapes]
+    assert len(dots) >= 4 * mix.cfg.num_layers and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
+    assert jaxpr.out_avals[0].dtype == jnp.float32
+    with pytest.raises(pdecode.InputError, match="activation_dtype"):
+        pdecode.load(d, activation_dtype="int8")

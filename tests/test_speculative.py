@@ -71,6 +71,23 @@ def test_greedy_with_eos_rows_stop_independently(models, method, draft, opts):
     assert out.tokens[1][-1] == eos and len(out.tokens[1]) <= 6
 
 
+@pytest.mark.parametrize("method,draft,opts", [METHODS[0], METHODS[3], METHODS[6]], ids=["sd", "tree", "lookup"])
+def test_greedy_identical_to_ar_in_mixed_precision(models, method, draft, opts):
+    """bfloat16 weights with float32 activations (the fast CPU setting): still token for token equal to AR."""
+    from pdecode.model.transformer import cast_params
+
+    def mixed(m):
+        return None if m is None else pdecode.Model(cfg=m.cfg.replace(activation_dtype="float32"),
+                                                    params=cast_params(m.params, jnp.bfloat16))
+
+    t = mixed(models["target"])
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=24, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method=method, draft=t if draft == "self" else mixed(models[draft]),
+                           max_new_tokens=24, stop_at_eos=False, **opts)
+    assert out.tokens == ref.tokens
+    assert out.stats["tokens_per_forward"] > 1.2
+
+
 # ------------------------------------------------------------------------------------------------ verification
 def _brute_greedy(logits, tokens, parents, valid):
     """Walk the tree sequentially: follow the first child whose token is the argmax."""

@@ -174,7 +174,10 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                      max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
-        cache = kvc.commit(fo.cache, ver.path, n_new)
+        if isinstance(prop.parents, StaticTree) and prop.parents.max_children == 1:
+            cache = kvc.advance(fo.cache, n_new)  # a chain's accepted path is its prefix: already in place
+        else:
+            cache = kvc.commit(fo.cache, ver.path, n_new)
         out, n_take = common.append(s.out, ver.tokens, n_new, eos_ids)
         k = ver.tokens.shape[1]
         pos = jnp.where(jnp.arange(k)[None, :] < n_new[:, None], s.seq_len[:, None] + jnp.arange(k)[None, :], max_len)

@@ -118,17 +118,33 @@ def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Arra
     return out.astype(x_BTHD.dtype)
 
 
-def embed(params: Params, tokens_BT: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens_BT, axis=0)
+def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
+    x = jnp.take(params["embed"], tokens_BT, axis=0)
+    if cfg is not None and cfg.activation_dtype is not None:
+        x = x.astype(cfg.activation_dtype)
+    return x
+
+
+def linear(x: jax.Array, w: jax.Array, spec: str | None = None) -> jax.Array:
+    """``x @ w`` (or ``einsum(spec, x, w)``) in the activations' dtype. Weights narrower than the activations
+    (bfloat16 weights, float32 activations) run as a matmul of the weights' dtype accumulating in the activations'
+    dtype, so the loop never upcasts a weight matrix (half the bytes read per decode step)."""
+    pet = None
+    if w.dtype != x.dtype:
+        x, pet = x.astype(w.dtype), jnp.result_type(x)
+    return jnp.matmul(x, w, preferred_element_type=pet) if spec is None else \
+        jnp.einsum(spec, x, w, preferred_element_type=pet)
 
 
 def unembed(params: Params, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """Final hidden states (already normed) -> float32 logits."""
     if "unembed_t" in params:  # decode layout: the tied embedding pre-transposed once
-        return jnp.einsum("...d,dv->...v", h_BTD, params["unembed_t"], preferred_element_type=jnp.float32)
-    if cfg.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", h_BTD, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h_BTD, params["lm_head"], preferred_element_type=jnp.float32)
+        spec, w = "...d,dv->...v", params["unembed_t"]
+    elif cfg.tie_word_embeddings:
+        spec, w = "...d,vd->...v", params["embed"]
+    else:
+        spec, w = "...d,dv->...v", params["lm_head"]
+    return jnp.einsum(spec, h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 class ForwardOut(NamedTuple):
@@ -142,7 +158,7 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope):
     b, t, _ = h.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" in lp:  # decode layout: one matmul for q, k and v
-        qkv = h @ lp["wqkv"]
+        qkv = linear(h, lp["wqkv"])
         if "bqkv" in lp:
             qkv = qkv + lp["bqkv"]
         v = qkv[..., (H + KV) * hd:].reshape(b, t, KV, hd)
@@ -152,9 +168,9 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope):
             return qk[:, :, :H], qk[:, :, H:], v
         q, k = qk[:, :, :H], qk[:, :, H:]
     else:
-        q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
-        k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
-        v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+        q = linear(h, lp["wq"], "btd,dhk->bthk")
+        k = linear(h, lp["wk"], "btd,dhk->bthk")
+        v = linear(h, lp["wv"], "btd,dhk->bthk")
         if "bq" in lp:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if "q_norm" in lp:
@@ -176,16 +192,16 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, ca
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
     a = attend(q, k, v, mask)
     if lp["wo"].ndim == 2:  # decode layout
-        x = x + a.reshape(b, t, -1) @ lp["wo"]
+        x = x + linear(a.reshape(b, t, -1), lp["wo"])
     else:
-        x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"])
+        x = x + linear(a, lp["wo"], "bthk,hkd->btd")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gu" in lp:
-        g, u = jnp.split(h @ lp["w_gu"], 2, axis=-1)
+        g, u = jnp.split(linear(h, lp["w_gu"]), 2, axis=-1)
     else:
-        g = jnp.einsum("btd,df->btf", h, lp["w_gate"])
-        u = jnp.einsum("btd,df->btf", h, lp["w_up"])
-    x = x + (jax.nn.silu(g) * u) @ lp["w_down"]
+        g = linear(h, lp["w_gate"], "btd,df->btf")
+        u = linear(h, lp["w_up"], "btd,df->btf")
+    x = x + linear(jax.nn.silu(g) * u, lp["w_down"])
     return x, cache
 
 
@@ -234,7 +250,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     [B, T, max_len] (build it with `attention.cache_mask`). ``cache.lengths`` is not changed: the caller decides
     what to keep (`cache.advance` / `cache.commit`). ``params`` may be canonical or in `decode_layout`.
     """
-    x = embed(params, tokens_BT)
+    x = embed(params, tokens_BT, cfg)
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers)
