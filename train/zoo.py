@@ -60,7 +60,7 @@ RECIPES: dict[str, Recipe] = {
     # fly): a draft should imitate its target, not the data.
     "code-draft": Recipe(
         _cfg(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64),
-        TrainConfig(steps=240, lr=3e-3, warmup=30, eval_every=120, ckpt_every=60, log_every=10, seed=1),
+        TrainConfig(steps=480, lr=3e-3, warmup=30, eval_every=120, ckpt_every=60, log_every=10, seed=1),
         seq_len=512, batch_size=16, teacher="code-target", self_distill=1_500_000),
 }
 
