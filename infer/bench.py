@@ -224,36 +224,46 @@ def default_prompts(model, n: int, prompt_tokens: int) -> list[list[int]]:
 
 def run_row(runner, prompts: list[list[int]], batch: int, new_tokens: int, temperature: float, repeats: int,
             seed: int = 0) -> dict:
-    """Warm-up (compile), then `repeats` passes over all prompts in batches of `batch`."""
+    """One runner's row (see `run_rows`)."""
+    return run_rows([runner], prompts, batch, new_tokens, temperature, repeats, seed)[0]
+
+
+def run_rows(runners, prompts: list[list[int]], batch: int, new_tokens: int, temperature: float, repeats: int,
+             seed: int = 0) -> list[dict]:
+    """Warm-up (compile) every runner, then ``repeats`` rounds in which each runner passes over all prompts in
+    batches of ``batch``, runners interleaved, so drift in the machine's speed touches every row alike. A row's
+    tokens/s is total tokens over the median of its rounds' wall times."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-    warm = runner.run(groups[0], new_tokens, temperature, seed)
-    walls, taus, fwds, toks = [], [], [], 0
-    extra: dict = {}
-    with PeakRSS() as mem:
-        for r in range(repeats):
+    warm = [r.run(groups[0], new_tokens, temperature, seed) for r in runners]
+    acc = [{"walls": [], "taus": [], "fwds": [], "extra": {}, "mem": 0.0, "toks": 0} for _ in runners]
+    for rep in range(repeats):
+        for r, a in zip(runners, acc):
             wall, toks, row_fw, fw = 0.0, 0, 0, 0
-            for gi, g in enumerate(groups):
-                res = runner.run(g, new_tokens, temperature, seed + 1000 * r + gi)
-                wall += res["wall_s"]
-                toks += res["new_tokens"]
-                if res["row_forwards"] is not None:
-                    row_fw += res["row_forwards"]
-                    fw += res["target_forwards"]
-                for k, v in res["extra"].items():
-                    extra.setdefault(k, []).append(v)
-            walls.append(wall)
+            with PeakRSS() as mem:
+                for gi, g in enumerate(groups):
+                    res = r.run(g, new_tokens, temperature, seed + 1000 * rep + gi)
+                    wall += res["wall_s"]
+                    toks += res["new_tokens"]
+                    if res["row_forwards"] is not None:
+                        row_fw += res["row_forwards"]
+                        fw += res["target_forwards"]
+                    for k, v in res["extra"].items():
+                        a["extra"].setdefault(k, []).append(v)
+            a["mem"] = max(a["mem"], mem.extra_mb)
+            a["walls"].append(wall)
+            a["toks"] = toks
             if row_fw:
-                taus.append(toks / row_fw)
-            fwds.append(fw)
-    med = statistics.median(walls)
-    tree_size = warm.get("tree_size")
-    return {"tree_size": tree_size,
-        "method": runner.label, "batch": batch, "temperature": temperature, "new_tokens": toks,
-        "tokens_per_s": toks / med, "wall_s_median": med, "wall_s_all": walls,
-        "tau": statistics.median(taus) if taus else None,
-        "target_forwards": statistics.median(fwds) if taus else None,
-        "compile_s": warm["compile_s"], "peak_extra_mb": mem.extra_mb, "extra": extra,
-    }
+                a["taus"].append(toks / row_fw)
+            a["fwds"].append(fw)
+    rows = []
+    for r, w, a in zip(runners, warm, acc):
+        med = statistics.median(a["walls"])
+        rows.append({"tree_size": w.get("tree_size"), "method": r.label, "batch": batch, "temperature": temperature,
+                     "new_tokens": a["toks"], "tokens_per_s": a["toks"] / med, "wall_s_median": med,
+                     "wall_s_all": a["walls"], "tau": statistics.median(a["taus"]) if a["taus"] else None,
+                     "target_forwards": statistics.median(a["fwds"]) if a["taus"] else None,
+                     "compile_s": w["compile_s"], "peak_extra_mb": a["mem"], "extra": a["extra"]})
+    return rows
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
@@ -440,20 +450,19 @@ def run_from_args(args) -> int:
         elif peer == "transformers-lookup":
             runners.append(HFRunner(model, "transformers-lookup", prompt_lookup_num_tokens=10))
     rows = []
-    total = len(args.temperature) * len(args.batch) * len(runners)
-    i = 0
     for temp in args.temperature:
         for b in args.batch:
+            active = []
             for r in runners:
-                i += 1
                 if b > 1 and isinstance(r, HFRunner) and r.batch1_only:
-                    print(f"[{i}/{total}] skip {r.label} at batch {b}: HF assisted generation is batch-1 only",
-                          file=sys.stderr)
-                    continue
-                print(f"[{i}/{total}] T={temp:g} batch={b} {r.label} ...", file=sys.stderr, flush=True)
-                row = run_row(r, prompts, b, args.new_tokens, temp, args.repeats)
-                print(f"    {row['tokens_per_s']:.1f} tok/s, tau {row['tau']}, compile {row['compile_s']:.2f}s",
-                      file=sys.stderr, flush=True)
+                    print(f"skip {r.label} at batch {b}: HF assisted generation is batch-1 only", file=sys.stderr)
+                else:
+                    active.append(r)
+            print(f"T={temp:g} batch={b}: {len(active)} rows, {args.repeats} interleaved rounds ...", file=sys.stderr,
+                  flush=True)
+            for row in run_rows(active, prompts, b, args.new_tokens, temp, args.repeats):
+                print(f"    {row['method']}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']}, compile "
+                      f"{row['compile_s']:.2f}s", file=sys.stderr, flush=True)
                 rows.append(row)
     for row in rows:
         ar = next((r for r in rows if r["method"] == "ar" and r["batch"] == row["batch"]

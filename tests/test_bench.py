@@ -3,7 +3,7 @@
 import json
 
 from infer.bench import main as bench_main
-from infer.bench import parse_method, projections, verify_cost
+from infer.bench import parse_method, projections, run_rows, verify_cost
 
 
 def test_parse_method():
@@ -48,6 +48,26 @@ def test_precision_rows_and_cpu_limit(tmp_path):
     assert u["operands"] == "bfloat16" and 0 < u["of_floor"] and u["matmul_floor_ms"] > 0
     assert abs(u["step_ms"] - 1e3 * 2 / mixed["tokens_per_s"]) < 1e-6
     assert "matmul floor" in (out / "results.md").read_text()
+
+
+def test_rounds_interleave_runners():
+    """Every round runs each row once (after all warm-ups), so the machine's drift touches all rows alike."""
+    calls = []
+
+    class Fake:
+        def __init__(self, label, wall):
+            self.label, self.wall = label, wall
+
+        def run(self, batch, new_tokens, temperature, seed):
+            calls.append(self.label)
+            return {"new_tokens": new_tokens * len(batch), "wall_s": self.wall, "compile_s": 0.5,
+                    "target_forwards": new_tokens, "row_forwards": new_tokens * len(batch), "extra": {}}
+
+    rows = run_rows([Fake("a", 0.1), Fake("b", 0.2)], [[1], [2], [3], [4]], 2, 8, 0.0, repeats=3)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3  # warm-ups, then rounds of (a's batches, b's batches)
+    assert [r["method"] for r in rows] == ["a", "b"]
+    assert rows[0]["tokens_per_s"] == 32 / 0.2 and rows[1]["wall_s_all"] == [0.4, 0.4, 0.4]
+    assert rows[0]["tau"] == 1.0 and rows[1]["compile_s"] == 0.5
 
 
 def test_verify_cost_and_projection(tiny):
