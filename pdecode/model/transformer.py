@@ -102,11 +102,29 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, 1, hd/2] for the given positions (computed once per forward, shared by all layers)."""
+def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, hd/2] for the given positions (once per forward, shared by all layers). With ``table``
+    (`rope_table`, built once per call by `decode_layout`) they are gathered instead of computed: inside a decode
+    loop XLA would otherwise recompute cos/sin in every layer's rotation, for every element."""
+    if table is not None:
+        pos = jnp.clip(positions_BT, 0, table[0].shape[0] - 1)  # padding/invalid slots may run past the end
+        return table[0][pos][:, :, None, :], table[1][pos][:, :, None, :]
     inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
     ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
+
+
+def rope_table(cfg: ModelConfig) -> tuple[jax.Array, jax.Array] | None:
+    """cos, sin [max_position_embeddings, hd/2] (the same float32 arithmetic as `rope_tables`), or None when the
+    context is too long for a table to be worth its memory."""
+    if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
+        return None
+    ang = jnp.arange(cfg.max_position_embeddings, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg),
+                                                                                              jnp.float32)
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -207,10 +225,11 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, ca
 
 def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
-               hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, kvc.KVCache | None, jax.Array | None]:
+               hidden_layers: tuple[int, ...] = (), rope_table=None
+               ) -> tuple[jax.Array, kvc.KVCache | None, jax.Array | None]:
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict (run under `lax.scan`) or the tuple
     of per-layer dicts of the decode layout (a plain loop). Returns (x, cache, layer_hidden)."""
-    rope = rope_tables(cfg, positions_BT)
+    rope = rope_tables(cfg, positions_BT, rope_table)
     if isinstance(layers, (tuple, list)):
         num_layers = len(layers)
         hid = []
@@ -253,7 +272,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     x = embed(params, tokens_BT, cfg)
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
-    x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers)
+    x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers,
+                               params.get("rope_table"))
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
 
@@ -277,6 +297,9 @@ def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params
     out = dict(params)
     if cfg.tie_word_embeddings:
         out["unembed_t"] = params["embed"].T
+    table = rope_table(cfg)
+    if table is not None:
+        out["rope_table"] = table
     out["layers"] = unstack_layers(layers, cfg, fuse)
     return out
 
