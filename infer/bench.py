@@ -58,6 +58,20 @@ class PeakRSS:
 
 
 # ------------------------------------------------------------------------------------------------ machine limit
+def seconds_per_inner(fn, args: tuple, repeats: int, inner: int) -> float:
+    """Compile and warm ``fn`` (a jitted function running ``inner`` iterations of something inside one call), then
+    the median over ``repeats`` timed calls of seconds per iteration: dispatch is left out of the figure."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) / inner)
+    return statistics.median(ts)
+
+
 def matmul_gflops(m: int, k: int, n: int, repeats: int = 5, dtype: str = "float32", inner: int = 20) -> float:
     """[m, k] x [k, n] matmuls (operands in ``dtype``, float32 accumulation), ``inner`` of them per timed call so
     dispatch is left out; median GFLOP/s."""
@@ -71,14 +85,7 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 5, dtype: str = "float3
         return jax.lax.fori_loop(0, inner, lambda i, acc: acc + jnp.matmul(
             a + acc[:, :1].astype(a.dtype) * 0, b, preferred_element_type=jnp.float32), jnp.zeros((m, n)))
 
-    f = jax.jit(many)
-    f(a, b).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        ts.append((time.perf_counter() - t) / inner)
-    return 2 * m * k * n / statistics.median(ts) / 1e9
+    return 2 * m * k * n / seconds_per_inner(jax.jit(many), (a, b), repeats, inner) / 1e9
 
 
 def matmul_floor(cfg, batch: int, dtype: str = "float32", inner: int = 30, repeats: int = 5) -> float:
@@ -110,15 +117,7 @@ def matmul_floor(cfg, batch: int, dtype: str = "float32", inner: int = 30, repea
             return x, acc + mm(x, u)[:, :1].sum()
         return jax.lax.fori_loop(0, inner, body, (x, jnp.float32(0)))
 
-    fn = jax.jit(many)
-    x = jnp.full((batch, d), 0.1, jnp.float32)
-    jax.block_until_ready(fn(x, ws, u))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x, ws, u))
-        ts.append((time.perf_counter() - t) / inner)
-    return statistics.median(ts)
+    return seconds_per_inner(jax.jit(many), (jnp.full((batch, d), 0.1, jnp.float32), ws, u), repeats, inner)
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -255,6 +254,9 @@ def run_rows(runners, prompts: list[list[int]], batch: int, new_tokens: int, tem
             if row_fw:
                 a["taus"].append(toks / row_fw)
             a["fwds"].append(fw)
+        print(f"    round {rep + 1}/{repeats}: " + ", ".join(f"{r.label} {a['toks'] / a['walls'][-1]:.0f}"
+                                                          for r, a in zip(runners, acc)) + " tok/s",
+              file=sys.stderr, flush=True)
     rows = []
     for r, w, a in zip(runners, warm, acc):
         med = statistics.median(a["walls"])
@@ -549,14 +551,7 @@ def verify_cost(cfg, params, ks=(1, 2, 4, 8, 16, 32, 64), batches=(1, 8), contex
             cache = kvc.set_lengths(kvc.init_cache(cfg, b, context + max(ks), per_layer=per_layer),
                                     jnp.full((b,), context, jnp.int32))
             tokens = jnp.ones((b, k), jnp.int32)
-            f = jax.jit(many)
-            jax.block_until_ready(f(params, tokens, cache))
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(params, tokens, cache))
-                ts.append((time.perf_counter() - t0) / inner)
-            t = statistics.median(ts)
+            t = seconds_per_inner(jax.jit(many), (params, tokens, cache), repeats, inner)
             base = base or t
             rows.append({"model": label, "batch": b, "k": k, "seconds": t, "ratio_to_k1": t / base})
             print(f"    verify cost {label} batch {b} k={k}: {t * 1e3:.2f} ms ({t / base:.2f}x k=1)", file=sys.stderr)

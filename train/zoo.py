@@ -1,6 +1,6 @@
 """Recipes for the shipped models, trained here on 2 CPU cores.
 
-    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled), ~45 minutes
+    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled), ~1 hour
     python -m train.zoo --only code-draft    # one model (the tokenizer is reused when present)
 
 Each model lands in ``zoo/<name>/`` in HF format (bf16 safetensors, config.json, tokenizer files) with a
