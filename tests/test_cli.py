@@ -43,6 +43,16 @@ def test_zoo_generate_text_and_json(zoo_model_name, capsys):
     assert {"target_forwards", "new_tokens", "tokens_per_forward", "wall_s", "compile_s"} <= set(objs[0]["stats"])
 
 
+def test_mixed_precision_flags(zoo_model_name, capsys):
+    """--dtype bfloat16 --activation-dtype float32 runs sd with target and draft in mixed precision."""
+    rc = main(["generate", "--model", zoo_model_name, "--draft", zoo_model_name, "--method", "sd", "--prompt",
+               "def add(a, b):", "--max-new-tokens", "12", "--dtype", "bfloat16", "--activation-dtype", "float32",
+               "--json"])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert 1 <= len(obj["tokens"]) <= 12 and obj["stats"]["tokens_per_forward"] > 1.0
+
+
 def test_convert_round_trip(zoo_model_name, tmp_path, capsys):
     import numpy as np
 
