@@ -96,6 +96,8 @@ def matmul_floor(cfg, batch: int, dtype: str = "float32", inner: int = 30, repea
     import jax
     import jax.numpy as jnp
 
+    from pdecode.model.transformer import linear as mm  # the model's own matmul: bf16 operands, fp32 accumulation
+
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
     key = jax.random.PRNGKey(0)
@@ -103,9 +105,6 @@ def matmul_floor(cfg, batch: int, dtype: str = "float32", inner: int = 30, repea
     ws = [[(0.02 * jax.random.normal(jax.random.fold_in(key, 8 * i + j), s)).astype(dtype) for j, s in enumerate(shapes)]
           for i in range(cfg.num_layers)]
     u = (0.02 * jax.random.normal(key, (d, cfg.vocab_size))).astype(dtype)
-
-    def mm(x, w):
-        return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def many(x, ws, u):
         def body(i, c):

@@ -118,13 +118,12 @@ ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute 
 
 
 def rope_table(cfg: ModelConfig) -> tuple[jax.Array, jax.Array] | None:
-    """cos, sin [max_position_embeddings, hd/2] (the same float32 arithmetic as `rope_tables`), or None when the
-    context is too long for a table to be worth its memory."""
+    """cos, sin [max_position_embeddings, hd/2] (`rope_tables` at every position), or None when the context is too
+    long for a table to be worth its memory."""
     if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
         return None
-    ang = jnp.arange(cfg.max_position_embeddings, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg),
-                                                                                              jnp.float32)
-    return jnp.cos(ang), jnp.sin(ang)
+    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None])
+    return cos[0, :, 0], sin[0, :, 0]
 
 
 def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
