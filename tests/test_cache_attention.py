@@ -148,3 +148,38 @@ def test_attention_matches_naive_softmax():
                 p /= p.sum()
                 exp[r, i, hh] = p @ v[r, g]
     np.testing.assert_allclose(got, exp, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_causal_self_mask_blocks_match_full_mask_values_and_grads(window):
+    """Causal block skipping (training passes) gives the full-mask attention and its gradients."""
+    rng = np.random.default_rng(3)
+    b, t, h, kv, d = 2, 64, 4, 2, 8
+    q, k, v, w = (jnp.asarray(rng.normal(size=s).astype(np.float32))
+                  for s in ((b, t, h, d), (b, kv, d, t), (b, kv, t, d), (b, t, h, d)))
+    mask = attention.padded_self_mask(jnp.full((b,), t), t, causal=True, window=window)
+
+    def f(m):
+        return jax.value_and_grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, m) * w), argnums=(0, 1, 2))(
+            q, k, v)
+
+    full, blocked = f(mask), f(attention.CausalSelfMask(mask, blocks=4))
+    for a, e in zip(jax.tree.leaves(blocked), jax.tree.leaves(full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5, rtol=1e-5)
+    # blocks that do not divide T, or are too short to pay, fall back to the full mask (same values)
+    for n in (3, 8):
+        np.testing.assert_allclose(np.asarray(attention.attend(q, k, v, attention.CausalSelfMask(mask, blocks=n))),
+                                   np.asarray(attention.attend(q, k, v, mask)), atol=1e-5)
+
+
+def test_causal_self_mask_refused_with_a_cache():
+    from pdecode.model.transformer import forward, init_params
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    cache = kvc.init_cache(cfg, 1, 32)
+    tok = jnp.zeros((1, 4), jnp.int32)
+    mask = attention.CausalSelfMask(attention.padded_self_mask(jnp.full((1,), 4), 4))
+    with pytest.raises(ValueError, match="without a cache"):
+        forward(params, cfg, tok, jnp.arange(4)[None], mask, cache=cache)

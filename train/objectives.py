@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import optax
 
 from pdecode.config import ModelConfig
-from pdecode.model.attention import padded_self_mask
-from pdecode.model.transformer import forward, unembed
+from pdecode.model.attention import CausalSelfMask, padded_self_mask
+from pdecode.model.transformer import forward, unembed, unstack_layers
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -24,12 +24,19 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     return (ce * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
+def training_layout(params, cfg: ModelConfig):
+    """Params as the forward runs them fastest, inside a differentiated function: layers unstacked with q/k/v and
+    gate/up fused into single matmuls (the decode layout's weights; gradients flow back to the stacked params).
+    One training step of code-target on 2 CPU cores: ~5% faster than the stacked layers under `lax.scan`."""
+    return dict(params, layers=unstack_layers(params["layers"], cfg, fuse=True))
+
+
 def causal_hidden(params, cfg: ModelConfig, tokens_BT: jax.Array, hidden_layers: tuple[int, ...] = ()):
     """Full causal pass over unpadded windows: (final hidden [B,T,D], requested layer outputs)."""
     b, t = tokens_BT.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True, window=cfg.sliding_window)
-    out = forward(params, cfg, tokens_BT, pos, mask, hidden_layers=hidden_layers)
+    mask = CausalSelfMask(padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True, window=cfg.sliding_window))
+    out = forward(training_layout(params, cfg), cfg, tokens_BT, pos, mask, hidden_layers=hidden_layers)
     return out.hidden, out.layer_hidden
 
 
@@ -231,7 +238,7 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
         x = jnp.where(masked, mask_id, tokens)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = padded_self_mask(lengths, t, causal=False)
-        h = forward(params, cfg, x, pos, mask).hidden
+        h = forward(training_layout(params, cfg), cfg, x, pos, mask).hidden
         logits = unembed(params, cfg, h)
         if shift:  # logits at i-1 predict token i; position 0 has no predictor and is never masked in training
             logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)

@@ -8,27 +8,48 @@ bidirectional blocks), and padding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
 
 
-def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+class CausalSelfMask(NamedTuple):
+    """A self-attention mask ``[B, T, T]`` (keys = the T queries' own tokens, no cache) that hides every key after
+    its query. `attend` then splits the queries into ``blocks`` and lets each block read only the keys up to its
+    last query: ~40% fewer score entries at 4 blocks, the same result. Training passes use it
+    (`train.objectives.causal_hidden`)."""
+
+    mask: jax.Array
+    blocks: int = 4
+
+
+def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS) -> jax.Array:
     """Grouped-query attention. q: [B,T,H,hd]; k: [B,KV,hd,S] (transposed, the cache layout); v: [B,KV,S,hd];
-    mask: [B,T,S] (True = visible). Returns [B,T,H,hd].
+    mask: [B,T,S] (True = visible), or a `CausalSelfMask`. Returns [B,T,H,hd].
 
     Scores and softmax run in float32 whatever the input dtypes. A query with no visible key gets the mean of all
     values (masks always give a real query at least one key).
     """
+    if isinstance(mask_BTS, CausalSelfMask):
+        t, n = q_BTHD.shape[1], mask_BTS.blocks
+        if n <= 1 or t % n or t // n < 16:
+            return attend(q_BTHD, k_BKDS, v_BKSD, mask_BTS.mask)
+        bs, m = t // n, mask_BTS.mask
+        return jnp.concatenate([attend(q_BTHD[:, i * bs:(i + 1) * bs], k_BKDS[..., :(i + 1) * bs],
+                                       v_BKSD[:, :, :(i + 1) * bs], m[:, i * bs:(i + 1) * bs, :(i + 1) * bs])
+                                for i in range(n)], axis=1)
     b, t, h, d = q_BTHD.shape
     kv = k_BKDS.shape[1]
     # the matmuls run in the cache's dtype (a bf16 cache: bf16 operands, float32 accumulation)
     q = q_BTHD.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).astype(k_BKDS.dtype)  # [B, KV, G, T, hd]
     scores = jnp.einsum("bkgtd,bkds->bkgts", q, k_BKDS, preferred_element_type=jnp.float32)
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores * (1.0 / jnp.sqrt(jnp.float32(d))), _NEG)
-    # softmax, normalised after the value matmul (one division over hd instead of over S)
-    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    # softmax, normalised after the value matmul (one division over hd instead of over S). The max only keeps exp
+    # in range; softmax does not depend on it, so it carries no gradient (saves the backward passes over [T, S]).
+    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
     out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v_BKSD.dtype), v_BKSD, preferred_element_type=jnp.float32)
     out = out / jnp.sum(e, axis=-1, keepdims=True)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
