@@ -183,3 +183,24 @@ def test_causal_self_mask_refused_with_a_cache():
     mask = attention.CausalSelfMask(attention.padded_self_mask(jnp.full((1,), 4), 4))
     with pytest.raises(ValueError, match="without a cache"):
         forward(params, cfg, tok, jnp.arange(4)[None], mask, cache=cache)
+
+
+def test_attention_gradients_match_plain_softmax():
+    """The max inside the softmax carries no gradient; the gradients still equal those of jax.nn.softmax."""
+    rng = np.random.default_rng(4)
+    b, t, s, h, kv, d = 2, 6, 9, 4, 2, 8
+    q, k, v, w = (jnp.asarray(rng.normal(size=sh).astype(np.float32) * 3)
+                  for sh in ((b, t, h, d), (b, kv, s, d), (b, kv, s, d), (b, t, h, d)))
+    mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[..., 0].set(True)
+
+    def plain(q, k, v):
+        kk, vv = jnp.repeat(k, h // kv, axis=1), jnp.repeat(v, h // kv, axis=1)  # [B, H, S, d]
+        sc = jnp.einsum("bthd,bhsd->bhts", q, kk) / np.sqrt(d)
+        p = jax.nn.softmax(jnp.where(mask[:, None], sc, -jnp.inf), axis=-1)
+        return jnp.sum(jnp.einsum("bhts,bhsd->bthd", p, vv) * w)
+
+    def ours(q, k, v):
+        return jnp.sum(attention.attend(q, jnp.swapaxes(k, 2, 3), v, mask) * w)
+
+    for a, e in zip(jax.grad(ours, argnums=(0, 1, 2))(q, k, v), jax.grad(plain, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-4, rtol=1e-4)

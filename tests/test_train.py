@@ -138,3 +138,13 @@ def test_training_forward_matches_the_plain_forward():
     assert jax.tree.structure(g_got) == jax.tree.structure(g_want)
     for a, e in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=2e-5, rtol=1e-4)
+
+
+def test_time_step_runs_the_training_step():
+    from train.loop import time_step
+
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    batch = data.TokenBatches(_stream(), 16, 4).batch(0)
+    res = time_step(lm_loss(CFG), params, None, batch, TrainConfig(steps=10), repeats=3)
+    assert len(res["times"]) == 3 and all(t > 0 for t in res["times"])
+    assert min(res["times"]) <= res["step_s"] <= max(res["times"])

@@ -79,6 +79,36 @@ def _ckpt_manager(ckpt_dir: Path, keep: int = 2):
     return ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
 
+def _step_fn(objective: Callable, frozen: Any, opt: optax.GradientTransformation):
+    @jax.jit
+    def step_fn(params, opt_state, batch, rng):
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, frozen, batch, rng)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss, dict(metrics, grad_norm=optax.global_norm(grads))
+
+    return step_fn
+
+
+def time_step(objective: Callable, params: Any, frozen: Any, batch: np.ndarray, tc: TrainConfig,
+              repeats: int = 5) -> dict:
+    """Seconds per training step (the loop's jitted step: loss, gradients, AdamW update) on one batch: compile
+    time and the median of ``repeats`` timed steps after one warm-up."""
+    opt = make_optimizer(tc)
+    step_fn = _step_fn(objective, frozen, opt)
+    state, batch, key = opt.init(params), jax.tree.map(jnp.asarray, batch), jax.random.PRNGKey(tc.seed)
+    t0 = time.perf_counter()
+    params, state, loss, _ = step_fn(params, state, batch, key)
+    jax.block_until_ready(loss)
+    compile_s, times = time.perf_counter() - t0, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        params, state, loss, _ = step_fn(params, state, batch, key)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": float(np.median(times)), "first_step_s": compile_s, "times": times}
+
+
 def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int], np.ndarray], tc: TrainConfig,
           ckpt_dir: str | Path | None = None, eval_fn: Callable[[Any], dict] | None = None, desc: str = "train",
           tokens_per_step: int | None = None) -> tuple[Any, dict]:
@@ -102,12 +132,7 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
             start = last
             print(f"{desc}: resumed from step {last} in {ckpt_dir}", file=sys.stderr)
 
-    @jax.jit
-    def step_fn(params, opt_state, batch, rng):
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, frozen, batch, rng)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, loss, dict(metrics, grad_norm=optax.global_norm(grads))
+    step_fn = _step_fn(objective, frozen, opt)
 
     hist: dict[str, list] = {"step": [], "loss": [], "eval": []}
     tokens = tokens_per_step or int(np.prod(np.shape(jax.tree.leaves(batch_fn(0))[0])[:2]))

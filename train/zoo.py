@@ -1,7 +1,8 @@
 """Recipes for the shipped models, trained here on 2 CPU cores.
 
-    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled), ~1 hour
+    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled): 36.8 min, 2 cores
     python -m train.zoo --only code-draft    # one model (the tokenizer is reused when present)
+    python -m train.zoo --time-step          # seconds per training step of each recipe, nothing trained
 
 Each model lands in ``zoo/<name>/`` in HF format (bf16 safetensors, config.json, tokenizer files) with a
 ``train_info.json`` recording the command, steps, tokens seen, wall time and validation loss.
@@ -25,7 +26,7 @@ from pdecode.checkpoint.hf import save_hf
 from pdecode.config import ModelConfig
 from pdecode.model.transformer import init_params, unembed
 from train import data
-from train.loop import TrainConfig, train
+from train.loop import TrainConfig, time_step, train
 from train.objectives import causal_hidden, cross_entropy, distill_loss, lm_loss
 
 VOCAB = 4096
@@ -116,6 +117,28 @@ def make_eval(cfg: ModelConfig, val_windows: np.ndarray, batch: int = 8):
     return eval_fn
 
 
+def _objective(r: Recipe, zoo: Path):
+    """(objective, frozen) of a recipe: plain LM, or distillation from the teacher's shipped weights."""
+    if not r.teacher:
+        return lm_loss(r.cfg), None
+    from pdecode.checkpoint.hf import load_hf
+
+    t_cfg, t_params = load_hf(zoo / r.teacher)
+    return distill_loss(r.cfg, t_cfg), jax.tree.map(jnp.asarray, t_params)
+
+
+def time_recipe_step(name: str, zoo: Path, repeats: int = 5) -> dict:
+    """Seconds per training step of a recipe (random tokens of its batch shape; the teacher from ``zoo``)."""
+    r = RECIPES[name]
+    objective, frozen = _objective(r, zoo)
+    batch = np.random.default_rng(0).integers(0, r.cfg.vocab_size, (r.batch_size, r.seq_len + 1), dtype=np.int32)
+    res = time_step(objective, init_params(r.cfg, jax.random.PRNGKey(r.tc.seed)), frozen, batch, r.tc, repeats)
+    print(f"{name}: {res['step_s']:.3f} s per step of {r.batch_size}x{r.seq_len} tokens (median of {repeats}; "
+          f"first step with compile {res['first_step_s']:.1f} s) -> {r.tc.steps} steps ~"
+          f"{res['step_s'] * r.tc.steps / 60:.1f} min", file=sys.stderr)
+    return res
+
+
 def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> dict:
     r = RECIPES[name]
     tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
@@ -131,12 +154,7 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(10_000)
     eval_fn = make_eval(r.cfg, val_windows)
     params = init_params(r.cfg, jax.random.PRNGKey(tc.seed))
-    objective, frozen = lm_loss(r.cfg), None
-    if r.teacher:
-        from pdecode.checkpoint.hf import load_hf as _load
-
-        t_cfg, t_params = _load(zoo / r.teacher)
-        objective, frozen = distill_loss(r.cfg, t_cfg), jax.tree.map(jnp.asarray, t_params)
+    objective, frozen = _objective(r, zoo)
     print(f"{name}: {r.cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {r.batch_size}x{r.seq_len} tokens"
           f"{f', distilled from {r.teacher}' if r.teacher else ''}, train stream {len(tr)} tokens, validation "
           f"{len(val_windows)} windows", file=sys.stderr)
@@ -186,10 +204,14 @@ def main(argv=None):
     ap.add_argument("--work", type=Path, default=Path("runs/zoo"), help="checkpoints and token cache")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's step count (smoke runs)")
     ap.add_argument("--retrain-tokenizer", action="store_true")
+    ap.add_argument("--time-step", action="store_true",
+                    help="only time one training step of each recipe (median of 5) and print the projected time")
     args = ap.parse_args(argv)
     from pdecode.api import zoo_dir
 
     zoo = args.zoo or zoo_dir()
+    if args.time_step:
+        return {name: time_recipe_step(name, zoo) for name in args.only or list(RECIPES)}
     t0 = time.perf_counter()
     ensure_tokenizer(zoo, retrain=args.retrain_tokenizer)
     for name in args.only or list(RECIPES):
