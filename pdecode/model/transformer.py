@@ -266,8 +266,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     Without a cache, keys are the T tokens themselves and ``mask`` is [B, T, T]. With a cache, the fresh keys and
     values are written at slots ``write_at[b] + t`` first and queries read all ``max_len`` slots, so ``mask`` is
     [B, T, max_len] (build it with `attention.cache_mask`); a cache-less causal pass may wrap its mask in
-    `attention.CausalSelfMask` (skips the keys after each block of queries). ``cache.lengths`` is not changed: the caller decides
-    what to keep (`cache.advance` / `cache.commit`). ``params`` may be canonical or in `decode_layout`.
+    `attention.CausalSelfMask` (skips the keys after each block of queries). ``cache.lengths`` is not changed: the
+    caller decides what to keep (`cache.advance` / `cache.commit`). ``params`` may be canonical or in `decode_layout`.
     """
     if cache is not None and isinstance(mask_BTS, CausalSelfMask):
         raise ValueError("CausalSelfMask describes a pass without a cache; with a cache use attention.cache_mask")
