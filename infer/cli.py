@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    # the choices are pdecode.config.DTYPES, written out so building the parser does not import jax
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="params' dtype")
     g.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="residual stream / attention dtype (default: --dtype); --dtype bfloat16 --activation-dtype "

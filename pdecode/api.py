@@ -21,14 +21,14 @@ import numpy as np
 
 from pdecode import sampling
 from pdecode.checkpoint import hf as hf_ckpt
-from pdecode.config import ModelConfig
+from pdecode.config import DTYPES, ModelConfig
 from pdecode.decode import registry
 from pdecode.errors import CheckpointError, InputError
 from pdecode.model import attention
 from pdecode.model.transformer import forward, param_specs, unembed
 from pdecode.tokenizer import Tokenizer
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_DTYPES = {name: jnp.dtype(name) for name in DTYPES}
 
 
 def zoo_dir() -> Path:

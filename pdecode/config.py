@@ -14,6 +14,9 @@ from typing import Any
 
 from pdecode.errors import ConfigError
 
+# the dtypes params and activations may take (validation, `pdecode.load`, the CLI's choices)
+DTYPES = ("float32", "bfloat16", "float16")
+
 # HF `model_type` -> our family name. The family only decides naming and a few architectural switches.
 _HF_FAMILIES = {
     "llama": "llama",
@@ -79,8 +82,8 @@ class ModelConfig:
             problems.append(f"head_dim must be even for RoPE (got {self.head_dim})")
         if self.family not in ("llama", "mistral", "qwen2", "qwen3"):
             problems.append(f"unknown family {self.family!r}; expected one of llama, mistral, qwen2, qwen3")
-        if self.activation_dtype not in (None, "float32", "bfloat16", "float16"):
-            problems.append(f"activation_dtype must be float32, bfloat16, float16 or None (got {self.activation_dtype!r})")
+        if self.activation_dtype is not None and self.activation_dtype not in DTYPES:
+            problems.append(f"activation_dtype must be {', '.join(DTYPES)} or None (got {self.activation_dtype!r})")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 
