@@ -141,14 +141,51 @@ def test_compile_cache_is_bounded(tiny, monkeypatch):
     assert pdecode.generate(tiny, [[4, 5]], max_new_tokens=3).stats["compile_s"] > 0  # oldest: evicted
 
 
-def test_whole_generation_is_one_while_loop(tiny):
+@pytest.mark.parametrize("phases", [1, 4])
+def test_generation_is_one_while_loop_per_cache_phase(tiny, phases):
+    """No host round trip per token: prefill, then one `lax.while_loop` per cache phase, all in one traced call."""
     s = sampling.Sampling()
-    prompt = jnp.zeros((2, 8), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda p, x, n, k: ar.generate(p, x, n, k, 0.0, 1.0, cfg=tiny.cfg, max_new=5, max_len=16,
-                                                          eos_ids=(2,), samp=s))(
+    prompt = jnp.zeros((2, 16), jnp.int32)
+    lengths = ar.phase_lengths(16, 128, phases)
+    assert (len(lengths) == 1) == (phases == 1) and lengths[-1] == 128
+    jaxpr = jax.make_jaxpr(lambda p, x, n, k: ar.generate(p, x, n, k, 0.0, 1.0, cfg=tiny.cfg, max_new=5, max_len=128,
+                                                          eos_ids=(2,), samp=s, phases=phases))(
         tiny.params, prompt, jnp.array([3, 8]), jax.random.PRNGKey(0))
     loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
-    assert len(loops) == 1
+    assert len(loops) == len(lengths)
+    assert "callback" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("prompt_len,max_len,phases", [(64, 192, 4), (1, 128, 4), (30, 256, 3), (512, 1024, 6),
+                                                       (16, 64, 4), (8, 16, 4), (64, 192, 1)])
+def test_phase_lengths(prompt_len, max_len, phases):
+    lengths = ar.phase_lengths(prompt_len, max_len, phases)
+    assert lengths[-1] == max_len and 1 <= len(lengths) <= max(phases, 1)
+    assert lengths[0] >= prompt_len and list(lengths) == sorted(set(lengths))
+    assert all(n % ar.PHASE_ALIGN == 0 for n in lengths[:-1])
+    assert all(b - a >= ar.PHASE_ALIGN for a, b in zip(lengths, lengths[1:]))
+    if phases > 1 and max_len - prompt_len >= 128:
+        assert len(lengths) > 1  # long generations do run in phases
+
+
+def test_cache_phases_give_the_same_tokens(tiny):
+    """A loop over a cache grown in phases attends over fewer (masked) slots; tokens equal the single full-cache
+    loop and the no-cache reference, greedy and sampled, with mixed prompt lengths, EOS, and rows crossing phase
+    boundaries at different steps."""
+    n = 90
+    assert len(ar.phase_lengths(64, 192, 4)) == 4  # PROMPTS bucket to 64; 64 + 90 new tokens -> a 192-slot cache
+    one = pdecode.generate(tiny, PROMPTS, max_new_tokens=n, stop_at_eos=False, cache_phases=1)
+    four = pdecode.generate(tiny, PROMPTS, max_new_tokens=n, stop_at_eos=False, cache_phases=4)
+    assert one.tokens == four.tokens and one.stats["cache_len"] == 192
+    assert four.tokens[1] == naive_greedy(tiny, PROMPTS[1], n)
+    eos = one.tokens[2][40]
+    m = pdecode.Model(cfg=tiny.cfg.replace(eos_token_ids=(eos,)), params=tiny.params)
+    kw = dict(max_new_tokens=n, temperature=1.0, top_k=20, seed=3)
+    for k in (kw, dict(max_new_tokens=n)):
+        a, b = (pdecode.generate(m, PROMPTS, cache_phases=ph, **k) for ph in (1, 4))
+        assert a.tokens == b.tokens and a.stats["target_forwards"] == b.stats["target_forwards"]
+    with pytest.raises(pdecode.ConfigError, match="cache_phases"):
+        pdecode.generate(tiny, PROMPTS, cache_phases=0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -96,6 +96,22 @@ def _brute_ancestors(parents):
     return m
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_grow_keeps_slots_and_appends_zeros(per_layer):
+    c, k, v = _filled(per_layer=per_layer)
+    c = kvc.set_lengths(c, jnp.array([3, 16, 0]))
+    g = jax.jit(kvc.grow, static_argnums=1)(c, 24)
+    gk, gv = _stacked(g)
+    assert g.max_len == 24 and g.per_layer == per_layer
+    np.testing.assert_array_equal(gk[..., :16], k)
+    np.testing.assert_array_equal(gv[..., :16, :], v)
+    assert not gk[..., 16:].any() and not gv[..., 16:, :].any()
+    np.testing.assert_array_equal(g.lengths, [3, 16, 0])
+    assert kvc.grow(c, 16) is c
+    with pytest.raises(ValueError, match="more than"):
+        kvc.grow(c, 8)
+
+
 def test_tree_mask_matches_brute_force():
     rng = np.random.default_rng(0)
     for n in (1, 2, 7, 26, 64):

@@ -1,4 +1,12 @@
-"""Autoregressive generation: prefill, then one token per target forward, the whole loop in one `lax.while_loop`."""
+"""Autoregressive generation: prefill, then one token per target forward, with no host round trip per token.
+
+The loop runs in a few *cache phases*: phase i is one `lax.while_loop` over a cache of ``phase_lengths[i]`` slots
+(static), and the cache grows (zeros appended) between phases. Every step's attention reads every slot of the cache
+it runs on, so a loop that starts on a cache just longer than the prompt and grows it reads far fewer slots than one
+sized for the whole generation from the first token (at batch 8, 64 prompt + 128 new tokens on code-target: about
+1.2x the tokens/s, measured with scripts in the closing note of issue 2). ``phases=1`` is a single loop over the
+full cache. The result is the same up to float rounding (attention sums over a different number of masked slots).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,19 @@ from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
+PHASE_ALIGN = 16  # phase lengths (but the last, max_len) are multiples of this many slots
+
+
+def phase_lengths(prompt_len: int, max_len: int, phases: int) -> tuple[int, ...]:
+    """Cache lengths of the decode phases: at most ``phases`` lengths, evenly spaced after the prompt (at least
+    2 * PHASE_ALIGN slots apart), the last one ``max_len``."""
+    base = -(-prompt_len // PHASE_ALIGN) * PHASE_ALIGN
+    span = max_len - base
+    step = max(2 * PHASE_ALIGN, -(-span // max(phases, 1) // PHASE_ALIGN) * PHASE_ALIGN)
+    if phases <= 1 or span < 2 * step:
+        return (max_len,)
+    return tuple(range(base + step, max_len - PHASE_ALIGN, step)) + (max_len,)
+
 
 @struct.dataclass
 class ARState:
@@ -24,20 +45,19 @@ class ARState:
 
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, max_new: int,
-             max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, cache_dtype=jnp.float32):
+             max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, cache_dtype=jnp.float32,
+             phases: int = 4):
     """Returns (Outputs, stats dict of device scalars)."""
-    b = prompt_BP.shape[0]
+    b, p = prompt_BP.shape
     params = decode_layout(params, cfg, fuse=mesh is None)
-    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(params)), mesh)
+    lengths = phase_lengths(p, max_len, phases)
+    cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(params)), mesh)
     cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
     out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
     state = ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1))
     one = jnp.ones((1, 1), bool)
-
-    def cond(s: ARState):
-        return ~jnp.all(s.out.done)
 
     def body(s: ARState):
         positions = s.cache.lengths[:, None]
@@ -52,5 +72,16 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         last = jnp.where(active, nxt, s.last)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1)
 
-    state = jax.lax.while_loop(cond, body, state)
+    for i, n in enumerate(lengths):
+        if i:
+            state = state.replace(cache=constrain_cache(kvc.grow(state.cache, n), mesh))
+
+        def cond(s: ARState, n=n, final=i == len(lengths) - 1):
+            going = ~jnp.all(s.out.done)
+            if final:
+                return going
+            # a step writes the last token at slot `lengths` of every active row: it must lie in this phase's cache
+            return going & (jnp.max(jnp.where(s.out.done, 0, s.cache.lengths)) < n)
+
+        state = jax.lax.while_loop(cond, body, state)
     return state.out, {"target_forwards": state.forwards}

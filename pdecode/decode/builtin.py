@@ -16,7 +16,7 @@ def _int_opt(opts, name, lo=1):
 
 
 def _prepare_ar(model, draft, opts, samp):
-    return Plan(fn=ar.generate, params=model.params, static={"cfg": model.cfg})
+    return Plan(fn=ar.generate, params=model.params, static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")})
 
 
 def _spec_plan(model, draft_params, drafter) -> Plan:
@@ -57,7 +57,9 @@ def _prepare_lookup(model, draft, opts, samp):
     return _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br))
 
 
-register(Method("ar", _prepare_ar, options={}, summary="autoregressive, one token per forward"))
+register(Method("ar", _prepare_ar, options={"cache_phases": 4},
+                summary="autoregressive, one token per forward (cache_phases: the loop runs over a cache grown in "
+                        "up to this many steps, 1 = one loop over the full cache)"))
 register(Method("sd", _prepare_sd, options={"gamma": 4, "adaptive": False, "gamma_max": None}, needs_draft=True,
                 summary="speculative decoding with a draft model, chain of gamma tokens (optionally adaptive)"))
 register(Method("tree", _prepare_tree, options={"tree": "dynamic", "tree_top_k": 4, "depth": 5, "total_tokens": 24},

@@ -10,7 +10,8 @@ slot ``s`` of a row holds position ``s``). Every operation is by index with stat
 * ``write_layer``: scatter k fresh tokens of one layer at per-row offsets (used inside the forward pass);
 * ``commit``: after a verify pass wrote N fresh tokens at ``lengths..lengths+N-1``, move the accepted ones
   (a gather by node index, e.g. an accepted tree path) to ``lengths..lengths+n-1`` and advance ``lengths``;
-* ``rollback``: forget the last n tokens of each row (only ``lengths`` moves; stale slots are masked out).
+* ``rollback``: forget the last n tokens of each row (only ``lengths`` moves; stale slots are masked out);
+* ``grow``: more slots at the end (a decode loop that runs in phases attends over a cache no longer than it needs).
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def commit(cache: KVCache, node_idx_BA: jax.Array, n_B: jax.Array) -> KVCache:
 def rollback(cache: KVCache, n_B: jax.Array) -> KVCache:
     """Forget the last n committed tokens of each row."""
     return cache.replace(lengths=jnp.maximum(cache.lengths - n_B.astype(jnp.int32), 0))
+
+
+def grow(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with ``max_len`` slots (new slots zero, at the end); lengths unchanged."""
+    extra = max_len - cache.max_len
+    if extra < 0:
+        raise ValueError(f"grow: the cache has {cache.max_len} slots, more than the {max_len} asked for")
+    if extra == 0:
+        return cache
+
+    def pad(a, axis):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(a, widths)
+
+    # keys [.., hd, S] grow on the last axis, values [.., S, hd] on the one before
+    return cache.replace(k=jax.tree.map(lambda a: pad(a, -1), cache.k), v=jax.tree.map(lambda a: pad(a, -2), cache.v))
 
 
 def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
