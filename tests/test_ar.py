@@ -8,7 +8,7 @@ from scipy import stats as sstats
 
 import pdecode
 from pdecode import sampling
-from pdecode.decode import ar
+from pdecode.decode import ar, common
 from tests.helpers import VOCAB
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 57)), [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -146,7 +146,7 @@ def test_generation_is_one_while_loop_per_cache_phase(tiny, phases):
     """No host round trip per token: prefill, then one `lax.while_loop` per cache phase, all in one traced call."""
     s = sampling.Sampling()
     prompt = jnp.zeros((2, 16), jnp.int32)
-    lengths = ar.phase_lengths(16, 128, phases)
+    lengths = common.phase_lengths(16, 128, phases)
     assert (len(lengths) == 1) == (phases == 1) and lengths[-1] == 128
     jaxpr = jax.make_jaxpr(lambda p, x, n, k: ar.generate(p, x, n, k, 0.0, 1.0, cfg=tiny.cfg, max_new=5, max_len=128,
                                                           eos_ids=(2,), samp=s, phases=phases))(
@@ -159,11 +159,11 @@ def test_generation_is_one_while_loop_per_cache_phase(tiny, phases):
 @pytest.mark.parametrize("prompt_len,max_len,phases", [(64, 192, 4), (1, 128, 4), (30, 256, 3), (512, 1024, 6),
                                                        (16, 64, 4), (8, 16, 4), (64, 192, 1)])
 def test_phase_lengths(prompt_len, max_len, phases):
-    lengths = ar.phase_lengths(prompt_len, max_len, phases)
+    lengths = common.phase_lengths(prompt_len, max_len, phases)
     assert lengths[-1] == max_len and 1 <= len(lengths) <= max(phases, 1)
     assert lengths[0] >= prompt_len and list(lengths) == sorted(set(lengths))
-    assert all(n % ar.PHASE_ALIGN == 0 for n in lengths[:-1])
-    assert all(b - a >= ar.PHASE_ALIGN for a, b in zip(lengths, lengths[1:]))
+    assert all(n % common.PHASE_ALIGN == 0 for n in lengths[:-1])
+    assert all(b - a >= common.PHASE_ALIGN for a, b in zip(lengths, lengths[1:]))
     if phases > 1 and max_len - prompt_len >= 128:
         assert len(lengths) > 1  # long generations do run in phases
 
@@ -173,7 +173,7 @@ def test_cache_phases_give_the_same_tokens(tiny):
     loop and the no-cache reference, greedy and sampled, with mixed prompt lengths, EOS, and rows crossing phase
     boundaries at different steps."""
     n = 90
-    assert len(ar.phase_lengths(64, 192, 4)) == 4  # PROMPTS bucket to 64; 64 + 90 new tokens -> a 192-slot cache
+    assert len(common.phase_lengths(64, 192, 4)) == 4  # PROMPTS bucket to 64; 64 + 90 new tokens -> a 192-slot cache
     one = pdecode.generate(tiny, PROMPTS, max_new_tokens=n, stop_at_eos=False, cache_phases=1)
     four = pdecode.generate(tiny, PROMPTS, max_new_tokens=n, stop_at_eos=False, cache_phases=4)
     assert one.tokens == four.tokens and one.stats["cache_len"] == 192

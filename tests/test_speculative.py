@@ -71,6 +71,21 @@ def test_greedy_with_eos_rows_stop_independently(models, method, draft, opts):
     assert out.tokens[1][-1] == eos and len(out.tokens[1]) <= 6
 
 
+@pytest.mark.parametrize("method,draft,opts", [METHODS[0], METHODS[3], METHODS[7]], ids=["sd", "tree", "lookup"])
+def test_greedy_identical_to_ar_across_cache_phases(models, method, draft, opts):
+    """The target cache grows between loop phases while rows accept different numbers of tokens per step: output
+    equals AR over the full cache (one phase) and the engine run in one phase."""
+    from pdecode.decode import common
+
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=90, stop_at_eos=False, cache_phases=1)
+    one, four = (pdecode.generate(t, PROMPTS, method=method, draft=models[draft], max_new_tokens=90,
+                                  stop_at_eos=False, cache_phases=ph, **opts) for ph in (1, 4))
+    assert len(common.phase_lengths(64, four.stats["cache_len"], 4)) >= 3  # PROMPTS bucket to 64 tokens
+    assert four.tokens == ref.tokens and one.tokens == ref.tokens
+    assert four.stats["target_forwards"] == one.stats["target_forwards"]
+
+
 @pytest.mark.parametrize("method,draft,opts", [METHODS[0], METHODS[3], METHODS[6]], ids=["sd", "tree", "lookup"])
 def test_greedy_identical_to_ar_in_mixed_precision(models, method, draft, opts):
     """bfloat16 weights with float32 activations (the fast CPU setting): still token for token equal to AR."""

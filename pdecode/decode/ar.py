@@ -4,8 +4,8 @@ The loop runs in a few *cache phases*: phase i is one `lax.while_loop` over a ca
 (static), and the cache grows (zeros appended) between phases. Every step's attention reads every slot of the cache
 it runs on, so a loop that starts on a cache just longer than the prompt and grows it reads far fewer slots than one
 sized for the whole generation from the first token (at batch 8, 64 prompt + 128 new tokens on code-target: about
-1.2x the tokens/s, measured with scripts in the closing note of issue 2). ``phases=1`` is a single loop over the
-full cache. The result is the same up to float rounding (attention sums over a different number of masked slots).
+1.14x the tokens/s; README, "Cache phases"). ``phases=1`` is a single loop over the full cache; `common.phase_lengths`
+gives the lengths. The result is the same up to float rounding (attention sums over a different number of masked slots).
 """
 
 from __future__ import annotations
@@ -20,20 +20,6 @@ from pdecode.decode import common
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 from pdecode.sharding import constrain_cache
-
-PHASE_ALIGN = 16  # phase lengths (but the last, max_len) are multiples of this many slots
-
-
-def phase_lengths(prompt_len: int, max_len: int, phases: int) -> tuple[int, ...]:
-    """Cache lengths of the decode phases: at most ``phases`` lengths, evenly spaced after the prompt (at least
-    2 * PHASE_ALIGN slots apart), the last one ``max_len``."""
-    base = -(-prompt_len // PHASE_ALIGN) * PHASE_ALIGN
-    span = max_len - base
-    step = max(2 * PHASE_ALIGN, -(-span // max(phases, 1) // PHASE_ALIGN) * PHASE_ALIGN)
-    if phases <= 1 or span < 2 * step:
-        return (max_len,)
-    return tuple(range(base + step, max_len - PHASE_ALIGN, step)) + (max_len,)
-
 
 @struct.dataclass
 class ARState:
@@ -50,7 +36,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     """Returns (Outputs, stats dict of device scalars)."""
     b, p = prompt_BP.shape
     params = decode_layout(params, cfg, fuse=mesh is None)
-    lengths = phase_lengths(p, max_len, phases)
+    lengths = common.phase_lengths(p, max_len, phases)
     cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(params)), mesh)
     cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache)
     key, sub = jax.random.split(key)
@@ -72,16 +58,9 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         last = jnp.where(active, nxt, s.last)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1)
 
-    for i, n in enumerate(lengths):
-        if i:
-            state = state.replace(cache=constrain_cache(kvc.grow(state.cache, n), mesh))
-
-        def cond(s: ARState, n=n, final=i == len(lengths) - 1):
-            going = ~jnp.all(s.out.done)
-            if final:
-                return going
-            # a step writes the last token at slot `lengths` of every active row: it must lie in this phase's cache
-            return going & (jnp.max(jnp.where(s.out.done, 0, s.cache.lengths)) < n)
-
-        state = jax.lax.while_loop(cond, body, state)
+    state = common.phased_while_loop(
+        lambda s: ~jnp.all(s.out.done), body, state, lengths,
+        # a step writes each row's last token at slot `lengths`: it must lie in the phase's cache
+        room=lambda s, n: common.active_max_length(s.out, s.cache) < n,
+        grow=lambda s, n: s.replace(cache=constrain_cache(kvc.grow(s.cache, n), mesh)))
     return state.out, {"target_forwards": state.forwards}

@@ -16,12 +16,17 @@ def _int_opt(opts, name, lo=1):
 
 
 def _prepare_ar(model, draft, opts, samp):
-    return Plan(fn=ar.generate, params=model.params, static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")})
+    return Plan(fn=ar.generate, params=model.params,
+                static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")})
 
 
-def _spec_plan(model, draft_params, drafter) -> Plan:
+PHASES = {"cache_phases": 4}  # every loop over a target KV cache runs in phases (`common.phase_lengths`)
+
+
+def _spec_plan(model, draft_params, drafter, opts) -> Plan:
     return Plan(fn=speculative.generate, params=(model.params, draft_params),
-                static={"cfg": model.cfg, "drafter": drafter}, extra_len=drafter.tree_size + 2,
+                static={"cfg": model.cfg, "drafter": drafter, "phases": _int_opt(opts, "cache_phases")},
+                extra_len=drafter.tree_size + 2,
                 finish_stats=lambda s: speculative.acceptance_stats({**s, "tree_size": drafter.tree_size}))
 
 
@@ -34,7 +39,7 @@ def _prepare_sd(model, draft, opts, samp):
     gmax = opts["gamma_max"] if opts["gamma_max"] is not None else (max(2 * gamma, 8) if adaptive else gamma)
     if not isinstance(gmax, int) or gmax < gamma:
         raise ConfigError(f"gamma_max must be an integer >= gamma ({gamma}), got {gmax!r}")
-    return _spec_plan(model, draft.params, DraftChain(draft.cfg, gamma, gmax, adaptive))
+    return _spec_plan(model, draft.params, DraftChain(draft.cfg, gamma, gmax, adaptive), opts)
 
 
 def _prepare_tree(model, draft, opts, samp):
@@ -45,7 +50,7 @@ def _prepare_tree(model, draft, opts, samp):
         drafter = DraftDynamicTree(draft.cfg, *_tree_opts(opts))
     else:
         drafter = DraftStaticTree(draft.cfg, tree_lib.resolve(opts["tree"]))
-    return _spec_plan(model, draft.params, drafter)
+    return _spec_plan(model, draft.params, drafter, opts)
 
 
 def _prepare_lookup(model, draft, opts, samp):
@@ -54,20 +59,23 @@ def _prepare_lookup(model, draft, opts, samp):
     g, nmax, nmin, br = (_int_opt(opts, k) for k in ("gamma", "ngram_max", "ngram_min", "branches"))
     if nmin > nmax:
         raise ConfigError(f"ngram_min ({nmin}) must not exceed ngram_max ({nmax})")
-    return _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br))
+    return _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br), opts)
 
 
-register(Method("ar", _prepare_ar, options={"cache_phases": 4},
+register(Method("ar", _prepare_ar, options=dict(PHASES),
                 summary="autoregressive, one token per forward (cache_phases: the loop runs over a cache grown in "
                         "up to this many steps, 1 = one loop over the full cache)"))
-register(Method("sd", _prepare_sd, options={"gamma": 4, "adaptive": False, "gamma_max": None}, needs_draft=True,
+register(Method("sd", _prepare_sd, options={"gamma": 4, "adaptive": False, "gamma_max": None, **PHASES},
+                needs_draft=True,
                 summary="speculative decoding with a draft model, chain of gamma tokens (optionally adaptive)"))
-register(Method("tree", _prepare_tree, options={"tree": "dynamic", "tree_top_k": 4, "depth": 5, "total_tokens": 24},
+register(Method("tree", _prepare_tree,
+                options={"tree": "dynamic", "tree_top_k": 4, "depth": 5, "total_tokens": 24, **PHASES},
                 needs_draft=True,
                 summary="draft-model token tree: EAGLE-2-style dynamic (tree_top_k = EAGLE-2's top_k, depth, "
                         "total_tokens) or a static "
                         "preset / choice paths"))
-register(Method("lookup", _prepare_lookup, options={"gamma": 4, "ngram_max": 3, "ngram_min": 1, "branches": 1},
+register(Method("lookup", _prepare_lookup,
+                options={"gamma": 4, "ngram_max": 3, "ngram_min": 1, "branches": 1, **PHASES},
                 summary="prompt lookup (n-gram) drafting, chain or multi-candidate tree; no extra model"))
 
 
@@ -104,7 +112,7 @@ def _prepare_medusa(model, draft, opts, samp):
     typical = None
     if opts["typical"]:
         typical = (float(opts["typical_epsilon"]), float(opts["typical_delta"]))
-    return _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical))
+    return _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical), opts)
 
 
 def _tree_opts(opts):
@@ -119,7 +127,7 @@ def _prepare_eagle(model, draft, opts, samp):
     from pdecode.decode.eagle import EagleDrafter
 
     ecfg, ep = _heads(model, "eagle")
-    return _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)))
+    return _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)), opts)
 
 
 def _prepare_mtp(model, draft, opts, samp):
@@ -131,17 +139,17 @@ def _prepare_mtp(model, draft, opts, samp):
                           "drafts with sequential (DeepSeek-V3-style) modules")
     if opts.get("total_tokens") is None:  # default: every node of the chain / the depth x top_k frontier
         opts = {**opts, "total_tokens": _int_opt(opts, "depth") * _int_opt(opts, "tree_top_k")}
-    return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)))
+    return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)), opts)
 
 
 register(Method("medusa", _prepare_medusa,
-                options={"tree": None, "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3},
+                options={"tree": None, "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3, **PHASES},
                 summary="Medusa heads, static tree; lossless verification (typical=True: Medusa's lossy typical "
                         "acceptance)"))
-register(Method("eagle", _prepare_eagle, options={"tree_top_k": 10, "depth": 7, "total_tokens": 60},
+register(Method("eagle", _prepare_eagle, options={"tree_top_k": 10, "depth": 7, "total_tokens": 60, **PHASES},
                 summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees (defaults: EAGLE-2's top_k 10, depth 7, "
                         "total_tokens 60)"))
-register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": None},
+register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": None, **PHASES},
                 summary="multi-token prediction module as drafter: chain (default, one token) or tree; depth > 1 "
                         "reuses the first module on its own output (total_tokens defaults to depth x tree_top_k)"))
 

@@ -76,6 +76,39 @@ def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Ar
     return kvc.set_lengths(out.cache, prompt_len_B), logits, out
 
 
+PHASE_ALIGN = 16  # phase lengths (but the last, max_len) are multiples of this many slots
+
+
+def phase_lengths(prompt_len: int, max_len: int, phases: int) -> tuple[int, ...]:
+    """Cache lengths of the decode phases: at most ``phases`` lengths, evenly spaced after the prompt (at least
+    2 * PHASE_ALIGN slots apart), the last one ``max_len``."""
+    base = -(-prompt_len // PHASE_ALIGN) * PHASE_ALIGN
+    span = max_len - base
+    step = max(2 * PHASE_ALIGN, -(-span // max(phases, 1) // PHASE_ALIGN) * PHASE_ALIGN)
+    if phases <= 1 or span < 2 * step:
+        return (max_len,)
+    return tuple(range(base + step, max_len - PHASE_ALIGN, step)) + (max_len,)
+
+
+def phased_while_loop(cond, body, state, lengths: tuple[int, ...], room, grow):
+    """`lax.while_loop(cond, body, state)` run as one loop per cache phase: phase i runs while ``cond`` holds and
+    ``room(state, lengths[i])`` (the next step's writes fit a cache of that many slots); ``grow(state, n)`` enlarges
+    the state's cache to n slots between phases. The last phase runs until ``cond`` fails."""
+    for i, n in enumerate(lengths):
+        if i:
+            state = grow(state, n)
+        if i == len(lengths) - 1:
+            state = jax.lax.while_loop(cond, body, state)
+        else:
+            state = jax.lax.while_loop(lambda s, n=n: cond(s) & room(s, n), body, state)
+    return state
+
+
+def active_max_length(out: Outputs, cache: kvc.KVCache) -> jax.Array:
+    """The longest committed length among rows still generating (0 when none is)."""
+    return jnp.max(jnp.where(out.done, 0, cache.lengths))
+
+
 def step_mask(cfg: ModelConfig, cache: kvc.KVCache, intra, positions_BT: jax.Array, fresh_valid_BT=None):
     """Mask for fresh tokens written at ``cache.lengths`` with the given intra mask ([T,T] or [B,T,T])."""
     return attention.cache_mask(cache.lengths, intra, cache.max_len, fresh_valid_BT,

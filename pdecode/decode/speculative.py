@@ -1,4 +1,5 @@
-"""The draft-and-verify engine: one `lax.while_loop` of (draft a tree, verify it in one target forward, commit).
+"""The draft-and-verify engine: a `lax.while_loop` of (draft a tree, verify it in one target forward, commit), run
+as one loop per cache phase (the target cache grows between phases, as in `ar`; `common.phased_while_loop`).
 
 Every drafter (draft model chain/tree, n-gram lookup, Medusa, EAGLE, MTP) plugs in through the `Drafter`
 interface; the engine owns the target cache, the token history, verification, cache commit, EOS and stats.
@@ -126,13 +127,14 @@ class SpecState:
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, drafter: Drafter,
              max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
-             cache_dtype=jnp.float32):
+             cache_dtype=jnp.float32, phases: int = 4):
     tparams, dparams = params
     tparams = decode_layout(tparams, cfg, fuse=mesh is None)
     dparams = drafter.prepare(dparams, mesh)
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    cache = constrain_cache(kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(tparams)), mesh)
+    lengths = common.phase_lengths(p, max_len, phases)  # the target cache grows between phases (see `ar`)
+    cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(tparams)), mesh)
     cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
@@ -197,7 +199,12 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
                          acc_hist=hist)
 
-    state = jax.lax.while_loop(cond, body, state)
+    n_tree = drafter.tree_size
+    state = common.phased_while_loop(
+        cond, body, state, lengths,
+        # a verify pass writes the whole tree at slots lengths .. lengths + N - 1
+        room=lambda s, n: common.active_max_length(s.out, s.cache) + n_tree <= n,
+        grow=lambda s, n: s.replace(cache=constrain_cache(kvc.grow(s.cache, n), mesh)))
     return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
                        "accepted_histogram": state.acc_hist}
 
