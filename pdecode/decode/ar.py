@@ -21,6 +21,7 @@ from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
+
 @struct.dataclass
 class ARState:
     out: common.Outputs
