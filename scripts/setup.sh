@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.setup.stamp
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, torch, transformers, pytest" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, torch, transformers, pytest, xdist" 2>/dev/null; then
   exit 0
 fi
 echo "setup: installing pdecode with test and bench extras (first run only) ..." >&2

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
-exec python3 -m pytest -q "$@"
+# Two pytest workers: most of the suite's time is XLA compiling (single-threaded), so two processes keep both cores
+# busy. PDECODE_TEST_WORKERS=0 runs everything in this one process.
+exec python3 -m pytest -q -n "${PDECODE_TEST_WORKERS:-2}" "$@"
