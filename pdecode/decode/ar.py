@@ -59,9 +59,6 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         last = jnp.where(active, nxt, s.last)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1)
 
-    state = common.phased_while_loop(
-        lambda s: ~jnp.all(s.out.done), body, state, lengths,
-        # a step writes each row's last token at slot `lengths`: it must lie in the phase's cache
-        room=lambda s, n: common.active_max_length(s.out, s.cache) < n,
-        grow=lambda s, n: s.replace(cache=constrain_cache(kvc.grow(s.cache, n), mesh)))
+    # a step writes each row's last token (one fresh slot) at `lengths`
+    state = common.phased_while_loop(lambda s: ~jnp.all(s.out.done), body, state, lengths, fresh=1, mesh=mesh)
     return state.out, {"target_forwards": state.forwards}

@@ -14,6 +14,7 @@ from pdecode.config import ModelConfig
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import forward, unembed
+from pdecode.sharding import constrain_cache
 
 
 @struct.dataclass
@@ -90,23 +91,24 @@ def phase_lengths(prompt_len: int, max_len: int, phases: int) -> tuple[int, ...]
     return tuple(range(base + step, max_len - PHASE_ALIGN, step)) + (max_len,)
 
 
-def phased_while_loop(cond, body, state, lengths: tuple[int, ...], room, grow):
-    """`lax.while_loop(cond, body, state)` run as one loop per cache phase: phase i runs while ``cond`` holds and
-    ``room(state, lengths[i])`` (the next step's writes fit a cache of that many slots); ``grow(state, n)`` enlarges
-    the state's cache to n slots between phases. The last phase runs until ``cond`` fails."""
+def phased_while_loop(cond, body, state, lengths: tuple[int, ...], fresh: int, mesh=None):
+    """`lax.while_loop(cond, body, state)` run as one loop per cache phase. ``state`` carries ``out`` (`Outputs`) and
+    ``cache`` (the target `KVCache`); a step writes ``fresh`` tokens per row at slots ``lengths`` onwards.
+    Phase i runs while ``cond`` holds and those writes fit ``lengths[i]`` slots for every row still generating; the
+    cache is grown to the next length between phases. The last phase runs until ``cond`` fails."""
     for i, n in enumerate(lengths):
         if i:
-            state = grow(state, n)
+            state = state.replace(cache=constrain_cache(kvc.grow(state.cache, n), mesh))
         if i == len(lengths) - 1:
             state = jax.lax.while_loop(cond, body, state)
         else:
-            state = jax.lax.while_loop(lambda s, n=n: cond(s) & room(s, n), body, state)
+            state = jax.lax.while_loop(lambda s, n=n: cond(s) & (_active_max_length(s) + fresh <= n), body, state)
     return state
 
 
-def active_max_length(out: Outputs, cache: kvc.KVCache) -> jax.Array:
+def _active_max_length(s) -> jax.Array:
     """The longest committed length among rows still generating (0 when none is)."""
-    return jnp.max(jnp.where(out.done, 0, cache.lengths))
+    return jnp.max(jnp.where(s.out.done, 0, s.cache.lengths))
 
 
 def step_mask(cfg: ModelConfig, cache: kvc.KVCache, intra, positions_BT: jax.Array, fresh_valid_BT=None):

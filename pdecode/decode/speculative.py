@@ -199,12 +199,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
                          acc_hist=hist)
 
-    n_tree = drafter.tree_size
-    state = common.phased_while_loop(
-        cond, body, state, lengths,
-        # a verify pass writes the whole tree at slots lengths .. lengths + N - 1
-        room=lambda s, n: common.active_max_length(s.out, s.cache) + n_tree <= n,
-        grow=lambda s, n: s.replace(cache=constrain_cache(kvc.grow(s.cache, n), mesh)))
+    # a verify pass writes the whole tree at slots lengths .. lengths + N - 1
+    state = common.phased_while_loop(cond, body, state, lengths, fresh=drafter.tree_size, mesh=mesh)
     return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
                        "accepted_histogram": state.acc_hist}
 
