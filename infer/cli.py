@@ -61,7 +61,13 @@ def _read_prompts(args) -> list[str]:
 def cmd_generate(args) -> int:
     import pdecode
 
+    from pdecode.decode import registry
+    from pdecode.errors import InputError
+
     prompts = _read_prompts(args)
+    if registry.get(args.method).needs_draft and not args.draft:
+        raise InputError(f"method {args.method!r} needs a draft model: add --draft (a zoo name such as code-draft, "
+                         "or a model directory)")
     m = pdecode.load(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype)
     draft = pdecode.load(args.draft, dtype=args.dtype, activation_dtype=args.activation_dtype) if args.draft else None
     mesh = None

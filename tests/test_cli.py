@@ -22,6 +22,7 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(hf_dirs, capsys):
     (["--temperature", "-0.5"], "temperature must be >= 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--max-new-tokens", "5000"], "exceeds the model's context"),
+    (["--method", "sd"], "needs a draft model: add --draft"),
 ])
 def test_bad_input_one_line_error(zoo_model_name, capsys, args, match):
     argv = ["generate", "--model", zoo_model_name, "--prompt", "def f():", "--max-new-tokens", "8"] + args
