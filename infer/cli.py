@@ -65,6 +65,7 @@ def cmd_generate(args) -> int:
     from pdecode.errors import InputError
 
     prompts = _read_prompts(args)
+    pdecode.enable_disk_cache()  # a second run with the same shapes loads its executable instead of compiling
     if registry.get(args.method).needs_draft and not args.draft:
         raise InputError(f"method {args.method!r} needs a draft model: add --draft (a zoo name such as code-draft, "
                          "or a model directory)")

@@ -164,6 +164,30 @@ def clear_compile_cache() -> None:
     jax.clear_caches()
 
 
+def enable_disk_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Keep compiled executables on disk (JAX's persistent compilation cache): a later process that generates with
+    the same model, method, options and shapes loads the executable instead of compiling it. `pdecode generate`
+    turns this on; library users call it once, before their first `generate`.
+
+    ``path`` defaults to ``$PDECODE_COMPILE_CACHE_DIR``, else ``~/.cache/pdecode/xla``; ``PDECODE_COMPILE_CACHE_DIR=off``
+    leaves the cache off. A directory JAX was already given (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the
+    directory in use, or None when off or when the directory cannot be created (the cache is an optimisation, never a
+    reason to fail)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return Path(current)
+    env = os.environ.get("PDECODE_COMPILE_CACHE_DIR", "")
+    if path is None and env.lower() in ("off", "0", "false", "no"):
+        return None
+    d = Path(path or env or Path.home() / ".cache" / "pdecode" / "xla").expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    return d
+
+
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return (treedef, tuple((tuple(np.shape(a)), str(jnp.result_type(a)), str(getattr(a, "sharding", "")))

@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `pdecode generate` keeps compiled executables on disk; tests that want it say so (tests/test_cli.py)
+os.environ.setdefault("PDECODE_COMPILE_CACHE_DIR", "off")
 
 import pytest  # noqa: E402
 

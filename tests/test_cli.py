@@ -1,6 +1,7 @@
 """The `pdecode` command: generate/convert/zoo, and one-line errors for bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,3 +73,35 @@ def test_console_script_exit_code(tmp_path):
                         "--prompt", "x"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: no model") and "Traceback" not in r.stderr
+
+
+def test_generate_keeps_compiled_executables_on_disk(tmp_path):
+    """`pdecode generate` keeps its executable on disk: the first run writes it (the cache is on before the compile),
+    a second process with the same shapes finds it under the same key (no entry added or rewritten; JAX loads an
+    entry it finds instead of compiling), and the tokens are the same."""
+    cache = tmp_path / "xla"
+    env = dict(os.environ, PDECODE_COMPILE_CACHE_DIR=str(cache))
+    cmd = [sys.executable, "-m", "infer.cli", "generate", "--model", "code-target", "--prompt", "def f(x):",
+           "--max-new-tokens", "8", "--json"]
+    runs = []
+    for _ in range(2):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        entries = sorted((p.name, p.stat().st_mtime_ns) for p in cache.iterdir())
+        runs.append((json.loads(r.stdout.strip().splitlines()[-1])["tokens"], entries))
+    (tokens1, entries1), (tokens2, entries2) = runs
+    assert entries1, "the first run wrote no executable"
+    assert entries2 == entries1, "the second run wrote a new executable: its cache key changed between processes"
+    assert tokens2 == tokens1 and len(tokens1) == 8
+
+
+def test_disk_cache_off(monkeypatch):
+    import jax
+
+    import pdecode
+
+    if jax.config.jax_compilation_cache_dir:
+        pytest.skip("JAX was given a compilation cache directory by the environment")
+    monkeypatch.setenv("PDECODE_COMPILE_CACHE_DIR", "off")
+    assert pdecode.enable_disk_cache() is None
+    assert not jax.config.jax_compilation_cache_dir
