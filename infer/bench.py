@@ -419,7 +419,9 @@ def run_from_args(args) -> int:
                         meta["prompt_tokens"] + meta["new_tokens"] // 2, meta["model"])
         print(write_results(args.out, rows, meta))
         return 0
-    needs_draft = any(parse_method(m)[0] in ("sd", "tree") for m in args.methods) or \
+    from pdecode.decode import registry
+
+    needs_draft = any(registry.get(split_model(parse_method(m)[0])[0]).needs_draft for m in args.methods) or \
         "transformers-assisted" in args.peer
     draft_name = args.draft or "code-draft"
     draft = pdecode.load(draft_name, dtype=args.dtype) if (args.draft or needs_draft) else None
