@@ -185,6 +185,73 @@ def test_dual_cache_refreshed_every_step_equals_no_cache(dllm):
         pdecode.generate(dllm, PROMPTS, refresh_every=2, **kw)
 
 
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_guidance_works_with_a_kv_cache(dllm, cache):
+    """Classifier-free guidance with a cache: refreshed every step, the cached guided run equals the uncached guided
+    one (the unconditional pass keeps a cache of its own) and differs from the unguided run; both passes are
+    counted. (It was silently dropped with a cache while the forwards counter still doubled.)"""
+    kw = dict(method="diffusion", max_new_tokens=16, stop_at_eos=False, rule="threshold", threshold=0.3,
+              block_length=8)
+    guided = pdecode.generate(dllm, PROMPTS, cfg_scale=2.0, **kw)
+    cached = pdecode.generate(dllm, PROMPTS, cfg_scale=2.0, cache=cache, refresh_every=1, **kw)
+    plain = pdecode.generate(dllm, PROMPTS, cache=cache, refresh_every=1, **kw)
+    assert cached.tokens == guided.tokens and cached.tokens != plain.tokens
+    assert cached.stats["target_forwards"] == 2 * cached.stats["steps"]
+    assert plain.stats["target_forwards"] == plain.stats["steps"]
+    stale = pdecode.generate(dllm, PROMPTS, cfg_scale=2.0, cache=cache, **kw)  # refreshed only at block starts
+    assert all(len(t) == 16 and MASK not in t for t in stale.tokens)
+
+
+@pytest.mark.parametrize("method,opts", [("diffusion", dict(rule="threshold", threshold=0.5, block_length=8)),
+                                         ("diffusion", dict(block_length=8, steps=16, cache="dual")),
+                                         ("dico", dict(num_seeds=3, seed_low=0.0, seed_high=1.0, stability=1.0))])
+def test_top_k_and_top_p_are_honoured(dllm, method, opts):
+    """top_k=1 (or a tiny top_p) leaves one token to draw: temperature 1 then decodes exactly as greedy, while
+    plain temperature-1 sampling does not. (Both were accepted and ignored.)"""
+    kw = dict(method=method, max_new_tokens=16, stop_at_eos=False, **opts)
+    greedy = pdecode.generate(dllm, PROMPTS, **kw).tokens
+    assert pdecode.generate(dllm, PROMPTS, temperature=1.0, top_k=1, seed=3, **kw).tokens == greedy
+    assert pdecode.generate(dllm, PROMPTS, temperature=1.0, top_p=1e-6, seed=3, **kw).tokens == greedy
+    assert pdecode.generate(dllm, PROMPTS, temperature=1.0, seed=3, **kw).tokens != greedy
+    # top-k 3: every committed token is among the model's 3 most likely at the step it was committed; checked on
+    # the first step's commits, whose logits are those of the all-mask canvas
+    out = pdecode.generate(dllm, PROMPTS, temperature=5.0, top_k=3, seed=1, **kw)
+    for prompt, toks, steps in zip(PROMPTS, out.tokens, out.stats["commit_step"]):
+        lg = np.array(pdecode.forward_logits(dllm, [prompt + [MASK] * 16]))[0, len(prompt):]
+        lg[:, MASK] = -np.inf
+        top3 = np.argsort(-lg, axis=-1)[:, :3]
+        first = [j for j, st in enumerate(steps) if st == 0]
+        assert first and all(toks[j] in top3[j] for j in first)
+
+
+@pytest.mark.parametrize("opts", [dict(rule="threshold", threshold=0.5, block_length=4),
+                                  dict(rule="threshold", threshold=0.5, block_length=4, cache="dual")])
+def test_rows_advance_through_blocks_on_their_own(dllm, opts):
+    """Per-row semi-AR blocks: a batch takes as many steps as its slowest row alone (rows in lockstep would wait
+    for the slowest row in every block), each row finishes block k before it commits in block k + 1, and the
+    batch decodes every row as it would alone."""
+    kw = dict(method="diffusion", max_new_tokens=16, stop_at_eos=False, **opts)
+    batch = pdecode.generate(dllm, PROMPTS, **kw)
+    singles = [pdecode.generate(dllm, [p], **kw) for p in PROMPTS]
+    assert batch.tokens == [s.tokens[0] for s in singles]
+    assert batch.stats["steps"] == max(s.stats["steps"] for s in singles)
+    assert batch.stats["nfe"] == pytest.approx(np.mean([s.stats["nfe"] for s in singles]))
+    steps = np.array(batch.stats["commit_step"]).reshape(len(PROMPTS), 4, 4)
+    assert (steps[:, :-1].max(axis=2) < steps[:, 1:].min(axis=2)).all()
+
+
+def test_shifted_model_cache_equals_no_cache(dllm):
+    """With the AR shift (position i predicted from the hidden state at i - 1, as code-dllm is trained) a dual or
+    prefix cache refreshed every step decodes exactly as the uncached sampler, and the shift changes the output."""
+    shifted = pdecode.Model(cfg=dllm.cfg.replace(diffusion_shift=True), params=dllm.params)
+    kw = dict(method="diffusion", max_new_tokens=16, stop_at_eos=False, rule="threshold", threshold=0.3,
+              block_length=8)
+    plain = pdecode.generate(shifted, PROMPTS, **kw)
+    for cache in ("dual", "prefix"):
+        assert pdecode.generate(shifted, PROMPTS, cache=cache, refresh_every=1, **kw).tokens == plain.tokens
+    assert plain.tokens != pdecode.generate(dllm, PROMPTS, **kw).tokens
+
+
 def test_prob_stats_match_softmax():
     lg = jnp.asarray([[[2.0, 1.0, 0.5, -1.0], [3.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
     x0 = jnp.asarray([[0, 1, 2]])

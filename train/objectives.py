@@ -221,23 +221,32 @@ def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
 def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3):
     """Masked diffusion (LLaDA): per sequence t ~ U(eps, 1), every token masked with probability t, CE on the
     masked tokens weighted by 1/t, averaged over the maskable slots. ``batch`` = (tokens [B, T], maskable [B, T],
-    lengths [B]) or with a fourth element, per-token loss weights [B, T]: the SFT variant passes maskable =
-    response positions only (the prompt stays visible) and may down-weight a long EOS fill so it does not drown
-    the answer; positions past a row's length are padding (not attended, not scored). ``shift``: Dream-style
-    logits, position i predicted from the hidden state at i-1."""
+    lengths [B]), optionally with per-token loss weights [B, T] and an attention openness ``r`` (a scalar) after
+    them: the SFT variant passes maskable = response positions only (the prompt stays visible) and may down-weight
+    a long EOS fill so it does not drown the answer; positions past a row's length are padding (not attended, not
+    scored). ``shift``: Dream-style logits, position i predicted from the hidden state at i-1.
+
+    ``r`` anneals the attention from causal to bidirectional (DiffuLLaMA): a query sees the keys at or before it
+    and, beyond them, each later key with probability ``r`` (drawn per row, query and key); ``r = 1`` is the full
+    bidirectional mask. A model adapted from an AR one starts at r = 0, where its weights already work."""
 
     def loss(params, frozen, batch, rng):
         del frozen
         tokens, maskable, lengths = batch[:3]
         tok_w = batch[3] if len(batch) > 3 else None
+        openness = batch[4] if len(batch) > 4 else None
         b, t = tokens.shape
         maskable = maskable & (jnp.arange(t)[None, :] < lengths[:, None])
-        k_t, k_m = jax.random.split(rng)
+        k_t, k_m, k_a = jax.random.split(rng, 3)
         tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
         masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
         x = jnp.where(masked, mask_id, tokens)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = padded_self_mask(lengths, t, causal=False)
+        if openness is not None:
+            seen = (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :]) | (
+                jax.random.uniform(k_a, (b, t, t)) < openness)
+            mask = mask & seen
         h = forward(training_layout(params, cfg), cfg, x, pos, mask).hidden
         logits = unembed(params, cfg, h)
         if shift:  # logits at i-1 predict token i; position 0 has no predictor and is never masked in training
@@ -253,3 +262,33 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
         return val, {"masked_ce": jnp.sum(ce * masked) / jnp.maximum(jnp.sum(masked), 1)}
 
     return loss
+
+
+def diffusion_nll_bound(cfg: ModelConfig, mask_id: int, shift: bool = False, levels: int = 8):
+    """The masked-diffusion bound on the negative log-likelihood, nats per token, of whole windows
+    ``tokens [B, T]`` (every token maskable, bidirectional attention) with the expectation over the masking level
+    t taken on a fixed grid of ``levels`` midpoints (t = (j + 0.5) / levels) instead of sampled, so the same
+    windows always give the same figure: comparable, window for window, with an AR model's cross-entropy. With
+    ``shift`` position 0 has no predictor and is left out (both the numerator and the token count)."""
+
+    def nll(params, tokens, rng):
+        b, t = tokens.shape
+        maskable = jnp.ones((b, t), bool)
+        if shift:
+            maskable = maskable.at[:, 0].set(False)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=False)
+        p = training_layout(params, cfg)
+        total = jnp.float32(0.0)
+        for j in range(levels):
+            tt = (j + 0.5) / levels
+            masked = (jax.random.uniform(jax.random.fold_in(rng, j), (b, t)) < tt) & maskable
+            h = forward(p, cfg, jnp.where(masked, mask_id, tokens), pos, mask).hidden
+            logits = unembed(params, cfg, h)
+            if shift:
+                logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
+            total = total + jnp.sum(ce * masked) / tt
+        return total / (levels * jnp.sum(maskable))
+
+    return nll

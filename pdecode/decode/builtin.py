@@ -192,10 +192,12 @@ def _prepare_dico(model, draft, opts, samp, max_new=None):
 
 
 def _diffusion_stats(s):
+    """``nfe``: the model forwards a row waited for, averaged over the rows (a row alone would take as many);
+    ``target_forwards``: the passes the batch ran (a cached step where only some rows start a block runs two)."""
     import numpy as np
 
-    s["nfe"] = s["target_forwards"]
-    s["tokens_per_forward"] = s["new_tokens"] / max(s["batch"] * s["nfe"], 1)
+    s["nfe"] = s["row_forwards"] / max(s["batch"], 1)
+    s["tokens_per_forward"] = s["new_tokens"] / max(s["row_forwards"], 1)
     s["commit_step"] = np.asarray(s["commit_step"]).tolist()
     return s
 

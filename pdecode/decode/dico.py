@@ -47,9 +47,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from pdecode.config import ModelConfig
-from pdecode.decode.diffusion import answer_done, before_answer_end, finish, full_mask, no_mask, predict, prob_stats
+from pdecode.decode import canvas as cvs
 from pdecode.errors import ConfigError
-from pdecode.model.transformer import decode_layout, forward, unembed
+from pdecode.model.transformer import decode_layout
 
 DIVIDE, CONQUER, FINALIZE = 0, 1, 2
 
@@ -101,7 +101,8 @@ class DiCoState:
     seen: jax.Array  # [B, S] whether cbar has been initialised
     block: jax.Array  # [B] the semi-AR block each row works in
     done: jax.Array
-    nfe: jax.Array
+    row_nfe: jax.Array  # [B] forwards each row waited for
+    passes: jax.Array  # scalar: model passes the batch ran
     steps: jax.Array
     key: jax.Array
     phase_steps: jax.Array  # [3] iterations spent per phase
@@ -155,107 +156,112 @@ def factor_in_clusters(conf_BS, eligible_BS, cluster_id_BS) -> jax.Array:
     return eligible_BS & ((k + 1) * (1.0 - conf_BS) < 1.0)
 
 
+@struct.dataclass
+class Signals:
+    """What one forward tells every phase: predictions, confidences and the row's decodable masks."""
+
+    x0: jax.Array  # [B, S] predicted tokens
+    c: jax.Array  # [B, S] confidence of x0
+    margin: jax.Array  # [B, S] top-1 minus top-2 probability
+    cbar: jax.Array  # [B, S] trajectory-weighted confidence
+    drift: jax.Array  # [B, S] |c - c at the previous step|
+    blk: jax.Array  # [B, S] the row's current block
+    masked: jax.Array  # [B, S] masks the row may decode now (its block, before its answer's end, row active)
+
+
+def signals(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, lg, key, temperature, top_p, samp, eos_ids) -> Signals:
+    x0 = cvs.predict(lg, samp, temperature, top_p, key)
+    c, first, second = cvs.prob_stats(lg, x0)
+    cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
+    drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
+    blk = cv.in_block(st.block)
+    live = cvs.before_answer_end(st.x, st.masked, cv.canvas_BS, eos_ids)
+    masked = st.masked & ~st.done[:, None] & blk & live
+    return Signals(x0=x0, c=c, margin=first - second, cbar=cbar, drift=drift, blk=blk, masked=masked)
+
+
+def divide(opts: DiCoOptions, sg: Signals):
+    """(commit, new clusters, go to Finalize): seeds of moderate, stable confidence spread by soft NMS, grown into
+    clusters, the new clusters conquered at once (``divide_commit="factor"``) or their seeds committed."""
+    pos_S = jnp.arange(sg.c.shape[1])
+    eligible = sg.masked & (sg.cbar >= opts.seed_low) & (sg.cbar <= opts.seed_high) & (sg.drift <= opts.stability)
+    seeds = pick_seeds(sg.cbar - opts.stability_weight * sg.drift, eligible, opts.num_seeds, opts.nms_sigma)
+    clusters = grow(seeds, sg.masked, sg.c, opts.grow_threshold, opts.max_radius)
+    go_final = ~jnp.any(seeds, axis=1) | (jnp.sum(sg.masked, axis=1) <= opts.final_masks)
+    if opts.divide_commit == "seeds":
+        return seeds, clusters, go_final
+    # the factor rule inside each new cluster, and at least the most confident cluster token when it takes none
+    in_new = sg.masked & clusters
+    fac = factor_in_clusters(sg.c, in_new, runs_id(clusters))
+    best = jnp.argmax(jnp.where(in_new, sg.c, -1.0), axis=1)
+    return fac | (in_new & (pos_S[None, :] == best[:, None]) & ~jnp.any(fac, axis=1)[:, None]), clusters, go_final
+
+
+def conquer(sg: Signals, cluster_BS) -> jax.Array:
+    """Commit inside every cluster in parallel by the factor rule with f = 1."""
+    return factor_in_clusters(sg.c, sg.masked & cluster_BS, runs_id(cluster_BS))
+
+
+def finalize(opts: DiCoOptions, sg: Signals) -> jax.Array:
+    """Commit every mask whose compound score c + margin_weight * margin clears the threshold, and the best one."""
+    score = jnp.where(sg.masked, sg.c + opts.margin_weight * sg.margin, -jnp.inf)
+    best = jnp.argmax(score, axis=1)
+    return sg.masked & ((score >= opts.final_threshold) | (jnp.arange(score.shape[1])[None, :] == best[:, None]))
+
+
+def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eos_ids) -> DiCoState:
+    """One step's phase logic: the phase that acts (a Conquer with nothing to commit falls through to Divide, a
+    Divide with no seed or few masks left to Finalize, so every step of an active row commits at least one
+    token), its commits, the clusters after them and each row's next phase and block."""
+    div_commit, new_cluster, go_final = divide(opts, sg)
+    con_commit = conquer(sg, st.cluster)
+    eff = jnp.where((st.phase == CONQUER) & ~jnp.any(con_commit, axis=1), DIVIDE, st.phase)
+    eff = jnp.where((eff == DIVIDE) & go_final, FINALIZE, eff)
+    ph = eff[:, None]
+    commit = jnp.where(ph == DIVIDE, div_commit, jnp.where(ph == CONQUER, con_commit, finalize(opts, sg))) & sg.masked
+    x = jnp.where(commit, sg.x0, st.x)
+    masked = st.masked & ~commit
+    # clusters: fresh ones from the seeds (Divide), or the old ones grown at their boundaries (Conquer)
+    grown = grow(st.cluster, masked & sg.blk, sg.c, opts.grow_threshold, opts.conquer_growth)
+    cluster = jnp.where(ph == DIVIDE, new_cluster, jnp.where(ph == CONQUER, grown, False))
+    phase = jnp.where(eff == FINALIZE, FINALIZE, CONQUER)
+    done = st.done | cvs.answer_done(x, masked, cv.canvas_BS, eos_ids)[0]
+    # a row whose block is fully decoded moves to the next one and starts again with Divide
+    advance = ~jnp.any(masked & sg.blk, axis=1)
+    active = ~st.done
+    return DiCoState(x=x, masked=masked, commit_step=jnp.where(commit, st.steps, st.commit_step),
+                     cluster=cluster & ~advance[:, None], phase=jnp.where(advance, DIVIDE, phase), cbar=sg.cbar,
+                     c_prev=sg.c, seen=st.seen | cv.canvas_BS, block=st.block + advance.astype(jnp.int32),
+                     done=done, row_nfe=st.row_nfe + active.astype(jnp.int32), passes=st.passes + 1,
+                     steps=st.steps + 1, key=st.key, phase_steps=st.phase_steps.at[eff].add(active.astype(jnp.int32)))
+
+
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, opts: DiCoOptions,
              mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp, mesh=None):
-    del top_p, max_new
+    del max_new
     params = decode_layout(params, cfg, fuse=mesh is None)
-    b, p = prompt_BP.shape
-    g, s = opts.gen_length, max_len
-    pos_S = jnp.arange(s)
-    canvas = (pos_S[None, :] >= prompt_len_B[:, None]) & (pos_S[None, :] < (prompt_len_B + g)[:, None])
-    x = jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt_BP)
-    x = jnp.where(canvas, mask_id, jnp.where(pos_S[None, :] < prompt_len_B[:, None], x, 0))
-    positions = jnp.broadcast_to(pos_S, (b, s)).astype(jnp.int32)
-    mask_full = full_mask(prompt_len_B + g, s)
-    zeros = jnp.zeros((b, s), jnp.float32)
-    blen = opts.block_length if 0 < opts.block_length < g else g
-
-    def in_block(blk_B):
-        lo = prompt_len_B + blk_B * blen
-        return (pos_S[None, :] >= lo[:, None]) & (pos_S[None, :] < (lo + blen)[:, None])
-
-    state = DiCoState(x=x, masked=canvas, commit_step=jnp.full((b, s), -1, jnp.int32),
-                      cluster=jnp.zeros((b, s), bool), phase=jnp.full((b,), DIVIDE, jnp.int32), cbar=zeros,
-                      c_prev=zeros, seen=jnp.zeros((b, s), bool), block=jnp.zeros((b,), jnp.int32),
-                      done=jnp.zeros((b,), bool), nfe=jnp.int32(0),
-                      steps=jnp.int32(0), key=key, phase_steps=jnp.zeros((3,), jnp.int32))
+    b = prompt_BP.shape[0]
+    g = opts.gen_length
+    cv, x = cvs.make_canvas(prompt_BP, prompt_len_B, gen=g, block=opts.block_length if 0 < opts.block_length < g
+                            else g, max_len=max_len, mask_id=mask_id, shift=opts.shift)
+    zeros = jnp.zeros(x.shape, jnp.float32)
+    zeros_B = jnp.zeros((b,), jnp.int32)
+    state = DiCoState(x=x, masked=cv.canvas_BS, commit_step=jnp.full(x.shape, -1, jnp.int32),
+                      cluster=jnp.zeros(x.shape, bool), phase=jnp.full((b,), DIVIDE, jnp.int32), cbar=zeros,
+                      c_prev=zeros, seen=jnp.zeros(x.shape, bool), block=zeros_B, done=jnp.zeros((b,), bool),
+                      row_nfe=zeros_B, passes=jnp.int32(0), steps=jnp.int32(0), key=key,
+                      phase_steps=jnp.zeros((3,), jnp.int32))
 
     def cond(st):
-        return ~jnp.all(st.done)
+        return ~jnp.all(st.done) & (st.steps < g + 1)  # every step commits >= 1 token per active row (a guard)
 
     def body(st: DiCoState):
         key, k_tok = jax.random.split(st.key)
-        h = forward(params, cfg, st.x, positions, mask_full).hidden
-        lg = unembed(params, cfg, h)
-        if opts.shift:
-            lg = jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1)
-        lg = no_mask(lg, mask_id)
-        x0 = predict(lg, temperature, k_tok, samp.greedy)
-        c, first, second = prob_stats(lg, x0)
-        margin = first - second
-        cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
-        drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
-        active = ~st.done
-        # every phase works on the masks of the row's current block (the whole canvas when block_length is 0)
-        blk = in_block(st.block)
-        live = before_answer_end(st.x, st.masked, canvas, eos_ids)
-        masked = st.masked & active[:, None] & blk & live
-        n_masked = jnp.sum(masked, axis=1)
-
-        # Divide: seeds, their clusters
-        eligible_seed = masked & (cbar >= opts.seed_low) & (cbar <= opts.seed_high) & (drift <= opts.stability)
-        score = cbar - opts.stability_weight * drift
-        seeds = pick_seeds(score, eligible_seed, opts.num_seeds, opts.nms_sigma)
-        has_seed = jnp.any(seeds, axis=1)
-        new_cluster = grow(seeds, masked, c, opts.grow_threshold, opts.max_radius)
-        go_final = (~has_seed) | (n_masked <= opts.final_masks)
-        if opts.divide_commit == "factor":
-            # the new clusters are conquered at once: the factor rule inside each, and at least the most confident
-            # token of the clusters when the rule takes none
-            in_new = masked & new_cluster
-            fac = factor_in_clusters(c, in_new, runs_id(new_cluster))
-            best_new = jnp.argmax(jnp.where(in_new, c, -1.0), axis=1)
-            divide_commit = fac | (in_new & (pos_S[None, :] == best_new[:, None]) & ~jnp.any(fac, axis=1)[:, None])
-        else:
-            divide_commit = seeds
-
-        # Conquer: factor rule inside clusters
-        cid = runs_id(st.cluster)
-        conquer_commit = factor_in_clusters(c, masked & st.cluster, cid)
-
-        # Finalize: compound score, threshold + the best one
-        fscore = jnp.where(masked, c + opts.margin_weight * margin, -jnp.inf)
-        best = jnp.argmax(fscore, axis=1)
-        final_commit = masked & ((fscore >= opts.final_threshold) | (pos_S[None, :] == best[:, None]))
-
-        # the phase acted on this step: a Conquer with nothing to commit falls through to Divide, a Divide with no
-        # seed (or few masks left) to Finalize, so every step of an active row commits at least one token
-        conquer_ok = jnp.any(conquer_commit, axis=1)
-        eff = jnp.where((st.phase == CONQUER) & ~conquer_ok, DIVIDE, st.phase)
-        eff = jnp.where((eff == DIVIDE) & go_final, FINALIZE, eff)
-        ph = eff[:, None]
-        commit = jnp.where(ph == DIVIDE, divide_commit,
-                           jnp.where(ph == CONQUER, conquer_commit, final_commit)) & masked
-        x = jnp.where(commit, x0, st.x)
-        new_masked = st.masked & ~commit
-        commit_step = jnp.where(commit, st.steps, st.commit_step)
-        # clusters: fresh ones from the seeds (Divide), or the old ones grown at their boundaries (Conquer)
-        grown = grow(st.cluster, new_masked & blk, c, opts.grow_threshold, opts.conquer_growth)
-        cluster = jnp.where(ph == DIVIDE, new_cluster, jnp.where(ph == CONQUER, grown, False))
-        phase = jnp.where(eff == FINALIZE, FINALIZE, CONQUER)
-        done, _ = answer_done(x, new_masked, canvas, eos_ids)
-        done = st.done | done
-        # a row whose block is fully decoded moves to the next one and starts again with Divide
-        advance = ~jnp.any(new_masked & blk, axis=1)
-        block = st.block + advance.astype(jnp.int32)
-        phase = jnp.where(advance, DIVIDE, phase)
-        cluster = cluster & ~advance[:, None]
-        hist = st.phase_steps.at[eff].add(active.astype(jnp.int32))
-        return DiCoState(x=x, masked=new_masked, commit_step=commit_step, cluster=cluster, phase=phase, cbar=cbar,
-                         c_prev=c, seen=st.seen | canvas, block=block, done=done, nfe=st.nfe + 1,
-                         steps=st.steps + 1, key=key, phase_steps=hist)
+        lg = cvs.no_mask(cvs.full_logits(params, cfg, st.x, cv), mask_id)
+        sg = signals(opts, cv, st, lg, k_tok, temperature, top_p, samp, eos_ids)
+        return transition(opts, cv, st, sg, eos_ids).replace(key=key)
 
     st = jax.lax.while_loop(cond, body, state)
-    out, stats = finish(st, prompt_len_B, canvas, g, eos_ids)
+    out, stats = cvs.finish(st.x, st.masked, st.commit_step, st.row_nfe, st.passes, st.steps, cv, eos_ids)
     stats["phase_steps"] = st.phase_steps
     return out, stats

@@ -1,11 +1,10 @@
 """Masked-diffusion samplers (LLaDA / Dream / Fast-dLLM / EB-sampler), each the whole generation in one
-`lax.while_loop` with static shapes and batch > 1.
+`lax.while_loop` with static shapes and batch > 1, on the shared canvas of `pdecode.decode.canvas` (layout, AR
+shift, per-row semi-AR blocks, sampling, EOS).
 
-Layout: row b holds its prompt at ``[0, P_b)``, its generation canvas at ``[P_b, P_b + G)`` (initially all mask
-tokens) and padding after; attention is bidirectional over the row's valid positions and RoPE positions are the
-natural ones, so rows of different prompt lengths need no left-padding tricks. The canvas is split into
-semi-autoregressive blocks of ``block_length``; the batch moves from block to block in lockstep (a row whose block
-is finished waits), and each step commits, inside the current block, the masked positions the *rule* picks:
+Each step runs the model (`step_logits`), predicts every masked position and commits, inside each row's current
+block, the masked positions the *rule* picks (`select`); the row then moves to its next block when its block is
+decoded (`advance_blocks`):
 
 * ``schedule`` (LLaDA): the per-block step budget spreads the block's masks evenly over its steps
   (``masks // steps``, +1 for the first ``masks % steps`` steps); the most confident ones are committed.
@@ -16,14 +15,15 @@ is finished waits), and each step commits, inside the current block, the masked 
 Confidence (``alg``): ``confidence`` = probability of the predicted token (LLaDA low-confidence remasking, Dream
 maskgit_plus), ``margin`` = top1 - top2 (Dream topk_margin), ``entropy`` = -H (Dream entropy), ``random``
 (LLaDA random remasking). ``alg_temp > 0`` draws the positions (Gumbel top-k on confidence / alg_temp) instead of
-taking the top ones. Tokens are the argmax of ``logits / temperature + Gumbel`` (greedy at temperature 0).
-Classifier-free guidance: ``logits = un + (s + 1)(cond - un)`` with the prompt masked in the unconditional pass.
+taking the top ones. Tokens: the argmax at temperature 0, else a draw from the warped distribution (temperature,
+top-k, top-p). Classifier-free guidance: ``logits = un + (s + 1)(cond - un)`` with the prompt masked in the
+unconditional pass; with a KV cache the unconditional pass keeps a cache of its own.
 
-Caching (Fast-dLLM): ``prefix`` keeps the KV of everything before the current block from a full pass at the block
-start and recomputes the block and what follows; ``dual`` also keeps the suffix and recomputes only the block.
-
-EOS: a row stops as soon as an EOS is committed with every canvas position before it committed; the answer is
-the canvas up to that EOS, and no further steps are spent on the trailing positions.
+Caching (Fast-dLLM): ``prefix`` keeps the KV of everything before a row's block from a full pass at the block start
+and recomputes the block and what follows; ``dual`` also keeps the suffix and recomputes only the block. A row's
+cache is refreshed at its own block starts (and every ``refresh_every`` steps of a block when set), so a batch
+decodes every row exactly as it would alone: a step where only some rows start a block runs the full pass for
+those rows beside the partial pass for the rest (``target_forwards`` counts both passes; every row waits one).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from pdecode.config import ModelConfig
-from pdecode.decode import common
+from pdecode.decode import canvas as cvs
+from pdecode.decode.canvas import (  # noqa: F401  (the canvas pieces, also under their old names here)
+    answer_done, before_answer_end, committed_eos, confidence, entropy, full_mask, no_mask, prob_stats)
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
-from pdecode.sampling import argmax
-
-NEG = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,71 +92,29 @@ class DiffusionOptions:
     def steps_per_block(self) -> int:
         return max(self.steps // self.num_blocks, 1)
 
+    @property
+    def passes(self) -> int:
+        """Model passes per forward: two with classifier-free guidance (conditional and unconditional)."""
+        return 2 if self.cfg_scale > 0 else 1
+
 
 @struct.dataclass
 class DiffState:
     x: jax.Array  # [B, S] tokens (mask id where not yet decoded)
     masked: jax.Array  # [B, S] canvas positions still masked
     commit_step: jax.Array  # [B, S] step at which each canvas position was committed (-1: prompt / never)
-    block: jax.Array  # scalar: current block index
-    step_in_block: jax.Array  # scalar
-    block_masks: jax.Array  # [B] masks in the current block when it started (schedule rule)
+    block: jax.Array  # [B] each row's current block
+    step_in_block: jax.Array  # [B] steps the row has spent in its block
+    block_masks: jax.Array  # [B] masks in the row's block when it started (schedule rule)
     done: jax.Array  # [B]
-    nfe: jax.Array  # scalar: model forwards
+    row_nfe: jax.Array  # [B] model forwards each row waited for
+    passes: jax.Array  # scalar: model passes the batch ran
     steps: jax.Array  # scalar
     key: jax.Array
-    cache: kvc.KVCache | None
+    caches: tuple | None  # (conditional,) or (conditional, unconditional) KV caches, or None
 
 
-# ------------------------------------------------------------------------------------------------ pieces
-def full_mask(total_len_B: jax.Array, s: int) -> jax.Array:
-    """[B, S, S] bidirectional mask over each row's valid positions (padding queries see position 0)."""
-    valid = jnp.arange(s)[None, :] < total_len_B[:, None]
-    m = valid[:, None, :] & valid[:, :, None]
-    return m | (~valid[:, :, None] & (jnp.arange(s)[None, None, :] == 0))
-
-
-def prob_stats(logits: jax.Array, x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(p(x0), top-1 probability, top-2 probability) per position, from the logits through their logsumexp: the
-    [..., V] probabilities are never materialised (a few passes over the logits fewer per step). The second value
-    is a masked max, not `lax.top_k`: inside a `while_loop` that lowers to a sort on XLA:CPU, which once cost DiCo
-    5x its model forward per step."""
-    lg = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(lg, axis=-1)
-    mx = jnp.max(lg, axis=-1)
-    arg = argmax(lg)  # not jnp.argmax: XLA:CPU's variadic-reduce argmax over the vocabulary costs ~5x more
-    m2 = jnp.max(jnp.where(jnp.arange(lg.shape[-1]) == arg[..., None], -jnp.inf, lg), axis=-1)
-    at = jnp.take_along_axis(lg, x0[..., None], axis=-1)[..., 0]
-    return jnp.exp(at - lse), jnp.exp(mx - lse), jnp.exp(m2 - lse)
-
-
-def confidence(logits: jax.Array, x0: jax.Array, alg: str, key) -> jax.Array:
-    """Per-position confidence of the prediction x0 under the model's distribution (higher = surer)."""
-    if alg == "random":
-        return jax.random.uniform(key, x0.shape)
-    if alg == "entropy":
-        return -entropy(logits)
-    c, first, second = prob_stats(logits, x0)
-    return c if alg == "confidence" else first - second  # top-1 probability / margin
-
-
-def entropy(logits: jax.Array) -> jax.Array:
-    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
-
-
-def no_mask(logits: jax.Array, mask_id: int) -> jax.Array:
-    """The mask token is never a prediction: its logit is removed before any sampler looks at the logits."""
-    return logits.at[..., mask_id].set(NEG)
-
-
-def predict(logits: jax.Array, temperature, key, greedy: bool) -> jax.Array:
-    if greedy:
-        return argmax(logits)
-    g = jax.random.gumbel(key, logits.shape, jnp.float32)
-    return argmax(logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6) + g)
-
-
+# ------------------------------------------------------------------------------------------------ rules
 def rank_desc(score_BS: jax.Array, eligible_BS: jax.Array) -> jax.Array:
     """Rank of each position by descending score among eligible ones (0 = best); ineligible get S."""
     s = score_BS.shape[1]
@@ -203,173 +160,145 @@ def schedule_counts(n_B: jax.Array, steps: int, step) -> jax.Array:
     return base + (step < rem).astype(n_B.dtype)
 
 
-def committed_eos(x_BS, masked_BS, canvas_BS, eos_ids) -> jax.Array:
-    """[B, S]: canvas positions holding a committed EOS."""
-    return common.is_eos(x_BS, eos_ids) & canvas_BS & ~masked_BS
+# ------------------------------------------------------------------------------------------------ forwards
+def refresh_pass(params, cfg: ModelConfig, cv: cvs.Canvas, x_BS):
+    """A full pass that also writes a fresh KV cache of every position: (logits [B, S, V], cache)."""
+    b, s = x_BS.shape
+    c = kvc.init_cache(cfg, b, s, per_layer=unrolled(params))
+    fo = forward(params, cfg, x_BS, cv.positions_BS, cv.attn_BSS, cache=c, write_at_B=jnp.zeros((b,), jnp.int32))
+    return cvs.shift_logits(unembed(params, cfg, fo.hidden), cv.shift), fo.cache
 
 
-def answer_done(x_BS, masked_BS, canvas_BS, eos_ids) -> tuple[jax.Array, jax.Array]:
-    """(done [B], end [B]): a row is done when an EOS is committed with every canvas position before it
-    committed, or when nothing is masked; ``end`` is the first such EOS position (else the canvas end)."""
-    s = x_BS.shape[1]
-    is_eos = committed_eos(x_BS, masked_BS, canvas_BS, eos_ids)
-    before_ok = jnp.cumsum((masked_BS & canvas_BS).astype(jnp.int32), axis=1) == 0  # no mask at or before
-    hit = is_eos & before_ok
-    first = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), s)
-    return jnp.any(hit, axis=1) | ~jnp.any(masked_BS, axis=1), first
+def window_pass(params, cfg: ModelConfig, cv: cvs.Canvas, x_BS, cache, lo_B, width: int):
+    """Recompute positions ``[lo_B, lo_B + width)`` of each row over the cache (which gets their fresh KV); the
+    logits come back scattered to [B, S, V] (zeros elsewhere). With the AR shift the window starts one earlier:
+    position i reads the hidden state at i - 1. Window slots past a row's canvas are never visible and dropped."""
+    b, s = x_BS.shape
+    sh = 1 if cv.shift else 0
+    idx = lo_B[:, None] - sh + jnp.arange(width + sh)[None, :]  # [B, width + sh]
+    tok = jnp.take_along_axis(x_BS, jnp.clip(idx, 0, s - 1), axis=1)
+    pos = jnp.maximum(idx, 0).astype(jnp.int32)
+    qmask = (jnp.arange(s)[None, None, :] < cv.total_B[:, None, None]) & (idx < s)[:, :, None]
+    fo = forward(params, cfg, tok, pos, qmask, cache=cache, write_at_B=lo_B - sh)
+    lg = unembed(params, cfg, fo.hidden)[:, :width]
+    tgt = lo_B[:, None] + jnp.arange(width)[None, :]
+    out = jnp.zeros((b, s, lg.shape[-1]), lg.dtype).at[jnp.arange(b)[:, None], tgt].set(lg, mode="drop")
+    return out, fo.cache
 
 
-def before_answer_end(x_BS, masked_BS, canvas_BS, eos_ids) -> jax.Array:
-    """[B, S]: canvas positions before the row's first committed EOS (the whole canvas while none is committed).
-    Masks after it never reach the answer, so the adaptive rules and DiCo leave them alone."""
-    hit = committed_eos(x_BS, masked_BS, canvas_BS, eos_ids)
-    return canvas_BS & (jnp.cumsum(hit.astype(jnp.int32), axis=1) == 0)
+def partial_pass(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cache, block_B, active_B):
+    """The cached forward between refreshes: the row's block (dual) or its block and everything after (prefix).
+    The prefix window shrinks as blocks advance: one branch per block, sized for the furthest-behind active row."""
+    lo, _ = cv.block_bounds(block_B)
+    if opts.cache == "dual":
+        return window_pass(params, cfg, cv, x_BS, cache, lo, cv.block)
+    behind = jnp.min(jnp.where(active_B, jnp.minimum(block_B, cv.num_blocks - 1), cv.num_blocks - 1))
+    branches = [lambda c, w=cv.gen - k * cv.block: window_pass(params, cfg, cv, x_BS, c, lo, w)
+                for k in range(cv.num_blocks)]
+    return jax.lax.switch(behind, branches, cache)
 
 
-# ------------------------------------------------------------------------------------------------ sampler
+def cached_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cache, block_B, active_B, fresh_B):
+    """(logits, cache, passes) of a cached step: rows in ``fresh_B`` get a full pass and a fresh cache, the others
+    the partial pass over their cache; a step where both kinds of rows are active runs both passes."""
+    def full(c):
+        lg, nc = refresh_pass(params, cfg, cv, x_BS)
+        return lg, nc, jnp.int32(1)
+
+    def part(c):
+        lg, nc = partial_pass(params, cfg, cv, opts, x_BS, c, block_B, active_B)
+        return lg, nc, jnp.int32(1)
+
+    def both(c):
+        lf, cf = refresh_pass(params, cfg, cv, x_BS)
+        lp, cp = partial_pass(params, cfg, cv, opts, x_BS, c, block_B, active_B)
+        return jnp.where(fresh_B[:, None, None], lf, lp), kvc.where_rows(fresh_B, cf, cp), jnp.int32(2)
+
+    n_fresh = jnp.sum(fresh_B & active_B)
+    case = jnp.where(n_fresh == jnp.sum(active_B), 0, jnp.where(n_fresh > 0, 2, 1))
+    return jax.lax.switch(case, [full, part, both], cache)
+
+
+def step_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, st: DiffState):
+    """(logits with the mask token removed, caches, passes) of one step, guided when ``cfg_scale > 0``."""
+    active = ~st.done
+    inputs = (st.x, cvs.unconditional(st.x, cv)) if opts.cfg_scale > 0 else (st.x,)
+    if opts.cache == "none":
+        lgs, caches, passes = [cvs.full_logits(params, cfg, xx, cv) for xx in inputs], None, jnp.int32(len(inputs))
+    else:
+        every = opts.refresh_every
+        fresh = (st.step_in_block % every == 0) if every else (st.step_in_block == 0)
+        runs = [cached_logits(params, cfg, cv, opts, xx, c, st.block, active, fresh)
+                for xx, c in zip(inputs, st.caches)]
+        lgs, caches, passes = [r[0] for r in runs], tuple(r[1] for r in runs), sum(r[2] for r in runs)
+    lg = lgs[0]
+    if opts.cfg_scale > 0:
+        lg = lgs[1] + (opts.cfg_scale + 1.0) * (lgs[0] - lgs[1])
+    return cvs.no_mask(lg, cv.mask_id), caches, passes
+
+
+# ------------------------------------------------------------------------------------------------ steps
+def choose(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, lg, key, temperature, top_p, samp, eos_ids):
+    """(commit [B, S], x0 [B, S]): the predictions and the positions the rule commits in each row's block."""
+    k_tok, k_conf, k_sel = jax.random.split(key, 3)
+    x0 = cvs.predict(lg, samp, temperature, top_p, k_tok)
+    conf = cvs.confidence(lg, x0, opts.alg, k_conf)
+    ent = cvs.entropy(lg) if opts.rule == "eb" else conf
+    eligible = st.masked & cv.in_block(st.block) & ~st.done[:, None]
+    if opts.rule != "schedule":
+        eligible = eligible & cvs.before_answer_end(st.x, st.masked, cv.canvas_BS, eos_ids)
+    k_sched = schedule_counts(st.block_masks, opts.steps_per_block, st.step_in_block)
+    return select(opts.rule, opts, conf, ent, eligible, k_sched, k_sel), x0
+
+
+def advance_blocks(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, masked_BS, done_B):
+    """(block, step_in_block, block_masks) per row: a row moves on when its block has no masks left (schedule: also
+    when its block's steps are spent)."""
+    left = jnp.any(masked_BS & cv.in_block(st.block), axis=1)
+    step = st.step_in_block + 1
+    advance = ~left | ((step >= opts.steps_per_block) if opts.rule == "schedule" else False)
+    advance = advance & ~done_B
+    block = st.block + advance.astype(jnp.int32)
+    fresh_masks = jnp.sum(masked_BS & cv.in_block(block), axis=1).astype(jnp.int32)
+    return block, jnp.where(advance, 0, step), jnp.where(advance, fresh_masks, st.block_masks)
+
+
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig,
              opts: DiffusionOptions, mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp,
              mesh=None):
     """Returns (Outputs, stats). ``max_new`` equals ``opts.gen_length``."""
-    del top_p, max_new
+    del max_new
     params = decode_layout(params, cfg, fuse=mesh is None)
-    b, p = prompt_BP.shape
-    g = opts.gen_length
-    s = max_len
-    pos_S = jnp.arange(s)
-    canvas = (pos_S[None, :] >= prompt_len_B[:, None]) & (pos_S[None, :] < (prompt_len_B + g)[:, None])
-    x = jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt_BP)
-    x = jnp.where(canvas, mask_id, jnp.where(pos_S[None, :] < prompt_len_B[:, None], x, 0))
-    total = prompt_len_B + g
-    positions = jnp.broadcast_to(pos_S, (b, s)).astype(jnp.int32)
-    mask_full = full_mask(total, s)
-    greedy = samp.greedy
-    per_layer = unrolled(params)
-
-    def block_span(blk):
-        lo = prompt_len_B + blk * opts.block_length
-        return lo, lo + opts.block_length
-
-    def in_block(blk):
-        lo, hi = block_span(blk)
-        return (pos_S[None, :] >= lo[:, None]) & (pos_S[None, :] < hi[:, None])
-
-    def logits_full(xx):
-        h = forward(params, cfg, xx, positions, mask_full).hidden
-        lg = unembed(params, cfg, h)
-        return jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1) if opts.shift else lg
-
-    def guided(xx, fn):
-        lg = fn(xx)
-        if opts.cfg_scale > 0:
-            un = fn(jnp.where(pos_S[None, :] < prompt_len_B[:, None], mask_id, xx))
-            lg = un + (opts.cfg_scale + 1.0) * (lg - un)
-        return lg
-
-    n_fwd = 2 if opts.cfg_scale > 0 else 1
-
-    # --- cached forwards (Fast-dLLM): refresh the whole cache at a block start, then recompute part of it
-    def refresh(xx):
-        c = kvc.init_cache(cfg, b, s, per_layer=per_layer)
-        fo = forward(params, cfg, xx, positions, mask_full, cache=c, write_at_B=jnp.zeros((b,), jnp.int32))
-        lg = unembed(params, cfg, fo.hidden)
-        return (jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1) if opts.shift else lg), fo.cache
-
-    def partial(xx, c, blk):
-        """Recompute the current block (dual) or the block and everything after it (prefix); scatter the
-        logits back to [B, S]."""
-        lo, _ = block_span(blk)
-        width = opts.block_length if opts.cache == "dual" else None
-
-        def run(w):
-            # with shifted logits (Dream) the window starts one earlier: position i reads the hidden state at i - 1
-            sh = 1 if opts.shift else 0
-            idx = lo[:, None] - sh + jnp.arange(w + sh)[None, :]  # [B, w + sh]
-            tok = jnp.take_along_axis(xx, jnp.clip(idx, 0, s - 1), axis=1)
-            pos = jnp.maximum(idx, 0).astype(jnp.int32)
-            qmask = (jnp.arange(s)[None, None, :] < total[:, None, None]) & (idx < s)[:, :, None]
-            fo = forward(params, cfg, tok, pos, qmask, cache=c, write_at_B=lo - sh)
-            lg = unembed(params, cfg, fo.hidden)[:, :w]
-            tgt = lo[:, None] + jnp.arange(w)[None, :]
-            out = jnp.zeros((b, s, lg.shape[-1]), lg.dtype)
-            out = out.at[jnp.arange(b)[:, None], tgt].set(lg, mode="drop")
-            return out, fo.cache
-
-        if width is not None:
-            return run(width)
-        # prefix cache: the width (block + later canvas) shrinks with the block index: one branch per block
-        branches = [lambda xx_c, w=g - k * opts.block_length: run(w) for k in range(opts.num_blocks)]
-        return jax.lax.switch(blk, branches, None)
-
-    key, k0 = jax.random.split(key)
-    cache0 = None
+    b = prompt_BP.shape[0]
+    cv, x = cvs.make_canvas(prompt_BP, prompt_len_B, gen=opts.gen_length, block=opts.block_length, max_len=max_len,
+                            mask_id=mask_id, shift=opts.shift)
+    caches = None
     if opts.cache != "none":
-        cache0 = kvc.init_cache(cfg, b, s, per_layer=per_layer)
-    blk_masks0 = jnp.sum(canvas & in_block(0), axis=1).astype(jnp.int32)
-    state = DiffState(x=x, masked=canvas, commit_step=jnp.full((b, s), -1, jnp.int32), block=jnp.int32(0),
-                      step_in_block=jnp.int32(0), block_masks=blk_masks0, done=jnp.zeros((b,), bool),
-                      nfe=jnp.int32(0), steps=jnp.int32(0), key=key, cache=cache0)
+        caches = tuple(kvc.init_cache(cfg, b, max_len, per_layer=unrolled(params)) for _ in range(opts.passes))
+    zeros_B = jnp.zeros((b,), jnp.int32)
+    st = DiffState(x=x, masked=cv.canvas_BS, commit_step=jnp.full(x.shape, -1, jnp.int32), block=zeros_B,
+                   step_in_block=zeros_B,
+                   block_masks=jnp.sum(cv.canvas_BS & cv.in_block(zeros_B), axis=1).astype(jnp.int32),
+                   done=jnp.zeros((b,), bool), row_nfe=zeros_B, passes=jnp.int32(0), steps=jnp.int32(0), key=key,
+                   caches=caches)
+
+    limit = max(opts.steps, opts.gen_length) + 1  # never reached: every step commits or ends a block (a guard)
 
     def cond(st: DiffState):
-        return ~jnp.all(st.done) & (st.block < opts.num_blocks)
+        return ~jnp.all(st.done) & (st.steps < limit)
 
     def body(st: DiffState):
-        key, k_tok, k_conf, k_sel = jax.random.split(st.key, 4)
-        cache = st.cache
-        if opts.cache == "none":
-            lg = guided(st.x, logits_full)
-        else:
-            def do_refresh(_):
-                return refresh(st.x)
-
-            def do_partial(_):
-                return partial(st.x, cache, st.block)
-
-            # refresh at a block start, and every refresh_every steps when set
-            fresh = st.step_in_block % opts.refresh_every == 0 if opts.refresh_every else st.step_in_block == 0
-            lg, cache = jax.lax.cond(fresh, do_refresh, do_partial, None)
-        lg = no_mask(lg, mask_id)
-        x0 = predict(lg, temperature, k_tok, greedy)
-        conf = confidence(lg, x0, opts.alg, k_conf)
-        ent = entropy(lg) if opts.rule == "eb" else conf
-        active = ~st.done
-        eligible = st.masked & in_block(st.block) & active[:, None]
-        if opts.rule != "schedule":
-            eligible = eligible & before_answer_end(st.x, st.masked, canvas, eos_ids)
-        k_sched = schedule_counts(st.block_masks, opts.steps_per_block, st.step_in_block)
-        commit = select(opts.rule, opts, conf, ent, eligible, k_sched, k_sel)
+        key, k_step = jax.random.split(st.key)
+        lg, caches, passes = step_logits(params, cfg, cv, opts, st)
+        commit, x0 = choose(opts, cv, st, lg, k_step, temperature, top_p, samp, eos_ids)
         x = jnp.where(commit, x0, st.x)
         masked = st.masked & ~commit
-        commit_step = jnp.where(commit, st.steps, st.commit_step)
-        done, _ = answer_done(x, masked, canvas, eos_ids)
-        done = st.done | done
-        # the block advances when no active row has masks left in it (schedule: when its steps are spent)
-        blk_left = jnp.any(masked & in_block(st.block) & ~done[:, None])
-        step_in_block = st.step_in_block + 1
-        if opts.rule == "schedule":
-            advance = (step_in_block >= opts.steps_per_block) | ~blk_left
-        else:
-            advance = ~blk_left
-        block = st.block + advance.astype(jnp.int32)
-        step_in_block = jnp.where(advance, 0, step_in_block)
-        blk_masks = jnp.where(advance, jnp.sum(masked & in_block(block), axis=1).astype(jnp.int32),
-                              st.block_masks)
-        return DiffState(x=x, masked=masked, commit_step=commit_step, block=block, step_in_block=step_in_block,
-                         block_masks=blk_masks, done=done, nfe=st.nfe + n_fwd, steps=st.steps + 1, key=key,
-                         cache=cache)
+        done = st.done | answer_done(x, masked, cv.canvas_BS, eos_ids)[0]
+        block, step_in_block, block_masks = advance_blocks(opts, cv, st, masked, done)
+        return DiffState(x=x, masked=masked, commit_step=jnp.where(commit, st.steps, st.commit_step), block=block,
+                         step_in_block=step_in_block, block_masks=block_masks, done=done,
+                         row_nfe=st.row_nfe + (~st.done).astype(jnp.int32) * opts.passes,
+                         passes=st.passes + passes, steps=st.steps + 1, key=key, caches=caches)
 
-    st = jax.lax.while_loop(cond, body, state)
-    return finish(st, prompt_len_B, canvas, g, eos_ids)
-
-
-def finish(st, prompt_len_B, canvas, g: int, eos_ids):
-    """Outputs (canvas up to the answer's EOS) and stats of a finished diffusion state."""
-    b, s = st.x.shape
-    _, end = answer_done(st.x, st.masked, canvas, eos_ids)
-    n_out = jnp.where(end < s, end - prompt_len_B + 1, g).astype(jnp.int32)
-    idx = prompt_len_B[:, None] + jnp.arange(g)[None, :]
-    toks = jnp.take_along_axis(st.x, jnp.minimum(idx, s - 1), axis=1)
-    out = common.Outputs(tokens=toks, count=n_out, done=jnp.ones((b,), bool),
-                         row_forwards=jnp.full((b,), st.nfe, jnp.int32))
-    steps_g = jnp.take_along_axis(st.commit_step, jnp.minimum(idx, s - 1), axis=1)
-    return out, {"target_forwards": st.nfe, "steps": st.steps, "commit_step": steps_g}
+    st = jax.lax.while_loop(cond, body, st)
+    return cvs.finish(st.x, st.masked, st.commit_step, st.row_nfe, st.passes, st.steps, cv, eos_ids)

@@ -135,3 +135,16 @@ def grow(cache: KVCache, max_len: int) -> KVCache:
 
 def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
     return cache.replace(lengths=lengths_B.astype(jnp.int32))
+
+
+def where_rows(sel_B: jax.Array, a: KVCache, b: KVCache) -> KVCache:
+    """Row by row, cache ``a`` where ``sel[b]`` and cache ``b`` elsewhere (both of the same layout)."""
+    def pick(x, y, axis):
+        shape = [1] * x.ndim
+        shape[axis] = sel_B.shape[0]
+        return jnp.where(sel_B.reshape(shape), x, y)
+
+    ax = 0 if a.per_layer else 1
+    k = jax.tree.map(lambda x, y: pick(x, y, ax), a.k, b.k)
+    v = jax.tree.map(lambda x, y: pick(x, y, ax), a.v, b.v)
+    return KVCache(k=k, v=v, lengths=jnp.where(sel_B, a.lengths, b.lengths))
