@@ -1,16 +1,28 @@
-"""Benchmark of the masked-diffusion samplers on the checkable task set, side by side in one process.
+"""Benchmark of the masked-diffusion samplers and DiCo: quality against speed, side by side in one process.
 
-    pdecode bench --suite diffusion --model code-dllm --gen-lengths 64 256 --batch 1 8
+    pdecode bench --suite diffusion                       # code-dllm, lengths 128 and 256, batch 1 and 8
+    pdecode bench --suite diffusion --tune-dico           # choose DiCo's knobs on the tuning slice, nothing else
 
-For each generation length and batch size, every sampler decodes the same held-out task prompts; reported: exact-
-answer accuracy, model forwards (NFE) per prompt, new tokens per forward, tokens/s (the answer's tokens, EOS
-included), compile time. Then generative perplexity of free code continuations under ``--judge`` (code-target),
-with a repetition check (distinct 4-grams) and token entropy. One PNG per sampler shows the step at which each
-canvas position was decoded.
+Two workloads per generation length:
+
+* **Long tasks** (`train.tasks.LONG_KINDS`, answers of 47-126 tokens): held-out items taken evenly across the kinds
+  (``--items``; ``--tasks short`` uses the short kinds instead), scored exactly and by the fraction of the answer's
+  tokens right in place; model forwards per item (NFE: the forwards a row waits for) and tokens/s.
+* **Free code**: continuations of validation-file prompts (``--code-prompts`` of ``--prompt-tokens`` tokens), judged
+  by the perplexity of ``--judge`` (code-target) on the generated tokens and by the distinct-4-gram ratio
+  (repetition), beside ``--ar-reference`` (code-draft)'s greedy AR continuation and the real text of the same files.
+
+Accuracy and text are measured at the largest batch; the samplers decode every row of a batch exactly as alone (a
+tested property), so smaller batches only time the first ``--timing-items`` items, and the bench checks their
+tokens equal the big batch's. Repeats are interleaved across samplers (each round runs every sampler once) and
+tokens/s is the median over rounds. DiCo's knobs are chosen with ``--tune-dico`` on held-out items the reported rows
+never use (``TUNING_SLICE``). Output: results.md / results.json and a Pareto plot (``pareto.png``: accuracy and
+judge perplexity against forwards and tokens/s).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -19,19 +31,31 @@ from pathlib import Path
 
 import numpy as np
 
+
+def _b(g: int) -> int:
+    return min(32, g)
+
+
 SAMPLERS = {
-    # name: (method, options given the generation length g)
+    # name: (method, options given the generation length g). Fast-dLLM: threshold sweep x (no, prefix, dual) cache;
+    # EB-sampler: a gamma sweep; DiCo: its tuned defaults and a sweep of its main knobs around them.
     "vanilla": ("diffusion", lambda g: dict(block_length=g, steps=g)),
-    "llada-blocks": ("diffusion", lambda g: dict(block_length=min(32, g), steps=g)),
-    "fast-dllm-0.9": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9)),
-    "fast-dllm-0.9-dual": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9,
-                                                        cache="dual")),
-    "fast-dllm-0.9-dual-r2": ("diffusion", lambda g: dict(block_length=min(32, g), rule="threshold", threshold=0.9,
-                                                           cache="dual", refresh_every=2)),
-    "eb-sampler": ("diffusion", lambda g: dict(block_length=min(32, g), rule="eb", eb_gamma=0.3)),
+    "llada-b32": ("diffusion", lambda g: dict(block_length=_b(g), steps=g)),
+    **{f"fast-dllm-{t}{'-' + c if c != 'none' else ''}": (
+        "diffusion", lambda g, t=t, c=c: dict(block_length=_b(g), rule="threshold", threshold=t, cache=c))
+       for c, ts in (("none", (0.5, 0.7, 0.9, 0.95)), ("prefix", (0.7, 0.9)), ("dual", (0.7, 0.9))) for t in ts},
+    **{f"eb-{gm}": ("diffusion", lambda g, gm=gm: dict(block_length=_b(g), rule="eb", eb_gamma=gm))
+       for gm in (0.01, 0.1, 1.0)},
     "dico": ("dico", lambda g: {}),
-    "dico-blocks": ("dico", lambda g: dict(block_length=min(32, g))),
+    **{f"dico-seeds{n}": ("dico", lambda g, n=n: dict(num_seeds=n)) for n in (2, 4, 16)},
+    "dico-b32": ("dico", lambda g: dict(block_length=_b(g))),
+    "dico-final0.7": ("dico", lambda g: dict(final_threshold=0.7)),
 }
+# knobs --tune-dico searches (the rest stay at DiCoOptions' defaults)
+DICO_GRID = {"num_seeds": (4, 8), "grow_threshold": (0.3, 0.5, 0.7), "final_threshold": (0.8, 0.9),
+             "block_length": (0, 32)}
+TUNING_SLICE = slice(400, 520)
+PICTURED = ("vanilla", "fast-dllm-0.9", "eb-0.1", "dico")  # held-out long items --tune-dico uses; the reported rows take items before 400
 
 
 def _run(m, prompts, method, opts, g, seed=0):
@@ -40,130 +64,285 @@ def _run(m, prompts, method, opts, g, seed=0):
     return pdecode.generate(m, prompts, method=method, max_new_tokens=g, seed=seed, **opts)
 
 
-def accuracy_rows(m, items, samplers, gen_lengths, batches, repeats: int) -> list[dict]:
-    """One row per (length, batch, sampler). The repeats are interleaved (every sampler once per round), so drift
-    in this machine's speed over a run touches all samplers alike; tokens/s is the median over rounds."""
-    from train.tasks import score
+def balanced(items: list, n: int) -> list:
+    """The first n items taken round-robin across kinds (the same items for every sampler and run)."""
+    by: dict[str, list] = {}
+    for it in items:
+        by.setdefault(it.kind, []).append(it)
+    out = [it for grp in itertools.zip_longest(*by.values()) for it in grp if it is not None]
+    return out[:n]
 
-    rows = []
-    for g in gen_lengths:
+
+def task_items(kind: str, n: int) -> list:
+    from train import tasks
+
+    heldout = tasks.split_long()[1] if kind == "long" else tasks.split()[1]
+    return balanced(heldout[: TUNING_SLICE.start], n)
+
+
+def _score(items, texts, tok):
+    from train.tasks import position_score, score
+
+    exact = [int(score(it, t)) for it, t in zip(items, texts)]
+    pos = [position_score(it, t, tok) for it, t in zip(items, texts)]
+    return exact, pos
+
+
+def _groups(xs, b):
+    return [xs[i: i + b] for i in range(0, len(xs) - b + 1, b)]
+
+
+def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: int) -> list[dict]:
+    """One row per (sampler, batch) at length g. The largest batch decodes every item (accuracy, NFE); smaller
+    ones time the first ``timing_items`` items and must give the same tokens."""
+    big = max(batches)
+    groups = _groups(items, big)
+    n = len(groups) * big
+    used = items[:n]
+    opts = {name: SAMPLERS[name][1](g) for name in samplers}
+    tok = m.tokenizer.backend
+    for name in samplers:  # warm-up (compile) per sampler and batch shape
         for b in batches:
-            groups = [items[i: i + b] for i in range(0, len(items) - b + 1, b)]
-            n = len(groups) * b
-            opts = {name: SAMPLERS[name][1](g) for name in samplers}
-            warm = {name: _run(m, [it.prompt for it in groups[0]], SAMPLERS[name][0], opts[name], g)
-                    for name in samplers}
-            walls: dict[str, list[float]] = {name: [] for name in samplers}
-            tally: dict[str, dict] = {}
-            for r in range(repeats):
-                for name in samplers:
-                    wall, correct, nfe, toks = 0.0, 0, 0, 0
-                    by_kind: dict[str, list[int]] = {}
-                    for grp in groups:
-                        out = _run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g)
-                        wall += out.stats["wall_s"]
-                        for it, t in zip(grp, out.texts):
-                            ok = score(it, t)
-                            correct += ok
-                            by_kind.setdefault(it.kind, []).append(int(ok))
-                        nfe += out.stats["nfe"] * len(grp)
-                        toks += out.stats["new_tokens"]
-                    walls[name].append(wall)
-                    tally[name] = {"correct": correct, "nfe": nfe, "toks": toks, "by_kind": by_kind}
-            for name in samplers:
-                t = tally[name]
-                med = statistics.median(walls[name])
-                row = {"sampler": name, "gen_length": g, "batch": b, "accuracy": t["correct"] / n, "items": n,
-                       "nfe_per_prompt": t["nfe"] / n, "tokens_per_forward": t["toks"] / max(t["nfe"], 1),
-                       "tokens_per_s": t["toks"] / med, "wall_s_median": med,
-                       "compile_s": warm[name].stats["compile_s"],
-                       "accuracy_by_kind": {k: float(np.mean(v)) for k, v in sorted(t["by_kind"].items())},
-                       "options": opts[name]}
-                rows.append(row)
-                print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f}, NFE {row['nfe_per_prompt']:.1f}, "
-                      f"{row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            _run(m, [it.prompt for it in used[:b]], SAMPLERS[name][0], opts[name], g)
+    walls = {(name, b): [] for name in samplers for b in batches}
+    result: dict = {}
+    for r in range(repeats):
+        for name in samplers:
+            outs = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g) for grp in groups]
+            walls[(name, big)].append(sum(o.stats["wall_s"] for o in outs))
+            if r == 0:
+                texts = [t for o in outs for t in o.texts]
+                toks = [t for o in outs for t in o.tokens]
+                exact, pos = _score(used, texts, tok)
+                result[name] = dict(texts=texts, tokens=toks, exact=exact, pos=pos,
+                                    nfe=float(np.mean([o.stats["nfe"] for o in outs])),
+                                    new_tokens=sum(o.stats["new_tokens"] for o in outs),
+                                    compile_s=outs[0].stats["compile_s"])
+            for b in batches:
+                if b == big:
+                    continue
+                sub = _groups(used[:timing_items], b)
+                o2 = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g) for grp in sub]
+                walls[(name, b)].append(sum(o.stats["wall_s"] for o in o2))
+                if r == 0:
+                    same = [t for o in o2 for t in o.tokens] == result[name]["tokens"][: len(sub) * b]
+                    result[name][f"b{b}"] = dict(same=same, new_tokens=sum(o.stats["new_tokens"] for o in o2),
+                                                 items=len(sub) * b, compile_s=o2[0].stats["compile_s"])
+        print(f"  gen {g}: round {r + 1}/{repeats} done", file=sys.stderr, flush=True)
+    rows = []
+    for name in samplers:
+        res = result[name]
+        by_kind: dict[str, list] = {}
+        for it, e, p in zip(used, res["exact"], res["pos"]):
+            by_kind.setdefault(it.kind, []).append((e, p))
+        for b in batches:
+            sub = res if b == big else res[f"b{b}"]
+            med = statistics.median(walls[(name, b)])
+            row = {"sampler": name, "method": SAMPLERS[name][0], "options": opts[name], "gen_length": g, "batch": b,
+                   "items": n, "accuracy": float(np.mean(res["exact"])), "position_accuracy": float(np.mean(res["pos"])),
+                   "accuracy_by_kind": {k: float(np.mean([e for e, _ in v])) for k, v in sorted(by_kind.items())},
+                   "position_accuracy_by_kind": {k: float(np.mean([p for _, p in v])) for k, v in sorted(by_kind.items())},
+                   "nfe_per_item": res["nfe"], "tokens_per_s": sub["new_tokens"] / med, "wall_s_median": med,
+                   "timed_items": n if b == big else sub["items"], "compile_s": sub["compile_s"],
+                   "same_tokens_as_batch_%d" % big: True if b == big else sub["same"]}
+            rows.append(row)
+            print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f} (pos {row['position_accuracy']:.3f}), "
+                  f"NFE {row['nfe_per_item']:.1f}, {row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return rows
 
 
-def free_generation_quality(m, judge, samplers, g: int, n_prompts: int) -> list[dict]:
-    """Generative perplexity under the judge (an AR model) of free continuations of validation code."""
+def judge_nll(judge, prompt_ids, new_ids) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``new_ids`` after ``prompt_ids`` under the AR judge, and the count."""
     import pdecode
-    from train.data import validation_prompts
 
-    prompts = validation_prompts(m.tokenizer.backend, n_prompts, 32, offset_tokens=64)
-    rows = []
+    seq = list(prompt_ids) + list(new_ids)
+    lg = np.asarray(pdecode.forward_logits(judge, [seq]), np.float64)[0]
+    lg = lg - lg.max(-1, keepdims=True)
+    logp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+    idx = np.arange(len(prompt_ids) - 1, len(seq) - 1)
+    return -float(logp[idx, np.asarray(seq)[idx + 1]].sum()), len(new_ids)
+
+
+def distinct4(toks) -> float:
+    grams = [tuple(toks[i: i + 4]) for i in range(len(toks) - 3)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def text_quality(judge, prompts, continuations, eos_ids) -> dict:
+    nll, count, dist = 0.0, 0, []
+    for p, toks in zip(prompts, continuations):
+        toks = [t for t in toks if t not in eos_ids]
+        if len(toks) < 4:
+            continue
+        a, c = judge_nll(judge, p, toks)
+        nll, count = nll + a, count + c
+        dist.append(distinct4(toks))
+    return {"judge_ppl": float(np.exp(nll / max(count, 1))), "distinct4": float(np.mean(dist)) if dist else 0.0,
+            "tokens": count}
+
+
+def code_prompts(tok, n: int, prompt_tokens: int, g: int):
+    """(prompts, real continuations of g tokens) from validation files."""
+    from train.data import read_text, split_files
+
+    _, val = split_files()
+    prompts, real = [], []
+    for p in val:
+        ids = tok.encode(read_text(p), add_special_tokens=False).ids
+        off = 64  # skip the file's header (licence, module docstring start)
+        if len(ids) >= off + prompt_tokens + g:
+            prompts.append(ids[off: off + prompt_tokens])
+            real.append(ids[off + prompt_tokens: off + prompt_tokens + g])
+        if len(prompts) == n:
+            break
+    return prompts, real
+
+
+def code_rows(m, judge, ref, samplers, g: int, n_prompts: int, prompt_tokens: int, batch: int) -> list[dict]:
+    import pdecode
+
+    prompts, real = code_prompts(m.tokenizer.backend, n_prompts, prompt_tokens, g)
+    eos = set(m.cfg.eos_token_ids or ())
+    rows = [{"sampler": "real text", "gen_length": g, "nfe_per_item": None, **text_quality(judge, prompts, real, eos)}]
+    if ref is not None:
+        outs = [pdecode.generate(ref, grp, max_new_tokens=g, stop_at_eos=False) for grp in _groups(prompts, batch)]
+        rows.append({"sampler": f"{ref.name} greedy AR", "gen_length": g, "nfe_per_item": float(g),
+                     **text_quality(judge, prompts, [t for o in outs for t in o.tokens], eos)})
     for name in samplers:
         method, mk = SAMPLERS[name]
-        out = _run(m, prompts, method, {**mk(g)}, g)
-        nll, count, distinct, ent = 0.0, 0, [], []
-        for p, toks in zip(prompts, out.tokens):
-            toks = [t for t in toks if t not in (m.cfg.eos_token_ids or ())]
-            if len(toks) < 2:
-                continue
-            seq = p + toks
-            lg = np.asarray(pdecode.forward_logits(judge, [seq]))[0]
-            logp = lg - lg.max(-1, keepdims=True)
-            logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-            idx = np.arange(len(p) - 1, len(seq) - 1)
-            nll += -float(logp[idx, np.asarray(seq)[idx + 1]].sum())
-            count += len(toks)
-            grams = [tuple(toks[i: i + 4]) for i in range(len(toks) - 3)]
-            distinct.append(len(set(grams)) / max(len(grams), 1))
-            c = np.bincount(toks)
-            pr = c[c > 0] / c.sum()
-            ent.append(float(-(pr * np.log(pr)).sum()))
-        rows.append({"sampler": name, "gen_length": g, "gen_ppl": float(np.exp(nll / max(count, 1))),
-                     "distinct4": float(np.mean(distinct)) if distinct else 0.0,
-                     "token_entropy": float(np.mean(ent)) if ent else 0.0, "tokens": count,
-                     "nfe": out.stats["nfe"]})
-        print(f"  free gen {name}: ppl {rows[-1]['gen_ppl']:.1f}, distinct-4 {rows[-1]['distinct4']:.2f}",
+        outs = [_run(m, grp, method, mk(g), g) for grp in _groups(prompts, batch)]
+        toks = [t for o in outs for t in o.tokens]
+        rows.append({"sampler": name, "gen_length": g, "nfe_per_item": float(np.mean([o.stats["nfe"] for o in outs])),
+                     **text_quality(judge, prompts, toks, eos), "sample": m.tokenizer.decode(toks[0])[:200]})
+        print(f"  free code {g} {name}: ppl {rows[-1]['judge_ppl']:.1f}, distinct-4 {rows[-1]['distinct4']:.2f}, "
+              f"NFE {rows[-1]['nfe_per_item']:.1f}", file=sys.stderr, flush=True)
+    for r in rows[:2]:
+        print(f"  free code {g} {r['sampler']}: ppl {r['judge_ppl']:.1f}, distinct-4 {r['distinct4']:.2f}",
               file=sys.stderr, flush=True)
     return rows
 
 
+def tune_dico(m, g: int, batch: int, out: Path) -> dict:
+    """Grid over DICO_GRID on the tuning slice at length g: accuracy and NFE per setting; the pick is the setting
+    with the fewest forwards among those within one point of the best accuracy."""
+    from train import tasks
+
+    items = tasks.split_long()[1][TUNING_SLICE]
+    items = items[: len(items) // batch * batch]
+    tok = m.tokenizer.backend
+    keys = list(DICO_GRID)
+    results = []
+    for vals in itertools.product(*(DICO_GRID[k] for k in keys)):
+        opts = dict(zip(keys, vals))
+        outs = [_run(m, [it.prompt for it in grp], "dico", opts, g) for grp in _groups(items, batch)]
+        exact, pos = _score(items, [t for o in outs for t in o.texts], tok)
+        res = {"options": opts, "accuracy": float(np.mean(exact)), "position_accuracy": float(np.mean(pos)),
+               "nfe_per_item": float(np.mean([o.stats["nfe"] for o in outs]))}
+        results.append(res)
+        print(f"  tune {opts}: acc {res['accuracy']:.3f} pos {res['position_accuracy']:.3f} NFE "
+              f"{res['nfe_per_item']:.1f}", file=sys.stderr, flush=True)
+    best_acc = max(r["accuracy"] for r in results)
+    pick = min((r for r in results if r["accuracy"] >= best_acc - 0.01), key=lambda r: r["nfe_per_item"])
+    out.mkdir(parents=True, exist_ok=True)
+    rep = {"gen_length": g, "batch": batch, "items": len(items), "slice": [TUNING_SLICE.start, TUNING_SLICE.stop],
+           "grid": DICO_GRID, "results": results, "pick": pick}
+    (out / "dico_tuning.json").write_text(json.dumps(rep, indent=1))
+    print(f"DiCo pick on the tuning slice ({len(items)} items, length {g}): {pick}")
+    return rep
+
+
 def pictures(m, items, samplers, g: int, out_dir: Path) -> list[str]:
+    """One PNG per sampler: the step at which each canvas position of 4 items was decoded."""
     from infer.plots import commit_order_plot
 
     paths = []
-    prompts = [it.prompt for it in items[:4]]
     for name in samplers:
         method, mk = SAMPLERS[name]
-        out = _run(m, prompts, method, mk(g), g, seed=0)
-        steps = np.asarray(out.stats["commit_step"])
-        p = commit_order_plot(steps, out_dir / f"commit_order_{name}_g{g}.png",
-                              title=f"{name}, gen length {g}: decoding step per position (NFE {out.stats['nfe']})")
-        paths.append(str(p))
+        out = _run(m, [it.prompt for it in items[:4]], method, mk(g), g)
+        paths.append(str(commit_order_plot(np.asarray(out.stats["commit_step"]), out_dir / f"commit_order_{name}_g{g}.png",
+                                           title=f"{name}, length {g}: decoding step per position "
+                                                 f"(NFE {out.stats['nfe']:.0f})")))
     return paths
 
 
-def to_markdown(rows, quality, meta) -> str:
-    lines = [f"Held-out task items: {meta['items']} per row, {meta['repeats']} repeats interleaved across samplers "
-             f"(median wall), model {meta['model']}, {meta['machine']}.", "",
-             "| gen length | batch | sampler | accuracy | NFE / prompt | tokens / forward | tokens/s | compile s |",
+def pareto_plot(rows, code, path: Path) -> Path:
+    """Accuracy (long tasks) and judge perplexity (free code) against forwards per item and tokens/s, per length;
+    the non-dominated samplers joined by a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["gen_length"] for r in rows})
+    big = max(r["batch"] for r in rows)
+    fig, axes = plt.subplots(len(lengths), 3, figsize=(16, 4.6 * len(lengths)), squeeze=False)
+    fam = lambda s: s.split("-")[0] if not s.startswith("fast") else "fast-dllm"  # noqa: E731
+    colors = {"vanilla": "black", "llada": "grey", "fast-dllm": "tab:blue", "eb": "tab:green", "dico": "tab:red"}
+    for i, g in enumerate(lengths):
+        rs = [r for r in rows if r["gen_length"] == g and r["batch"] == big]
+        cs = [r for r in code if r["gen_length"] == g and r.get("nfe_per_item") and r["sampler"] in SAMPLERS]
+        panels = [(axes[i][0], rs, "nfe_per_item", "accuracy", f"long tasks, length {g}: exact accuracy", True, False),
+                  (axes[i][1], rs, "tokens_per_s", "accuracy", f"long tasks, length {g}, batch {big}", True, True),
+                  (axes[i][2], cs, "nfe_per_item", "judge_ppl", f"free code, length {g}: judge perplexity", False,
+                   False)]
+        for ax, data, xk, yk, title, higher, x_higher in panels:
+            for r in data:
+                ax.scatter(r[xk], r[yk], color=colors.get(fam(r["sampler"]), "tab:purple"), s=28)
+                ax.annotate(r["sampler"], (r[xk], r[yk]), fontsize=6.5, xytext=(3, 2), textcoords="offset points")
+            front = _front(data, xk, yk, higher, x_higher)
+            if front:
+                ax.plot([r[xk] for r in front], [r[yk] for r in front], color="tab:orange", lw=1, zorder=0)
+            ax.set_xscale("log")
+            ax.set_xlabel({"nfe_per_item": "model forwards per item (log)", "tokens_per_s": "tokens/s (log)"}[xk])
+            ax.set_ylabel({"accuracy": "exact accuracy", "judge_ppl": "perplexity under code-target"}[yk])
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _front(data, xk, yk, higher: bool, x_higher: bool) -> list[dict]:
+    """Non-dominated points: fewer forwards (or more tokens/s) and better quality."""
+    def better(a, b):
+        xa, xb = (a[xk], b[xk]) if x_higher else (-a[xk], -b[xk])
+        ya, yb = (a[yk], b[yk]) if higher else (-a[yk], -b[yk])
+        return xa >= xb and ya >= yb and (xa > xb or ya > yb)
+
+    front = [r for r in data if not any(better(o, r) for o in data)]
+    return sorted(front, key=lambda r: r[xk])
+
+
+def to_markdown(rows, code, meta) -> str:
+    big = max(r["batch"] for r in rows)
+    lines = [f"Model {meta['model']}, {meta['machine']}; {meta['items']} held-out {meta['tasks']} task items per row "
+             f"(evenly across kinds), accuracy at batch {big}; smaller batches time the first {meta['timing_items']} "
+             f"items (same tokens: {meta['same_tokens']}); {meta['repeats']} interleaved repeats, median wall. "
+             f"{meta['bench_minutes']:.1f} min.", "",
+             "| length | batch | sampler | exact acc. | per-position acc. | NFE / item | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['gen_length']} | {r['batch']} | {r['sampler']} | {r['accuracy']:.3f} | "
-                     f"{r['nfe_per_prompt']:.1f} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['position_accuracy']:.3f} | {r['nfe_per_item']:.1f} | {r['tokens_per_s']:.1f} | "
                      f"{r['compile_s']:.1f} |")
-    big = [r for r in rows if r["gen_length"] == max(x["gen_length"] for x in rows) and r["batch"] == rows[0]["batch"]]
-    kinds = sorted({k for r in big for k in r.get("accuracy_by_kind", {})})
-    if kinds:
-        counts = ", ".join(f"{k} {n}" for k, n in meta.get("items_by_kind", {}).items())
-        lines += ["", f"Accuracy by task kind (gen length {big[0]['gen_length']}, batch {big[0]['batch']}; items per "
-                      f"kind: {counts}):", "",
-                  "| sampler | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
-        for r in big:
-            lines.append(f"| {r['sampler']} | " + " | ".join(f"{r['accuracy_by_kind'].get(k, 0):.2f}" for k in kinds)
-                         + " |")
-    if quality:
-        lines += ["", f"Free generation ({quality[0]['gen_length']} tokens after 32-token validation-code prompts), "
-                      f"judged by {meta['judge']}:", "",
-                  "| sampler | generative perplexity | distinct 4-grams | token entropy | NFE |", "|---|---|---|---|---|"]
-        for q in quality:
-            lines.append(f"| {q['sampler']} | {q['gen_ppl']:.1f} | {q['distinct4']:.2f} | {q['token_entropy']:.2f} | "
-                         f"{q['nfe']} |")
-    if meta.get("pictures"):
-        lines += ["", "Pictures: " + ", ".join(meta["pictures"])]
+    for g in sorted({r["gen_length"] for r in rows}):
+        rs = [r for r in rows if r["gen_length"] == g and r["batch"] == big]
+        kinds = list(rs[0]["accuracy_by_kind"])
+        lines += ["", f"Exact accuracy by kind (length {g}):", "", "| sampler | " + " | ".join(kinds) + " |",
+                  "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {r['sampler']} | " + " | ".join(f"{r['accuracy_by_kind'][k]:.2f}" for k in kinds) + " |"
+                  for r in rs]
+    if code:
+        lines += ["", f"Free code: continuations of {meta['code_prompts']} validation-file prompts of "
+                      f"{meta['prompt_tokens']} tokens, judged by {meta['judge']}:", "",
+                  "| length | sampler | judge perplexity | distinct 4-grams | NFE / item |", "|---|---|---|---|---|"]
+        for q in code:
+            nfe = "" if q["nfe_per_item"] is None else f"{q['nfe_per_item']:.1f}"
+            lines.append(f"| {q['gen_length']} | {q['sampler']} | {q['judge_ppl']:.1f} | {q['distinct4']:.2f} | {nfe} |")
+    if meta.get("plot"):
+        lines += ["", f"Pareto plot: {meta['plot']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -174,29 +353,37 @@ def run(args) -> int:
     import jax
 
     import pdecode
-    from train.tasks import split
 
     m = pdecode.load(args.model)
-    _, heldout = split()
-    items = heldout[: args.items]
+    if getattr(args, "tune_dico", False):
+        tune_dico(m, max(args.gen_lengths), max(args.batch), args.out)
+        return 0
     samplers = args.samplers or list(SAMPLERS)
     unknown = set(samplers) - set(SAMPLERS)
     if unknown:
         raise pdecode.InputError(f"unknown sampler(s) {sorted(unknown)}; choose from {', '.join(SAMPLERS)}")
+    items = task_items(args.tasks, args.items)
     t0 = time.perf_counter()
-    rows = accuracy_rows(m, items, samplers, args.gen_lengths, args.batch, args.repeats)
-    quality = []
-    if args.judge:
-        quality = free_generation_quality(m, pdecode.load(args.judge), samplers, min(args.gen_lengths), 8)
+    rows, code = [], []
+    judge = pdecode.load(args.judge) if args.judge else None
+    ref = pdecode.load(args.ar_reference) if args.ar_reference else None
+    for g in args.gen_lengths:
+        rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items)
+        if judge is not None and args.code_prompts:
+            code += code_rows(m, judge, ref, samplers, g, args.code_prompts, args.prompt_tokens, max(args.batch))
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "items": len(items), "repeats": args.repeats, "judge": args.judge,
-            "items_by_kind": {k: sum(it.kind == k for it in items) for k in sorted({it.kind for it in items})},
+    big = max(args.batch)
+    meta = {"model": args.model, "tasks": args.tasks, "items": len(items) // big * big, "repeats": args.repeats,
+            "judge": args.judge, "ar_reference": args.ar_reference, "timing_items": args.timing_items,
+            "code_prompts": args.code_prompts, "prompt_tokens": args.prompt_tokens,
+            "same_tokens": all(r.get(f"same_tokens_as_batch_{big}", True) for r in rows),
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
             "bench_minutes": (time.perf_counter() - t0) / 60}
-    meta["pictures"] = pictures(m, items, samplers, max(args.gen_lengths), out)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "quality": quality}, indent=1))
-    md = to_markdown(rows, quality, meta)
+    meta["plot"] = str(pareto_plot(rows, code, out / "pareto.png"))
+    meta["pictures"] = pictures(m, items, [s for s in PICTURED if s in samplers], max(args.gen_lengths), out)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "code": code}, indent=1))
+    md = to_markdown(rows, code, meta)
     (out / "results.md").write_text(md)
     print(md)
     return 0

@@ -108,20 +108,41 @@ def test_diffusion_suite_runs_end_to_end(tmp_path):
 
     out = tmp_path / "d"
     model = tiny_hf(tmp_path / "dllm", causal=False)
-    rc = bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16",
-                     "--batch", "2", "--items", "4", "--samplers", "vanilla", "fast-dllm-0.9-dual", "dico",
-                     "--repeats", "1", "--out", str(out)])
+    samplers = ("vanilla", "fast-dllm-0.9-dual", "dico")
+    rc = bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16", "--batch", "1", "2",
+                     "--items", "10", "--timing-items", "2", "--samplers", *samplers, "--repeats", "1",
+                     "--code-prompts", "2", "--prompt-tokens", "16", "--ar-reference", model, "--judge", model,
+                     "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert {(r["sampler"], r["batch"]) for r in res["rows"]} == {(s, b) for s in ("vanilla", "fast-dllm-0.9-dual",
-                                                                                   "dico") for b in (2,)}
+    assert {(r["sampler"], r["batch"]) for r in res["rows"]} == {(s, b) for s in samplers for b in (1, 2)}
     for r in res["rows"]:
-        assert 0.0 <= r["accuracy"] <= 1.0 and r["nfe_per_prompt"] >= 1 and r["tokens_per_s"] > 0
-        kinds = res["meta"]["items_by_kind"]
-        assert set(r["accuracy_by_kind"]) == set(kinds) and sum(kinds.values()) == 4
-        # the overall accuracy is the item-weighted mean of the per-kind ones
-        assert abs(sum(r["accuracy_by_kind"][k] * n for k, n in kinds.items()) / 4 - r["accuracy"]) < 1e-9
-    assert "Accuracy by task kind" in (out / "results.md").read_text()
-    assert all(np.isfinite(q["gen_ppl"]) for q in res["quality"] if q["tokens"])
+        assert 0.0 <= r["accuracy"] <= r["position_accuracy"] + 1e-9 <= 1.0 + 1e-9
+        assert r["nfe_per_item"] >= 1 and r["tokens_per_s"] > 0 and r["items"] == 10
+        assert r["same_tokens_as_batch_2"]  # batch 1 decodes the timed items exactly as batch 2 did
+        # the overall accuracy is the item-weighted mean of the per-kind ones (items are spread evenly: 2 per kind)
+        assert len(r["accuracy_by_kind"]) == 5
+        assert abs(np.mean(list(r["accuracy_by_kind"].values())) - r["accuracy"]) < 1e-9
+    names = [q["sampler"] for q in res["code"]]
+    assert names[0] == "real text" and names[1].endswith("greedy AR") and set(names[2:]) == set(samplers)
+    assert all(np.isfinite(q["judge_ppl"]) and 0 < q["distinct4"] <= 1 for q in res["code"])
+    md = (out / "results.md").read_text()
+    assert "Exact accuracy by kind" in md and "Free code" in md and (out / "pareto.png").exists()
     for p in res["meta"]["pictures"]:
-        assert (tmp_path / p).exists() or __import__("pathlib").Path(p).exists()
+        assert __import__("pathlib").Path(p).exists()
+
+
+def test_dico_tuning_picks_the_cheapest_setting_near_the_best(tmp_path, monkeypatch):
+    from infer import diffusion_bench as DB
+
+    monkeypatch.setattr(DB, "DICO_GRID", {"num_seeds": (2, 8)})
+    monkeypatch.setattr(DB, "TUNING_SLICE", slice(400, 404))
+    model = tiny_hf(tmp_path / "dllm", causal=False)
+    import pdecode
+
+    rep = DB.tune_dico(pdecode.load(model), 16, 2, tmp_path / "t")
+    assert len(rep["results"]) == 2 and rep["items"] == 4
+    best = max(r["accuracy"] for r in rep["results"])
+    near = [r for r in rep["results"] if r["accuracy"] >= best - 0.01]
+    assert rep["pick"] == min(near, key=lambda r: r["nfe_per_item"])
+    assert (tmp_path / "t" / "dico_tuning.json").exists()

@@ -62,7 +62,7 @@ class Recipe:
 RECIPES = {
     "ar-init": Recipe(
         cfg=AR_RECIPES["code-target"].cfg.replace(causal=False, diffusion_shift=True),
-        tc=TrainConfig(steps=2000, lr=1e-3, warmup=40, eval_every=500, ckpt_every=100, log_every=10, seed=7),
+        tc=TrainConfig(steps=2800, lr=4e-4, warmup=40, eval_every=700, ckpt_every=100, log_every=10, seed=7),
         seq=384, batch=8, sft_fraction=0.625, long_fraction=0.5, response_lengths=(128, 256),
         init_from="code-target", anneal_steps=400, corpus_prefix=0.5),
     "scratch": Recipe(

@@ -240,6 +240,8 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
         k_t, k_m, k_a = jax.random.split(rng, 3)
         tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
         masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
+        if shift:  # position 0 has no predictor: never masked (in the input nor in the loss)
+            masked = masked.at[:, 0].set(False)
         x = jnp.where(masked, mask_id, tokens)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = padded_self_mask(lengths, t, causal=False)
@@ -249,9 +251,8 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
             mask = mask & seen
         h = forward(training_layout(params, cfg), cfg, x, pos, mask).hidden
         logits = unembed(params, cfg, h)
-        if shift:  # logits at i-1 predict token i; position 0 has no predictor and is never masked in training
+        if shift:  # logits at i-1 predict token i
             logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
-            masked = masked.at[:, 0].set(False)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         w = masked.astype(jnp.float32) / tt
         slots = maskable.astype(jnp.float32)
