@@ -220,12 +220,6 @@ def default_prompts(model, n: int, prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def run_row(runner, prompts: list[list[int]], batch: int, new_tokens: int, temperature: float, repeats: int,
-            seed: int = 0) -> dict:
-    """One runner's row (see `run_rows`)."""
-    return run_rows([runner], prompts, batch, new_tokens, temperature, repeats, seed)[0]
-
-
 def run_rows(runners, prompts: list[list[int]], batch: int, new_tokens: int, temperature: float, repeats: int,
              seed: int = 0) -> list[dict]:
     """Warm-up (compile) every runner, then ``repeats`` rounds in which each runner passes over all prompts in
@@ -451,7 +445,7 @@ def run_from_args(args) -> int:
         dt, act = opts.pop("dtype", args.dtype), opts.pop("activation_dtype", None)
         # `other`: a model with heads (e.g. code-target-medusa): same target weights, heads attached
         m = variant(other or args.model, dt, act)
-        d = variant(draft_name, dt, act) if method in ("sd", "tree") else None
+        d = variant(draft_name, dt, act) if registry.get(method).needs_draft else None
         runners.append(OurRunner(m, method, opts, draft=d, label=spec))
     for peer in args.peer:
         if peer == "transformers":

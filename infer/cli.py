@@ -3,11 +3,11 @@
     pdecode generate --model code-target --prompt "def fib(n):" --max-new-tokens 64 [--method sd --draft code-draft]
     pdecode bench    --methods ar --batch 1 8 --peer transformers
     pdecode train    zoo [--only code-draft]
-    pdecode convert  --src code-target --dst out/ --to orbax|hf
+    pdecode convert  --src code-target --dst out/ --to orbax|hf [--force]  (heads attached to --src are written too)
     pdecode zoo      (list the shipped models)
 
-Bad input (missing checkpoint, unknown method, prompt too long, invalid sampling values) exits with status 2 and
-one line on stderr saying what to fix.
+Bad input (missing checkpoint, unknown method or option, prompt too long, invalid sampling values, a --mesh the
+devices cannot hold, a non-empty convert --dst) exits with status 2 and one line on stderr saying what to fix.
 """
 
 from __future__ import annotations
@@ -26,36 +26,76 @@ def _parse_value(v: str):
 
 
 def parse_options(items: list[str] | None) -> dict:
+    from pdecode.errors import InputError
+
     out = {}
     for it in items or []:
         if "=" not in it:
-            raise SystemExit(f"error: --option takes key=value, got {it!r}")
+            raise InputError(f"-o/--option takes key=value, got {it!r} (e.g. -o gamma=4)")
         k, v = it.split("=", 1)
         out[k.strip().replace("-", "_")] = _parse_value(v)
     return out
 
 
 def _read_prompts(args) -> list[str]:
+    from pdecode.errors import InputError
+
     prompts = list(args.prompt or [])
     for f in args.prompt_file or []:
         p = Path(f)
         if not p.is_file():
-            raise SystemExit(f"error: prompt file {f} does not exist")
+            raise InputError(f"--prompt-file {f}: no such file")
         prompts.append(p.read_text())
     if args.prompts_jsonl:
         p = Path(args.prompts_jsonl)
         if not p.is_file():
-            raise SystemExit(f"error: prompts file {p} does not exist")
+            raise InputError(f"--prompts-jsonl {p}: no such file")
         for i, line in enumerate(p.read_text().splitlines()):
             if line.strip():
                 try:
                     v = json.loads(line)
                 except json.JSONDecodeError:
-                    raise SystemExit(f"error: {p}:{i + 1} is not a JSON string") from None
-                prompts.append(v if isinstance(v, str) else v["prompt"])
+                    v = None
+                if isinstance(v, dict) and isinstance(v.get("prompt"), str):
+                    v = v["prompt"]
+                if not isinstance(v, str):
+                    raise InputError(f"{p}:{i + 1} is not a JSON string or an object with a \"prompt\" string")
+                prompts.append(v)
     if not prompts:
-        raise SystemExit("error: give at least one --prompt, --prompt-file or --prompts-jsonl")
+        raise InputError("give at least one --prompt, --prompt-file or --prompts-jsonl")
     return prompts
+
+
+def _parse_mesh_shape(spec: str, example: str = "8x1") -> tuple[int, int]:
+    """``DATAxMODEL`` -> (data, model)."""
+    from pdecode.errors import InputError
+
+    parts = spec.lower().split("x")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+        raise InputError(f"--mesh takes DATAxMODEL (two integers >= 1, e.g. {example}), got {spec!r}")
+    d, mo = (int(x) for x in parts)
+    return d, mo
+
+
+def _parse_mesh(spec: str):
+    """``--mesh DATAxMODEL`` -> a mesh over all the available devices."""
+    import jax
+
+    from pdecode.errors import InputError
+    from pdecode.sharding import make_mesh
+
+    n = jax.device_count()
+    d, mo = _parse_mesh_shape(spec, f"{n}x1")
+    if d * mo != n:
+        raise InputError(f"--mesh {spec} needs {d * mo} devices, {n} available; pick DATAxMODEL with "
+                         f"DATA*MODEL = {n} (e.g. {n}x1)")
+    return make_mesh(d, mo)
+
+
+# generate's arguments that cmd_generate sets from its own flags (a -o of the same name would clash)
+_FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "mesh": "--mesh",
+          "stop_at_eos": "--ignore-eos"}
 
 
 def cmd_generate(args) -> int:
@@ -65,24 +105,37 @@ def cmd_generate(args) -> int:
     from pdecode.errors import InputError
 
     prompts = _read_prompts(args)
+    options = parse_options(args.option)
+    clash = sorted(set(options) & set(_FLAGS))
+    if clash:
+        raise InputError(f"{clash[0]} is not a method option: use {_FLAGS[clash[0]]} instead of -o {clash[0]}=...")
+    mesh = _parse_mesh(args.mesh) if args.mesh else None
+    for spec in args.compare or []:
+        from infer.bench import parse_method, split_model
+
+        cm = registry.get(split_model(parse_method(spec)[0])[0])
+        if cm.needs_draft and not args.draft:
+            raise InputError(f"--compare {spec}: method {cm.name!r} needs a draft model: add --draft")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--plot needs matplotlib: pip install 'pdecode[bench]'") from None
     pdecode.enable_disk_cache()  # a second run with the same shapes loads its executable instead of compiling
     if registry.get(args.method).needs_draft and not args.draft:
         raise InputError(f"method {args.method!r} needs a draft model: add --draft (a zoo name such as code-draft, "
                          "or a model directory)")
     m = pdecode.load(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype)
     draft = pdecode.load(args.draft, dtype=args.dtype, activation_dtype=args.activation_dtype) if args.draft else None
-    mesh = None
-    if args.mesh:
-        from pdecode.sharding import make_mesh
-
-        d, mo = (int(x) for x in args.mesh.split("x"))
-        mesh = make_mesh(d, mo)
     out = pdecode.generate(m, prompts, method=args.method, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           draft=draft, mesh=mesh, stop_at_eos=not args.ignore_eos, **parse_options(args.option))
+                           draft=draft, mesh=mesh, stop_at_eos=not args.ignore_eos, **options)  # the keys of _FLAGS
+    rows = _compare(args, m, draft, prompts, out, mesh) if args.compare else []
     if args.json:
         for p, text, toks in zip(prompts, out.texts, out.tokens):
             print(json.dumps({"prompt": p, "text": text, "tokens": toks, "stats": out.stats}))
+        if rows:
+            print(json.dumps({"compare": rows}))
     else:
         for p, text in zip(prompts, out.texts):
             print(p + text)
@@ -91,6 +144,8 @@ def cmd_generate(args) -> int:
         print(f"[{s['method']}] {s['new_tokens']} new tokens, {s['tokens_per_s']:.1f} tok/s, "
               f"{s['tokens_per_forward']:.2f} tokens/forward, {s['target_forwards']} target forwards, "
               f"compile {s['compile_s']:.2f}s", file=sys.stderr)
+        if rows:
+            print(_compare_table(rows))
     if getattr(args, "plot", None) and "commit_step" in out.stats:
         from infer.plots import commit_order_plot
 
@@ -99,16 +154,75 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_convert(args) -> int:
+def _compare(args, m, draft, prompts, out, mesh) -> list[dict]:
+    """Run each ``--compare`` method (``name``, ``name:key=value,...``, ``name@heads-model``) on the same prompts
+    and sampling settings as the main method; one row per method, the main one first."""
     import pdecode
-    from pdecode.checkpoint import orbax as orbax_ckpt
+    from infer.bench import parse_method, split_model
 
+    def row(label, o, same):
+        s = o.stats
+        return {"method": label, "tokens_per_forward": s["tokens_per_forward"],
+                "target_forwards": s["target_forwards"], "tokens_per_s": s["tokens_per_s"],
+                "new_tokens": s["new_tokens"], "same_tokens": same}
+
+    rows = [row(args.method, out, None)]
+    for spec in args.compare:
+        name, opts = parse_method(spec)
+        method, heads = split_model(name)
+        mm = pdecode.load(heads, dtype=args.dtype, activation_dtype=args.activation_dtype) if heads else m
+        o = pdecode.generate(mm, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                             draft=draft if pdecode.methods()[method].needs_draft else None, mesh=mesh,
+                             stop_at_eos=not args.ignore_eos, **opts)
+        rows.append(row(spec, o, o.tokens == out.tokens))
+    return rows
+
+
+def _compare_table(rows: list[dict]) -> str:
+    first = rows[0]["method"]
+    w = max(len(r["method"]) for r in rows) + 2
+    lines = [f"{'method':{w}s}{'tokens/forward':>16s}{'target forwards':>17s}{'tok/s':>9s}   text",
+             *(f"{r['method']:{w}s}{r['tokens_per_forward']:16.2f}{r['target_forwards']:17d}{r['tokens_per_s']:9.1f}"
+               f"   {'(shown above)' if r['same_tokens'] is None else 'identical to ' + first if r['same_tokens'] else 'differs from ' + first}"
+               for r in rows)]
+    return "\n".join(lines)
+
+
+def cmd_convert(args) -> int:
+    import jax.numpy as jnp
+
+    import pdecode
+    from pdecode.checkpoint import heads_io
+    from pdecode.checkpoint import orbax as orbax_ckpt
+    from pdecode.errors import InputError
+
+    dst = Path(args.dst)
+    if dst.exists() and not dst.is_dir():
+        raise InputError(f"--dst {dst} is a file; give a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not args.force:
+        raise InputError(f"--dst {dst} is not empty; add --force to write into it (files of the same name are "
+                         "replaced)")
     m = pdecode.load(args.src)
+    heads = [k for k in m.extras if not k.endswith("_meta")]
+    if len(heads) > 1:
+        raise InputError(f"{args.src} carries {len(heads)} sets of heads ({', '.join(heads)}); a directory holds "
+                         "one: convert each heads directory on its own")
     if args.to == "orbax":
-        out = orbax_ckpt.save(m.cfg, m.params, args.dst, tokenizer_dir=m.path)
+        out = orbax_ckpt.save(m.cfg, m.params, dst, tokenizer_dir=m.path)
     else:
-        out = pdecode.save_hf(m, args.dst, dtype=args.dtype)
-    print(f"wrote {out}", file=sys.stderr)
+        out = pdecode.save_hf(m, dst, dtype=args.dtype)
+    if heads:  # written beside the model (base_model "."), so loading ``dst`` attaches the same heads
+        kind = heads[0]
+        hcfg, hparams = m.extras[kind]
+        meta = m.extras.get(f"{kind}_meta") or {}
+        extra = {k: v for k, v in meta.items() if k not in ("kind", "config", "base_model")}
+        heads_io.save_heads(out, kind, hcfg, hparams, base_model=".", extra=extra,
+                            dtype=jnp.dtype(args.dtype) if args.dtype and args.to == "hf" else None)
+    else:  # a stale heads.json from an earlier write would attach heads this model does not have
+        for name in ("heads.json", "heads.safetensors", "heads.safetensors.xz"):
+            (Path(out) / name).unlink(missing_ok=True)
+    print(f"wrote {out}" + (f" (with its {heads[0]} heads)" if heads else ""), file=sys.stderr)
     return 0
 
 
@@ -123,16 +237,30 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+TRAINERS = {"zoo": "train.zoo", "heads": "train.heads", "dllm": "train.dllm"}
+
+
 def cmd_train(args, rest: list[str]) -> int:
-    if args.what == "heads":
-        from train.heads import main as heads_main
+    """`pdecode train WHAT ...` hands the rest of the line to that trainer's own parser (its -h lists its flags)."""
+    import importlib
 
-        heads_main(rest)
-        return 0
-    from train.zoo import main as zoo_main
-
-    zoo_main(rest)
+    if args.what is None:
+        if any(a in ("-h", "--help") for a in rest):
+            print(args.train_parser.format_help())
+            return 0
+        args.train_parser.error(f"say what to train: one of {', '.join(TRAINERS)} (pdecode train --help)")
+    importlib.import_module(TRAINERS[args.what]).main(rest)
     return 0
+
+
+class _GenerateParser(argparse.ArgumentParser):
+    """`pdecode generate --help` ends with every registered method and its options (read from the registry only
+    when help is asked for, so parsing stays free of the jax import)."""
+
+    def format_help(self) -> str:
+        from infer.api_doc import methods_help
+
+        return super().format_help() + "\n" + methods_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text with a decoding method")
+    g.__class__ = _GenerateParser  # the same parser, with the methods appended to its help
     g.add_argument("--model", default="code-target", help="zoo name or model directory (default: code-target)")
     g.add_argument("--draft", default=None, help="draft model for draft-and-verify methods")
-    g.add_argument("--method", default="ar")
+    g.add_argument("--method", default="ar", help="decoding method (listed below; default: ar)")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     g.add_argument("--prompts-jsonl", help="one JSON string (or {\"prompt\": ...}) per line")
@@ -161,31 +290,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt with text and stats")
     g.add_argument("--plot", default=None, help="PNG of the step each position was decoded (diffusion methods)")
+    g.add_argument("--compare", nargs="+", default=None, metavar="METHOD",
+                   help="also run these methods (name, name:key=value,..., or name@heads-model such as "
+                        "eagle@code-target-eagle) on the same prompts: tokens per forward, forwards and tok/s side by "
+                        "side, and whether each gave the same tokens (at greedy, lossless methods must)")
 
     b = sub.add_parser("bench", help="benchmark methods side by side (see infer/bench.py)")
     from infer.bench import add_arguments
 
     add_arguments(b)
 
-    t = sub.add_parser("train", help="train the zoo models or heads", add_help=False)
-    t.add_argument("what", choices=["zoo", "heads"],
-                   help="zoo: the shipped LMs (`python -m train.zoo -h`); heads: Medusa/EAGLE/MTP heads and the "
-                        "native MTP model (`python -m train.heads -h`)")
+    t = sub.add_parser("train", help="train the zoo models, heads or the diffusion model", add_help=False,
+                       description="pdecode train WHAT [its options]; `pdecode train WHAT -h` lists WHAT's options.")
+    t.add_argument("what", nargs="?", choices=list(TRAINERS),
+                   help="zoo: code-target and code-draft (train.zoo); heads: Medusa / EAGLE / EAGLE-3 / MTP heads and "
+                        "the native MTP model (train.heads); dllm: code-dllm, the masked-diffusion model (train.dllm)")
+    t.set_defaults(train_parser=t)
 
     c = sub.add_parser("convert", help="convert between HF safetensors and orbax")
     c.add_argument("--src", required=True, help="zoo name or model directory")
     c.add_argument("--dst", required=True)
     c.add_argument("--to", choices=["orbax", "hf"], required=True)
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--force", action="store_true", help="write into a non-empty --dst")
 
     sub.add_parser("zoo", help="list the shipped models")
+
+    pl = sub.add_parser("plan", help="will a model fit on a mesh, and how fast could it go (no weights needed)")
+    from infer.plan import add_arguments as plan_arguments
+
+    plan_arguments(pl)
     return ap
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from infer.plan import force_devices
+
+        force_devices(argv)  # before JAX starts its CPU backend
     from pdecode.errors import PdecodeError
 
-    argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "train":
@@ -203,6 +348,10 @@ def main(argv=None) -> int:
             return cmd_convert(args)
         if args.cmd == "zoo":
             return cmd_zoo(args)
+        if args.cmd == "plan":
+            from infer.plan import run_from_args as plan_run
+
+            return plan_run(args)
     except PdecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -363,6 +363,10 @@ def run(args) -> int:
     unknown = set(samplers) - set(SAMPLERS)
     if unknown:
         raise pdecode.InputError(f"unknown sampler(s) {sorted(unknown)}; choose from {', '.join(SAMPLERS)}")
+    bad = [b for b in args.batch if b < 1 or args.timing_items % b]
+    if bad or args.items < max(args.batch):
+        raise pdecode.InputError(f"--timing-items ({args.timing_items}) must be a multiple of every --batch size and "
+                                 f"--items ({args.items}) at least the largest batch ({max(args.batch)})")
     items = task_items(args.tasks, args.items)
     t0 = time.perf_counter()
     rows, code = [], []

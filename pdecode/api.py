@@ -23,7 +23,7 @@ from pdecode import sampling
 from pdecode.checkpoint import hf as hf_ckpt
 from pdecode.config import DTYPES, ModelConfig
 from pdecode.decode import registry
-from pdecode.errors import CheckpointError, InputError
+from pdecode.errors import CheckpointError, ConfigError, InputError
 from pdecode.model import attention
 from pdecode.model.transformer import forward, param_specs, unembed
 from pdecode.tokenizer import Tokenizer
@@ -88,13 +88,28 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name (zoo: {avail})")
 
 
+def methods() -> dict[str, registry.Method]:
+    """The registered decoding methods by name, in registration order: each with ``summary``, ``needs``,
+    ``lossless`` and ``options`` (name -> `registry.Option` with default, type and help)."""
+    registry.get("ar")  # registers the built-in methods
+    return dict(registry.METHODS)  # in registration order
+
+
 def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None,
          activation_dtype: str | None = None) -> Model:
     """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]) or a pdecode
-    orbax directory (config.json + params/). ``dtype``: the params' dtype, float32 (default), bfloat16 or
-    float16. ``activation_dtype``: the dtype of the residual stream, norms and attention (default: ``dtype``);
-    ``dtype="bfloat16", activation_dtype="float32"`` is mixed precision: bfloat16 weights (half the bytes a decode
-    step reads) in matmuls accumulating in float32. With ``mesh``, params are placed by the logical sharding rules."""
+    orbax directory (config.json + params/); a heads directory loads its base model with the heads attached.
+
+    Args:
+        name_or_path: a zoo name (`pdecode.zoo_names()`) or a model directory.
+        dtype: the params' dtype: float32, bfloat16 or float16.
+        mesh: a `jax.sharding.Mesh`: params are placed by the logical sharding rules.
+        activation_dtype: the residual stream's, norms' and attention's dtype (default: ``dtype``); bfloat16 params
+            with float32 activations is mixed precision (half the bytes a decode step reads, fp32 accumulation).
+
+    Returns:
+        `Model`: ``cfg``, ``params``, ``tokenizer``, ``extras`` (attached heads).
+    """
     if dtype not in _DTYPES:
         raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     if activation_dtype is not None and activation_dtype not in _DTYPES:
@@ -133,14 +148,19 @@ def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None,
 
 
 def attach_heads(m: Model, path: str | os.PathLike) -> Model:
-    """``m`` with the drafting heads of a heads directory (Medusa / EAGLE / MTP) in ``m.extras[kind]`` and the
-    directory's heads.json (e.g. a calibrated Medusa tree) in ``m.extras[kind + "_meta"]``."""
+    """``m`` with drafting heads attached: ``m.extras[kind]`` holds them and ``m.extras[kind + "_meta"]`` their
+    metadata (e.g. a calibrated Medusa tree). ``path``: a pdecode heads directory (heads.json, as the trainers and
+    the zoo write them), or a released checkpoint directory: Medusa (``medusa_lm_head.safetensors``), EAGLE-1/2
+    (``fc.weight`` + one layer) or a DeepSeek-V3 MTP layer (``model.layers.{num_layers}.*``, e.g. the base model's
+    own directory)."""
     from pdecode.checkpoint import heads_io
 
     path = resolve_path(path)
-    if not heads_io.is_heads_dir(path):
-        raise CheckpointError(f"{path} has no heads.json (expected a pdecode heads directory)")
-    kind, hcfg, params, meta = heads_io.load_heads(path, m.cfg, dtype=np.dtype(jnp.dtype(m.dtype)))
+    dtype = np.dtype(jnp.dtype(m.dtype))
+    if heads_io.is_heads_dir(path):
+        kind, hcfg, params, meta = heads_io.load_heads(path, m.cfg, dtype=dtype)
+    else:
+        kind, hcfg, params, meta = heads_io.load_released(path, m.cfg, dtype=dtype)
     extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params)), f"{kind}_meta": meta}
     return dataclasses.replace(m, extras=extras, _sharded={})
 
@@ -243,21 +263,73 @@ def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -
     return out
 
 
+def _check_option_names(meth: registry.Method, given: dict) -> None:
+    """One line for a keyword neither `generate` nor the method takes, with the closest name of either."""
+    unknown = sorted(set(given) - set(meth.options))
+    if not unknown:
+        return
+    import difflib
+    import inspect
+
+    own = [k for k in inspect.signature(generate).parameters if k not in ("m", "prompts", "method_options")]
+    name = unknown[0]
+    also = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+    close = difflib.get_close_matches(name, own + sorted(meth.options), n=1)
+    if close:
+        raise InputError(f"unknown option {name!r} for method {meth.name!r}: did you mean {close[0]}?{also}")
+    allowed = ", ".join(sorted(meth.options)) or "none"
+    raise InputError(f"unknown option {name!r} for method {meth.name!r}{also}; it takes: {allowed}")
+
+
+def _check_same_tokenizer(m: Model, draft: Model) -> None:
+    """Refuse a draft whose tokenizer maps tokens to other ids than the target's (skipped when either has none)."""
+    a, b = m.tokenizer, draft.tokenizer
+    if a is None or b is None or a is b or a.fingerprint() == b.fingerprint():
+        return
+    va, vb = a.vocab(), b.vocab()
+    diff = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])
+    tok = diff[0][0]
+    raise ConfigError(f"the draft model {draft.name!r} has another tokenizer than the target {m.name!r}: "
+                      f"{len({k for k, _ in diff})} tokens differ (e.g. {tok!r} is {va.get(tok, 'absent')} in the "
+                      f"target, {vb.get(tok, 'absent')} in the draft); the draft must share the target's tokenizer")
+
+
 def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
              stop_at_eos: bool = True, max_len: int | None = None, **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
-    The whole generation, prefill included, is one compiled call. ``mesh`` (a `jax.sharding.Mesh` with ``data`` and
-    ``model`` axes) shards params, caches and the batch. ``stop_at_eos=False`` generates exactly max_new_tokens.
+    The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
+
+    Args:
+        m: the target model (`pdecode.load`).
+        prompts: a text, a list of texts, or a list of token-id lists (a batch; rows may differ in length).
+        method: a registered decoding method (`pdecode.methods()`; see docs/methods.md).
+        max_new_tokens: new tokens per row (a diffusion method's canvas length).
+        temperature: 0 is greedy; otherwise the sampling temperature.
+        top_k: sample among the k most likely tokens (0: all).
+        top_p: nucleus sampling, the smallest set with this much probability (1.0: all).
+        seed: the PRNG seed of sampling (and of a method's own randomness).
+        draft: the draft model for methods that need one (sd, tree), on the target's tokenizer.
+        mesh: a `jax.sharding.Mesh` with ``data`` and ``model`` axes: params, caches and the batch are sharded.
+        stop_at_eos: stop a row at its first EOS (False: exactly max_new_tokens per row).
+        max_len: the KV cache's length (default: the longest prompt + max_new_tokens + draft slots, rounded up).
+        **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
+
+    Returns:
+        `GenerateOutput`: ``texts`` and ``tokens`` (per row, the new tokens only, EOS kept) and ``stats``
+        (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
+    _check_option_names(meth, method_options)
     opts = registry.resolve_options(meth, method_options)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
+    if draft is not None:
+        _check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
     extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
     plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh) if draft is not None else None, opts, samp, **extra)

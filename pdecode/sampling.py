@@ -65,8 +65,9 @@ def _top_p(x: jax.Array, top_p) -> jax.Array:
 
 
 def argmax(x: jax.Array) -> jax.Array:
-    """Index of the (first) maximum along the last axis, int32. A max then a min over matching indices: on CPU
-    this runs several times faster than XLA's variadic-reduce argmax, with the same result."""
+    """Index of the (first) maximum along the last axis, int32. A max then a min over matching indices: the same
+    result as ``jnp.argmax``, kept because on CPU it runs faster than XLA's variadic-reduce argmax
+    (docs/performance_code_notes.md)."""
     mx = jnp.max(x, axis=-1, keepdims=True)
     n = x.shape[-1]
     first = jnp.min(jnp.where(x == mx, jnp.arange(n, dtype=jnp.int32), n), axis=-1)

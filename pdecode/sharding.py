@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pdecode.errors import ConfigError
 from pdecode.model.transformer import is_spec
 
 RULES: dict[str, str | None] = {
@@ -31,7 +32,8 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     if data is None:
         data = len(devices) // model
     if data * model > len(devices) or data < 1 or model < 1:
-        raise ValueError(f"mesh {data}x{model} needs {data * model} devices, {len(devices)} available")
+        raise ConfigError(f"mesh {data}x{model} needs {data * model} devices (data, model >= 1), {len(devices)} "
+                          "available")
     return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 

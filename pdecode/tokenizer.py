@@ -26,6 +26,19 @@ class Tokenizer:
     def backend(self):
         return self._tok
 
+    def vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def fingerprint(self) -> str:
+        """A hash of `vocab` (computed once): two tokenizers with the same fingerprint map tokens to the same ids."""
+        if getattr(self, "_fingerprint", None) is None:
+            import hashlib
+
+            blob = json.dumps(sorted(self.vocab().items()), ensure_ascii=False).encode()
+            self._fingerprint = hashlib.sha256(blob).hexdigest()
+        return self._fingerprint
+
     @classmethod
     def from_dir(cls, path: str | Path, hf_config: dict | None = None) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer

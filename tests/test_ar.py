@@ -199,7 +199,7 @@ def test_cache_phases_give_the_same_tokens(tiny):
     (dict(top_k=10_000), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(method="nope"), "unknown method"),
-    (dict(method="ar", gamma=3), "does not take"),
+    (dict(method="ar", gamma=3), "unknown option 'gamma' for method 'ar'; it takes: "),
     (dict(max_new_tokens=250), "context of 256"),
     (dict(max_len=8), "max_len"),
 ])

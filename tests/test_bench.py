@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from infer.bench import main as bench_main
 from infer.bench import parse_method, projections, run_rows, verify_cost
 
@@ -101,6 +103,15 @@ def test_verify_cost_and_projection(tiny):
     # t_step = 0.02, overhead = 0.005, flat = 0.015, t_ar = 0.01: projected = 2.5 * 0.01 / 0.015
     assert abs(sd["projected_speedup_flat_verify"] - 2.5 * 0.01 / 0.015) < 1e-9
     assert abs(sd["overhead_fraction_of_flat_step"] - 0.005 / 0.015) < 1e-9
+
+
+def test_diffusion_suite_refuses_timing_items_that_no_batch_fits(tmp_path):
+    from pdecode.errors import InputError
+
+    model = tiny_hf(tmp_path / "dllm", causal=False)
+    with pytest.raises(InputError, match=r"--timing-items \(4\) must be a multiple of every --batch size"):
+        bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16", "--batch", "1", "8",
+                    "--items", "16", "--timing-items", "4", "--out", str(tmp_path / "d")])
 
 
 def test_diffusion_suite_runs_end_to_end(tmp_path):

@@ -10,6 +10,17 @@ import pytest
 from infer.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _jax_cache_dir_restored():
+    """In-process `pdecode generate` (`enable_disk_cache`) sets JAX's global cache directory: put it back after each
+    test so that no test sees another's."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_text_prompt_without_tokenizer_is_a_clear_error(hf_dirs, capsys):
     d = str(hf_dirs["llama"][0])  # the tiny random checkpoint ships no tokenizer.json
     rc = main(["generate", "--model", d, "--prompt", "hello", "--max-new-tokens", "4"])
@@ -24,6 +35,17 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(hf_dirs, capsys):
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--max-new-tokens", "5000"], "exceeds the model's context"),
     (["--method", "sd"], "needs a draft model: add --draft"),
+    (["--mesh", "3x5"], "--mesh 3x5 needs 15 devices, "),
+    (["--mesh", "abc"], "--mesh takes DATAxMODEL"),
+    (["--mesh", "2x0"], "--mesh takes DATAxMODEL"),
+    (["-o", "gamma"], "-o/--option takes key=value, got 'gamma'"),
+    (["-o", "max_new_token=3"], "unknown option 'max_new_token' for method 'ar': did you mean max_new_tokens?"),
+    (["-o", "zzz=1"], "unknown option 'zzz' for method 'ar'; it takes: "),
+    (["-o", "temperature=0.5"], "temperature is not a method option: use --temperature"),
+    (["--prompt-file", "/no/such/prompt.txt"], "--prompt-file /no/such/prompt.txt: no such file"),
+    (["--prompts-jsonl", "/no/such/prompts.jsonl"], "--prompts-jsonl /no/such/prompts.jsonl: no such file"),
+    (["--compare", "warp-drive"], "unknown method 'warp-drive'"),
+    (["--compare", "sd"], "--compare sd: method 'sd' needs a draft model: add --draft"),
 ])
 def test_bad_input_one_line_error(zoo_model_name, capsys, args, match):
     argv = ["generate", "--model", zoo_model_name, "--prompt", "def f():", "--max-new-tokens", "8"] + args
@@ -31,6 +53,48 @@ def test_bad_input_one_line_error(zoo_model_name, capsys, args, match):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and match in err
+
+
+def test_no_prompt_and_bad_jsonl_one_line_error(zoo_model_name, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('"ok"\n{"text": "no prompt key"}\n')
+    for extra, match in [([], "give at least one --prompt, --prompt-file or --prompts-jsonl"),
+                         (["--prompts-jsonl", str(bad)], f"{bad}:2 is not a JSON string")]:
+        rc = main(["generate", "--model", zoo_model_name, "--max-new-tokens", "4"] + extra)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and match in err, err
+
+
+def test_misspelt_generate_keyword_names_the_keyword(zoo_model_name):
+    import pdecode
+
+    m = pdecode.load(zoo_model_name)
+    with pytest.raises(pdecode.InputError, match=r"unknown option 'max_new_token' for method 'ar': did you mean "
+                                                 r"max_new_tokens\?"):
+        pdecode.generate(m, ["x"], max_new_token=8)
+    with pytest.raises(pdecode.InputError, match=r"did you mean gamma\?"):  # the method's own options count too
+        pdecode.generate(m, ["x"], method="sd", draft=m, gama=3)
+    with pytest.raises(pdecode.InputError, match=r"unknown option 'qqq' for method 'ar'; it takes: .*cache_phases"):
+        pdecode.generate(m, ["x"], qqq=1)
+
+
+def test_draft_with_another_tokenizer_of_the_same_size_is_refused(zoo_model_name, tmp_path):
+    import shutil
+
+    import pdecode
+
+    d = tmp_path / "draft"
+    shutil.copytree(pdecode.zoo_dir() / "code-draft", d)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same size, two ids swapped
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    target, draft = pdecode.load(zoo_model_name), pdecode.load(d)
+    assert draft.tokenizer.vocab_size == target.tokenizer.vocab_size and draft.cfg.vocab_size == target.cfg.vocab_size
+    with pytest.raises(pdecode.ConfigError, match="has another tokenizer than the target.*2 tokens differ"):
+        pdecode.generate(target, ["def f():"], method="sd", draft=draft, max_new_tokens=4)
+    ok = pdecode.load("code-draft")  # the shipped draft shares the target's tokenizer
+    assert len(pdecode.generate(target, ["def f():"], method="sd", draft=ok, max_new_tokens=4).tokens[0]) >= 1
 
 
 def test_zoo_generate_text_and_json(zoo_model_name, capsys):
@@ -43,6 +107,23 @@ def test_zoo_generate_text_and_json(zoo_model_name, capsys):
     assert objs[0]["prompt"] == "def add(a, b):" and isinstance(objs[0]["text"], str)
     assert 1 <= len(objs[0]["tokens"]) <= 12
     assert {"target_forwards", "new_tokens", "tokens_per_forward", "wall_s", "compile_s"} <= set(objs[0]["stats"])
+
+
+def test_compare_runs_the_same_prompts_through_each_method(zoo_model_name, capsys):
+    """The main job's shape: AR, then sd and lookup on the same prompts; at greedy both must give AR's tokens."""
+    rc = main(["generate", "--model", zoo_model_name, "--draft", "code-draft", "--prompt", "import os\n",
+               "--prompt", "def f(x):", "--max-new-tokens", "16", "--compare", "sd:gamma=3", "lookup"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    table = out[out.index("method "):].splitlines()
+    assert table[1].split()[0] == "ar" and table[1].endswith("(shown above)")
+    assert table[2].split()[0] == "sd:gamma=3" and table[2].endswith("identical to ar")
+    assert table[3].split()[0] == "lookup" and table[3].endswith("identical to ar")
+    assert float(table[2].split()[1]) > 1.0  # tokens per forward of speculative decoding
+    rc = main(["generate", "--model", zoo_model_name, "--prompt", "import os\n", "--max-new-tokens", "8",
+               "--compare", "lookup", "--json"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compare"]
+    assert [r["method"] for r in rows] == ["ar", "lookup"] and rows[1]["same_tokens"] is True
 
 
 def test_mixed_precision_flags(zoo_model_name, capsys):
@@ -66,6 +147,55 @@ def test_convert_round_trip(zoo_model_name, tmp_path, capsys):
     a, b = pdecode.load(zoo_model_name), pdecode.load(tmp_path / "hf")
     np.testing.assert_array_equal(np.asarray(a.params["embed"]), np.asarray(b.params["embed"]))
     assert b.tokenizer is not None
+
+
+def test_convert_writes_the_heads(tmp_path, capsys):
+    """A model with heads attached converts with its heads: loading the destination gives the same heads."""
+    import jax
+    import numpy as np
+
+    import pdecode
+
+    assert main(["convert", "--src", "code-target-eagle", "--dst", str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert "with its eagle heads" in capsys.readouterr().err
+    a, b = pdecode.load("code-target-eagle"), pdecode.load(tmp_path / "hf")
+    assert b.extras["eagle"][0] == a.extras["eagle"][0]
+    for x, y in zip(jax.tree.leaves(a.extras["eagle"][1]), jax.tree.leaves(b.extras["eagle"][1])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(a.params["embed"]), np.asarray(b.params["embed"]))
+
+
+def test_convert_refuses_a_non_empty_destination_without_force(zoo_model_name, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("keep me")
+    rc = main(["convert", "--src", zoo_model_name, "--dst", str(dst), "--to", "hf"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "add --force" in err
+    assert sorted(p.name for p in dst.iterdir()) == ["notes.txt"]
+    assert main(["convert", "--src", zoo_model_name, "--dst", str(dst), "--to", "hf", "--force"]) == 0
+    assert (dst / "config.json").exists() and (dst / "notes.txt").read_text() == "keep me"
+
+
+def test_commit_order_plot_explains_grey_and_has_integer_rows(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from infer.plots import NOT_DECODED, commit_order_figure, commit_order_plot
+
+    steps = [[0, 2, 1, 3, -1, -1], [1, 0, 2, -1, -1, -1], [0, 1, 1, 2, 3, 4]]
+    fig = commit_order_figure(steps, title="t")
+    try:
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1", "2"]
+        assert all(float(v).is_integer() for v in ax.get_yticks())
+        texts = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+        assert texts == [NOT_DECODED] and "never decoded" in NOT_DECODED
+        assert fig.axes[1].get_ylabel() == "decoding step"  # the colorbar
+    finally:
+        plt.close(fig)
+    out = commit_order_plot(steps, tmp_path / "sub" / "co.png")
+    assert out.exists() and out.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_console_script_exit_code(tmp_path):
@@ -96,12 +226,13 @@ def test_generate_keeps_compiled_executables_on_disk(tmp_path):
 
 
 def test_disk_cache_off(monkeypatch):
+    """Independent of test order: it starts with JAX's cache directory unset (`_jax_cache_dir_restored` puts back
+    what was there)."""
     import jax
 
     import pdecode
 
-    if jax.config.jax_compilation_cache_dir:
-        pytest.skip("JAX was given a compilation cache directory by the environment")
+    jax.config.update("jax_compilation_cache_dir", None)  # whatever an earlier test or the environment set
     monkeypatch.setenv("PDECODE_COMPILE_CACHE_DIR", "off")
     assert pdecode.enable_disk_cache() is None
     assert not jax.config.jax_compilation_cache_dir

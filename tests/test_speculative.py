@@ -13,8 +13,7 @@ import pdecode
 from pdecode import sampling
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.lookup import find_matches
-from pdecode.decode.speculative import Proposal
-from pdecode.decode.verify import verify
+from pdecode.decode.verify import Rule, verify
 from tests.helpers import make_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13], list(range(20, 57)), [3, 4],
@@ -132,7 +131,8 @@ def test_greedy_verify_matches_brute_force():
     valid = rng.random((b, n)) < 0.9
     valid[:, 0] = True
     ver = verify(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), tr.parents, jnp.asarray(valid), jax.random.PRNGKey(0),
-                 sampling.Sampling(), 0.0, 1.0, max_depth=tr.max_depth, max_children=tr.max_children)
+                 sampling.Sampling(), 0.0, 1.0, rule=Rule.GREEDY, max_depth=tr.max_depth,
+                 max_children=tr.max_children)
     for r in range(b):
         path, bonus = _brute_greedy(logits[r], tokens[r], tr.parents, valid[r])
         na = int(ver.n_accepted[r])
@@ -179,11 +179,13 @@ def test_sampled_verify_is_lossless(mode):
         else:
             tokens[:, kids] = _sampled_children(rng, [q[parent]] * n_rows, len(kids))
     draft_q = None if mode == "tree-deterministic" else jnp.asarray(np.broadcast_to(q, (n_rows, n, v)), jnp.float32)
+    rule = {"chain": Rule.CHAIN_SAMPLING, "tree-sampled": Rule.TREE_MULTI,
+            "tree-deterministic": Rule.TREE_DETERMINISTIC}[mode]
     logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, n, v)), jnp.float32)
     samp = sampling.Sampling(greedy=False)
     ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, n), bool),
-                 jax.random.PRNGKey(7), samp, 1.0, 1.0, max_depth=tr.max_depth, max_children=tr.max_children,
-                 draft_q_BNV=draft_q)
+                 jax.random.PRNGKey(7), samp, 1.0, 1.0, rule=rule, max_depth=tr.max_depth,
+                 max_children=tr.max_children, draft_q_BNV=draft_q)
     first, second = _first_two(ver.tokens, ver.n_accepted)
     counts = np.bincount(first, minlength=v)
     assert sstats.chisquare(counts, p[0] * n_rows).pvalue > 1e-3
@@ -215,10 +217,56 @@ def test_wrong_acceptance_rule_is_detected():
     tokens[:, 1] = rng.choice(v, size=n_rows, p=q[0])
     logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, 2, v)), jnp.float32)
     ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, 2), bool),
-                 jax.random.PRNGKey(3), sampling.Sampling(greedy=False), 1.0, 1.0, max_depth=1, max_children=1,
-                 draft_q_BNV=jnp.full((n_rows, 2, v), 1.0 / v))
+                 jax.random.PRNGKey(3), sampling.Sampling(greedy=False), 1.0, 1.0, rule=Rule.CHAIN_SAMPLING,
+                 max_depth=1, max_children=1, draft_q_BNV=jnp.full((n_rows, 2, v), 1.0 / v))
     counts = np.bincount(np.asarray(ver.tokens[:, 0]), minlength=v)
     assert sstats.chisquare(counts, p[0] * n_rows).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("rule,greedy,with_q,children,match", [
+    (Rule.GREEDY, False, False, 1, "does not fit sampled"),
+    (Rule.TREE_DETERMINISTIC, True, False, 2, "does not fit greedy"),
+    (Rule.CHAIN_SAMPLING, False, False, 1, "needs the draft distribution"),
+    (Rule.TREE_MULTI, False, False, 2, "needs the draft distribution"),
+    (Rule.TREE_DETERMINISTIC, False, True, 2, "takes no draft distribution"),
+    (Rule.CHAIN_SAMPLING, False, True, 2, "use 'tree_multi'"),
+    (Rule.TYPICAL, False, False, 2, "needs its thresholds"),
+    ("nope", False, False, 1, "not a valid Rule"),
+])
+def test_verify_rule_must_fit_the_proposal(rule, greedy, with_q, children, match):
+    """The rule is explicit: one that does not fit the sampling mode or what the drafter supplied is an error
+    at trace time, never a silent switch to another acceptance test."""
+    v, n = 4, 3
+    tr = tree_lib.from_choices([[0], [1]] if children == 2 else [[0, 0]])
+    q = jnp.full((1, n, v), 1.0 / v) if with_q else None
+    with pytest.raises(ValueError, match=match):
+        verify(jnp.zeros((1, n, v)), jnp.zeros((1, n), jnp.int32), tr.parents, jnp.ones((1, n), bool),
+               jax.random.PRNGKey(0), sampling.Sampling(greedy=greedy), 1.0, 1.0, rule=rule, max_depth=tr.max_depth,
+               max_children=tr.max_children, draft_q_BNV=q)
+
+
+def test_drafters_set_their_rule(models):
+    """Each drafter names the rule its proposal is verified by: greedy under greedy sampling; else speculative
+    sampling (with the q it drew from) for the draft chain and the q = 1 rule for lookup's deterministic drafts."""
+    from pdecode.decode.draft_model import DraftChain
+    from pdecode.decode.lookup import LookupDrafter
+    from pdecode.decode.speculative import Context
+
+    draft = models["small"]
+    chain = DraftChain(draft.cfg, 2, 2)
+    dp = chain.prepare(draft.params, None)
+    prompt = jnp.asarray([[1, 2, 3, 1]], jnp.int32)
+    state = chain.init(dp, None, prompt, jnp.asarray([4]), None, 16)
+    seq = jnp.zeros((1, 16), jnp.int32).at[:, :5].set(jnp.asarray([1, 2, 3, 1, 2]))
+    ctx = Context(seq, jnp.asarray([5]), None, None, jnp.ones((1,), bool))
+    key = jax.random.PRNGKey(0)
+    for samp, lookup_rule, chain_rule in ((sampling.Sampling(), Rule.GREEDY, Rule.GREEDY),
+                                          (sampling.Sampling(greedy=False), Rule.TREE_DETERMINISTIC,
+                                           Rule.CHAIN_SAMPLING)):
+        prop, _ = LookupDrafter(gamma=2).propose(None, (), ctx, key, samp, 1.0, 1.0)
+        assert prop.rule is lookup_rule and prop.q is None
+        prop, _ = chain.propose(dp, state, ctx, key, samp, 1.0, 1.0)
+        assert prop.rule is chain_rule and (prop.q is None) == samp.greedy
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -346,7 +394,7 @@ def test_dynamic_tree_keeps_ancestors():
         return jnp.asarray(rng.normal(size=(b, k, 10)), jnp.float32), cache, state
 
     prop, _ = grow_dynamic_tree(ctx, FakeCache(), jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, 10)))), k, depth,
-                                total, expand, base_B=ctx.seq_len, pos1_B=ctx.seq_len)
+                                total, expand, base_B=ctx.seq_len, pos1_B=ctx.seq_len, rule=Rule.TREE_DETERMINISTIC)
     par = np.asarray(prop.parents)
     assert par.shape == (b, total + 1) and (par[:, 0] == -1).all()
     assert (par[:, 1:] < np.arange(1, total + 1)[None]).all() and np.asarray(prop.valid).all()

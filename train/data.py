@@ -151,7 +151,8 @@ def self_distilled(zoo: Path, work: Path, base: str, stream: np.ndarray, n: int)
     if f.exists():
         return np.load(f)
     t0 = time.perf_counter()
-    # the shipped bf16 weights as bf16 matmul operands (float32 activations): ~10-20% faster than upcast weights
+    # the shipped bf16 weights as bf16 matmul operands (float32 activations): faster than upcast weights on CPU
+    # (docs/performance_code_notes.md)
     model = pdecode.load(Path(zoo) / base, dtype="bfloat16", activation_dtype="float32")
     out = self_distillation_stream(model, stream, n, batch=64, temperature=SELF_DISTILL_TEMPERATURE)
     f.parent.mkdir(parents=True, exist_ok=True)

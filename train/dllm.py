@@ -3,7 +3,8 @@ trained from scratch (the earlier recipe, kept reproducible).
 
     python -m train.dllm                     # the shipped model: code-target -> code-dllm (recipe ar-init)
     python -m train.dllm --recipe scratch    # the earlier from-scratch model (one stage; scripts/train_dllm.sh
-                                             # --scratch runs its four stages, about 2 hours)
+                                             # --scratch runs its four stages; run time:
+                                             # docs/performance_code_notes.md)
 
 **ar-init** adapts an AR model the way Dream and DiffuLLaMA do: the weights start as ``code-target``'s; the logits
 keep the AR shift (the hidden state at i predicts the token at i + 1, so every weight keeps its role: a masked

@@ -10,7 +10,6 @@ the batch of a step deterministically, so a resumed run continues exactly where 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -168,7 +167,3 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
     hist["last_step"] = step
     hist["stopped_early"] = stopped_early
     return params, hist
-
-
-def save_history(hist: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(hist, indent=1))

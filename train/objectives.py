@@ -27,7 +27,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
 def training_layout(params, cfg: ModelConfig):
     """Params as the forward runs them fastest, inside a differentiated function: layers unstacked with q/k/v and
     gate/up fused into single matmuls (the decode layout's weights; gradients flow back to the stacked params).
-    One training step of code-target on 2 CPU cores: ~5% faster than the stacked layers under `lax.scan`."""
+    Kept because a training step ran faster this way than with the stacked layers under `lax.scan` on CPU
+    (docs/performance_code_notes.md)."""
     return dict(params, layers=unstack_layers(params["layers"], cfg, fuse=True))
 
 
@@ -146,7 +147,6 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
         feat = jax.lax.stop_gradient(eagle_feature(ep, ecfg, h, lh)) if not ecfg.is_eagle3 else \
             eagle_feature(ep, ecfg, h, lh)
         n = t - 1  # pairs (x_{i+1}, f_i) for i < T-1
-        toks = x[:, 1:]
         steps = ttt_steps
         cache = kvc.init_cache(ecfg.block_cfg(cfg), b, steps * n, dtype=h.dtype)
         i = jnp.arange(n)
@@ -173,7 +173,6 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
                 total = total + reg_weight * reg
                 metrics["smooth_l1"] = reg
             f_in = out  # the next step reads its own predicted features
-        del toks
         return total, metrics
 
     return loss

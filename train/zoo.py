@@ -1,6 +1,7 @@
 """Recipes for the shipped models, trained here on 2 CPU cores.
 
-    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled): 36.8 min, 2 cores
+    python -m train.zoo                      # tokenizer + code-target + code-draft (distilled); run time:
+                                             # docs/performance_code_notes.md
     python -m train.zoo --only code-draft    # one model (the tokenizer is reused when present)
     python -m train.zoo --time-step          # seconds per training step of each recipe, nothing trained
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from pdecode.checkpoint.hf import block_rules, params_to_tensors, tensors_to_params
-from pdecode.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, stored_path, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
 from pdecode.model.heads import EagleConfig, MedusaConfig, MTPConfig
@@ -187,3 +187,39 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
     out[p + "eh_proj.weight"] = np.asarray(mod["proj"]).T
     out[p + "shared_head.norm.weight"] = np.asarray(mod["norm"])
     return out
+
+
+# ------------------------------------------------------------------------------------------------ released dirs
+def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
+    """(kind, head config, params, metadata) of a released head checkpoint directory, recognised by its tensors:
+
+    * Medusa: ``medusa_lm_head.safetensors`` (+ config.json with ``medusa_num_heads`` / ``medusa_num_layers``;
+      without it they are counted from the tensor names);
+    * EAGLE-1/2: safetensors holding ``fc.weight`` and ``layers.0.*``;
+    * DeepSeek-V3 MTP: safetensors holding ``model.layers.{num_layers}.eh_proj.weight`` (e.g. the base model's own
+      directory, whose extra layer is the MTP module).
+    """
+    path = Path(path)
+    medusa = stored_path(path / "medusa_lm_head.safetensors")
+    if medusa.exists():
+        tensors = read_safetensors(medusa)
+        conf = {}
+        if (path / "config.json").exists():
+            conf = json.loads((path / "config.json").read_text())
+        heads = conf.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in tensors)
+        layers = conf.get("medusa_num_layers") or max(int(k.split(".")[1]) for k in tensors)
+        mcfg, params = import_medusa(tensors, int(heads), int(layers), dtype)
+        return "medusa", mcfg, params, {"source": "medusa release"}
+    if not list(path.glob("*.safetensors*")):
+        raise CheckpointError(f"{path} holds no heads.json and no safetensors: pass a pdecode heads directory or a "
+                              "released Medusa / EAGLE / DeepSeek-MTP checkpoint directory (safetensors; convert a "
+                              "pytorch_model.bin first)")
+    tensors = read_checkpoint_dir(path)
+    if "fc.weight" in tensors:
+        ecfg, params = import_eagle(tensors, cfg, dtype)
+        return "eagle", ecfg, params, {"source": "eagle release"}
+    if f"model.layers.{cfg.num_layers}.eh_proj.weight" in tensors:
+        mcfg, params = import_deepseek_mtp(tensors, cfg, dtype=dtype)
+        return "mtp", mcfg, params, {"source": "deepseek-v3 mtp layer"}
+    raise CheckpointError(f"{path} is not a head checkpoint pdecode knows: no heads.json, no medusa_lm_head, no EAGLE "
+                          f"fc.weight and no MTP layer model.layers.{cfg.num_layers}.eh_proj.weight")

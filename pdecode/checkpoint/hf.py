@@ -16,7 +16,7 @@ import numpy as np
 from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError, ConfigError
-from pdecode.model.transformer import is_spec, param_specs
+from pdecode.model.transformer import param_specs
 
 import jax
 
@@ -212,15 +212,3 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "f
             if src.exists() and src.resolve() != (out / name).resolve():
                 shutil.copy(src, out / name)
     return out
-
-
-def check_specs(params: dict, specs: dict) -> None:
-    """Raise CheckpointError when a params tree does not match the spec tree (names or shapes)."""
-    flat_p = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    flat_s = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
-    if flat_p.keys() != flat_s.keys():
-        raise CheckpointError(f"params do not match the model: missing {sorted(flat_s.keys() - flat_p.keys())}, "
-                              f"unexpected {sorted(flat_p.keys() - flat_s.keys())}")
-    for k, s in flat_s.items():
-        if tuple(flat_p[k].shape) != tuple(s.shape):
-            raise CheckpointError(f"param {k} has shape {tuple(flat_p[k].shape)}, the config needs {s.shape}")

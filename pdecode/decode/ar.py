@@ -3,9 +3,9 @@
 The loop runs in a few *cache phases*: phase i is one `lax.while_loop` over a cache of ``phase_lengths[i]`` slots
 (static), and the cache grows (zeros appended) between phases. Every step's attention reads every slot of the cache
 it runs on, so a loop that starts on a cache just longer than the prompt and grows it reads far fewer slots than one
-sized for the whole generation from the first token (at batch 8, 64 prompt + 128 new tokens on code-target: about
-1.14x the tokens/s; README, "Cache phases"). ``phases=1`` is a single loop over the full cache; `common.phase_lengths`
-gives the lengths. The result is the same up to float rounding (attention sums over a different number of masked slots).
+sized for the whole generation from the first token; it is the default because it decoded faster on CPU
+(docs/performance_code_notes.md). ``phases=1`` is a single loop over the full cache; `common.phase_lengths` gives the
+lengths. The result is the same up to float rounding (attention sums over a different number of masked slots).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdecode.decode import ar, speculative
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.registry import Method, Plan, check_same_vocab, register
+from pdecode.decode.registry import Method, Option, Plan, check_same_vocab, register
 from pdecode.errors import ConfigError
 
 
@@ -20,14 +20,13 @@ def _prepare_ar(model, draft, opts, samp):
                 static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")})
 
 
-PHASES = {"cache_phases": 4}  # every loop over a target KV cache runs in phases (`common.phase_lengths`)
+# every loop over a target KV cache runs in phases (`common.phase_lengths`)
+PHASES = {"cache_phases": Option(4, "int", "the loop runs over a target KV cache grown in this many steps (1: one "
+                                           "loop over the full cache, the shortest compile)")}
 
 
 def _spec_plan(model, draft_params, drafter, opts) -> Plan:
-    return Plan(fn=speculative.generate, params=(model.params, draft_params),
-                static={"cfg": model.cfg, "drafter": drafter, "phases": _int_opt(opts, "cache_phases")},
-                extra_len=drafter.tree_size + 2,
-                finish_stats=lambda s: speculative.acceptance_stats({**s, "tree_size": drafter.tree_size}))
+    return speculative.make_plan(model, drafter, draft_params, _int_opt(opts, "cache_phases"))
 
 
 def _prepare_sd(model, draft, opts, samp):
@@ -63,20 +62,36 @@ def _prepare_lookup(model, draft, opts, samp):
 
 
 register(Method("ar", _prepare_ar, options=dict(PHASES),
-                summary="autoregressive, one token per forward (cache_phases: the loop runs over a cache grown in "
-                        "up to this many steps, 1 = one loop over the full cache)"))
-register(Method("sd", _prepare_sd, options={"gamma": 4, "adaptive": False, "gamma_max": None, **PHASES},
-                needs_draft=True,
-                summary="speculative decoding with a draft model, chain of gamma tokens (optionally adaptive)"))
-register(Method("tree", _prepare_tree,
-                options={"tree": "dynamic", "tree_top_k": 4, "depth": 5, "total_tokens": 24, **PHASES},
-                needs_draft=True,
-                summary="draft-model token tree: EAGLE-2-style dynamic (tree_top_k = EAGLE-2's top_k, depth, "
-                        "total_tokens) or a static "
-                        "preset / choice paths"))
+                summary="autoregressive, one token per target forward (the baseline every method is compared with)"))
+register(Method("sd", _prepare_sd, needs_draft=True, needs="draft model",
+                options={"gamma": Option(4, "int", "draft tokens per step (the chain's length)"),
+                         "adaptive": Option(False, "bool", "per row, gamma +2 after a fully accepted chain and -1 "
+                                                           "otherwise (HF's heuristic)"),
+                         "gamma_max": Option(None, "int", "adaptive: the largest gamma (default max(2 gamma, 8))"),
+                         **PHASES},
+                summary="speculative decoding: a small draft model proposes a chain of gamma tokens, the target "
+                        "verifies them in one forward"))
+TREE_OPTS = {
+    "tree_top_k": Option(4, "int", "dynamic tree: children expanded per node (EAGLE-2's top_k)"),
+    "depth": Option(5, "int", "dynamic tree: draft steps (the tree's depth)"),
+    "total_tokens": Option(24, "int", "dynamic tree: nodes kept for verification, by cumulative draft probability"),
+}
+register(Method("tree", _prepare_tree, needs_draft=True, needs="draft model",
+                options={"tree": Option("dynamic", "str | list", "'dynamic' (EAGLE-2-style, built from the draft's "
+                                        "probabilities), a preset name (e.g. 'binary-14', 'medusa-63') or choice "
+                                        "paths such as [[0], [1], [0, 0]]"),
+                         **TREE_OPTS, **PHASES},
+                summary="a draft model's token tree (dynamic or static) verified in one forward, several candidates "
+                        "per depth"))
 register(Method("lookup", _prepare_lookup,
-                options={"gamma": 4, "ngram_max": 3, "ngram_min": 1, "branches": 1, **PHASES},
-                summary="prompt lookup (n-gram) drafting, chain or multi-candidate tree; no extra model"))
+                options={"gamma": Option(4, "int", "tokens drafted after a matched n-gram"),
+                         "ngram_max": Option(3, "int", "longest suffix n-gram searched for in the row's history"),
+                         "ngram_min": Option(1, "int", "shortest n-gram tried when longer ones do not match"),
+                         "branches": Option(1, "int", "candidate continuations verified together (a tree; 1: a "
+                                                      "chain)"),
+                         **PHASES},
+                summary="prompt lookup: drafts by matching the last n-gram in the row's own prompt and output; no "
+                        "extra model"))
 
 
 def _heads(model, kind: str):
@@ -142,16 +157,30 @@ def _prepare_mtp(model, draft, opts, samp):
     return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)), opts)
 
 
-register(Method("medusa", _prepare_medusa,
-                options={"tree": None, "typical": False, "typical_epsilon": 0.09, "typical_delta": 0.3, **PHASES},
-                summary="Medusa heads, static tree; lossless verification (typical=True: Medusa's lossy typical "
-                        "acceptance)"))
-register(Method("eagle", _prepare_eagle, options={"tree_top_k": 10, "depth": 7, "total_tokens": 60, **PHASES},
-                summary="EAGLE / EAGLE-3 drafter with EAGLE-2 dynamic trees (defaults: EAGLE-2's top_k 10, depth 7, "
-                        "total_tokens 60)"))
-register(Method("mtp", _prepare_mtp, options={"tree_top_k": 1, "depth": 1, "total_tokens": None, **PHASES},
-                summary="multi-token prediction module as drafter: chain (default, one token) or tree; depth > 1 "
-                        "reuses the first module on its own output (total_tokens defaults to depth x tree_top_k)"))
+register(Method("medusa", _prepare_medusa, needs="Medusa heads", lossless="yes (typical=true: no, Medusa's typical "
+                                                                         "acceptance)",
+                options={"tree": Option(None, "str | list", "static tree: None = the tree calibrated for the heads "
+                                        "(heads.json), 'calibrated:N', a preset or choice paths"),
+                         "typical": Option(False, "bool", "Medusa's typical acceptance (lossy) instead of lossless "
+                                                          "verification"),
+                         "typical_epsilon": Option(0.09, "float", "typical acceptance: probability floor epsilon"),
+                         "typical_delta": Option(0.3, "float", "typical acceptance: entropy scale delta"),
+                         **PHASES},
+                summary="Medusa heads on the target's last hidden state propose a static tree of their top-k"))
+register(Method("eagle", _prepare_eagle, needs="EAGLE heads",
+                options={"tree_top_k": Option(10, "int", "children expanded per node (EAGLE-2's top_k)"),
+                         "depth": Option(7, "int", "draft steps (the tree's depth)"),
+                         "total_tokens": Option(60, "int", "nodes kept for verification"),
+                         **PHASES},
+                summary="EAGLE-1/2 or EAGLE-3-style feature drafter growing EAGLE-2 dynamic trees"))
+register(Method("mtp", _prepare_mtp, needs="MTP module",
+                options={"tree_top_k": Option(1, "int", "candidates per depth (1: a chain)"),
+                         "depth": Option(1, "int", "tokens drafted; depth > 1 reuses the first module on its own "
+                                                   "output"),
+                         "total_tokens": Option(None, "int", "tree nodes kept (default depth x tree_top_k)"),
+                         **PHASES},
+                summary="DeepSeek-V3-style multi-token-prediction modules draft a chain (default one token) or a "
+                        "tree"))
 
 
 def _diffusion_model(model, method):
@@ -202,19 +231,65 @@ def _diffusion_stats(s):
     return s
 
 
-register(Method("diffusion", _prepare_diffusion, wants_max_new=True,
-                options={"block_length": None, "steps": None, "rule": "schedule", "alg": "confidence",
-                         "threshold": 0.9, "factor": 1.0, "eb_gamma": 0.1, "alg_temp": 0.0, "cfg_scale": 0.0,
-                         "cache": "none", "refresh_every": 0},
-                summary="masked diffusion: LLaDA schedule / Fast-dLLM threshold & factor / EB-sampler rules, "
-                        "Dream confidence algorithms, semi-AR blocks, prefix & dual KV cache, CFG"))
-def _dico_defaults():
+NOT_AR = "no: a masked-diffusion model's own distribution"
+register(Method("diffusion", _prepare_diffusion, wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+                options={
+                    "block_length": Option(None, "int", "semi-AR block length (None: the whole canvas, one block)"),
+                    "steps": Option(None, "int", "schedule rule: total denoising steps (None: one per token)"),
+                    "rule": Option("schedule", "str", "how many positions to commit per step: LLaDA's schedule, "
+                                   "Fast-dLLM's threshold or factor, EB-sampler's entropy bound",
+                                   choices=("schedule", "threshold", "factor", "eb")),
+                    "alg": Option("confidence", "str", "which positions first: top-1 probability, top-1 minus "
+                                  "top-2 margin, negative entropy, or random (Dream's algorithms)",
+                                  choices=("confidence", "margin", "entropy", "random")),
+                    "threshold": Option(0.9, "float", "threshold rule: commit every position above this confidence"),
+                    "factor": Option(1.0, "float", "factor rule: Fast-dLLM's factor f (commit n with (n+1)(1-c_n) "
+                                                   "< f)"),
+                    "eb_gamma": Option(0.1, "float", "eb rule: the entropy budget gamma per step"),
+                    "alg_temp": Option(0.0, "float", "Dream's alg_temp: sample the order from softmax(conf / "
+                                                     "alg_temp) (0: deterministic)"),
+                    "cfg_scale": Option(0.0, "float", "classifier-free guidance scale (0: off; one more pass per "
+                                                      "step)"),
+                    "cache": Option("none", "str", "Fast-dLLM KV cache: none, prefix (prompt and finished blocks) "
+                                    "or dual (also the suffix)", choices=("none", "prefix", "dual")),
+                    "refresh_every": Option(0, "int", "cached runs: also refresh the cache every this many steps "
+                                                      "(0: only at a block start)"),
+                },
+                summary="masked diffusion: LLaDA schedule, Fast-dLLM threshold/factor with prefix or dual cache, "
+                        "EB-sampler, Dream's orderings, semi-AR blocks, CFG"))
+DICO_HELP = {
+    "num_seeds": ("int", "Divide: seed positions picked per phase"),
+    "seed_low": ("float", "Divide: lowest confidence a seed may have (moderate, not low)"),
+    "seed_high": ("float", "Divide: highest confidence a seed may have (not already certain)"),
+    "stability": ("float", "Divide: a seed's confidence may have moved at most this much since the previous step"),
+    "stability_weight": ("float", "Divide: weight of that drift, subtracted from the confidence in the seed score"),
+    "traj_beta": ("float", "Divide: EMA weight of the past in the trajectory confidence (0: the current step only)"),
+    "nms_sigma": ("float", "Divide: spread between seeds (the Gaussian width of the suppression, in positions)"),
+    "grow_threshold": ("float", "Divide: a neighbour joins a seed's cluster above this confidence"),
+    "max_radius": ("int", "Divide: how far a cluster may grow each side of its seed"),
+    "conquer_growth": ("int", "Conquer: positions a cluster may take in at each boundary per step"),
+    "final_masks": ("int", "Finalize: switch to Finalize when this many masks or fewer are left"),
+    "final_threshold": ("float", "Finalize: commit every mask whose confidence + margin score reaches this (and always the best)"),
+    "margin_weight": ("float", "Finalize: weight of the top-1 minus top-2 logit margin"),
+    "block_length": ("int", "semi-AR blocks (0: the whole canvas is one block)"),
+    "divide_commit": ("str", "what Divide commits: 'factor' (the factor rule inside the new clusters) or 'seeds'"),
+}
+
+
+def _dico_options():
     import dataclasses
 
     from pdecode.decode.dico import DiCoOptions
 
-    return {f.name: f.default for f in dataclasses.fields(DiCoOptions) if f.name not in ("gen_length", "shift")}
+    fields = [f for f in dataclasses.fields(DiCoOptions) if f.name not in ("gen_length", "shift")]
+    if {f.name for f in fields} != set(DICO_HELP):
+        raise RuntimeError("every DiCoOptions field needs a line in DICO_HELP")
+    return {f.name: Option(f.default, DICO_HELP[f.name][0], DICO_HELP[f.name][1],
+                           choices=("factor", "seeds") if f.name == "divide_commit" else ())
+            for f in fields}
 
 
-register(Method("dico", _prepare_dico, wants_max_new=True, options=_dico_defaults(),
-                summary="DiCo divide-conquer-finalize decoding for masked diffusion models"))
+register(Method("dico", _prepare_dico, wants_max_new=True, options=_dico_options(), needs="diffusion model",
+                lossless=NOT_AR,
+                summary="DiCo: Divide picks spread-out seeds and grows clusters, Conquer decodes them in parallel, "
+                        "Finalize fills the last masks"))

@@ -123,12 +123,12 @@ def predict(logits: jax.Array, samp: sampling.Sampling, temperature, top_p, key)
 def prob_stats(logits: jax.Array, x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(p(x0), top-1 probability, top-2 probability) per position, from the logits through their logsumexp: the
     [..., V] probabilities are never materialised (a few passes over the logits fewer per step). The second value
-    is a masked max, not `lax.top_k`: inside a `while_loop` that lowers to a sort on XLA:CPU, which once cost DiCo
-    5x its model forward per step."""
+    is a masked max, not `lax.top_k`: inside a `while_loop` that lowers to a sort on XLA:CPU, far slower than the
+    model forward it follows (docs/performance_code_notes.md)."""
     lg = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(lg, axis=-1)
     mx = jnp.max(lg, axis=-1)
-    arg = sampling.argmax(lg)  # not jnp.argmax: XLA:CPU's variadic-reduce argmax over the vocabulary costs ~5x more
+    arg = sampling.argmax(lg)  # not jnp.argmax: XLA:CPU's variadic-reduce argmax over the vocabulary is slower
     m2 = jnp.max(jnp.where(jnp.arange(lg.shape[-1]) == arg[..., None], -jnp.inf, lg), axis=-1)
     at = jnp.take_along_axis(lg, x0[..., None], axis=-1)[..., 0]
     return jnp.exp(at - lse), jnp.exp(mx - lse), jnp.exp(m2 - lse)

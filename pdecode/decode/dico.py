@@ -26,8 +26,8 @@ whole canvas one block) that lie before the row's first committed EOS: masks aft
 
 Defaults: ``grow_threshold`` 0.6 and blocks of 32, chosen by ``--tune-dico`` (below) on code-dllm at length 256;
 ``num_seeds`` 8 (the paper reports DiCo stable for 2-10 seeds); ``conquer_growth`` = ``max_radius`` (8):
-"boundaries updated as tokens pass" does not say by how much, and small steps cost many forwards (on the earlier
-from-scratch code-dllm growth 1 / 4 / 8 took 137.6 / 39.4 / 22.6 forwards per batch at the same accuracy). The
+"boundaries updated as tokens pass" does not say by how much, and small steps cost many more forwards at the same
+accuracy (docs/performance_code_notes.md). The
 knobs the paper leaves open (the EMA form of the trajectory weight, the seed band and stability limit, the
 Gaussian NMS kernel, what Divide commits, the growth threshold and step, blocks, Finalize's threshold and weight)
 are chosen with ``pdecode bench --suite diffusion --tune-dico`` on held-out items the reported benchmark never

@@ -12,12 +12,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, DynamicTreeShape, Proposal, StaticTreeShape
+from pdecode.decode.verify import Rule, rule_for
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
@@ -46,6 +48,21 @@ def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Arr
     if dcfg.sliding_window is not None:
         m = m & (s > pos_B[:, None, None] - dcfg.sliding_window)
     return m
+
+
+@struct.dataclass
+class DraftCache:
+    """State of a tree drafter: the draft model's KV cache (committed tokens only)."""
+
+    cache: kvc.KVCache
+
+
+@struct.dataclass
+class ChainState:
+    """State of `DraftChain`: the draft's KV cache and each row's current chain length."""
+
+    cache: kvc.KVCache
+    gamma: jax.Array  # [B] int32
 
 
 def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len):
@@ -84,13 +101,13 @@ class DraftChain(_DraftModelDrafter):
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
         b = prompt_BP.shape[0]
-        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len),
-                "gamma": jnp.full((b,), self.gamma, jnp.int32)}
+        return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len),
+                          gamma=jnp.full((b,), self.gamma, jnp.int32))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         b = ctx.seq.shape[0]
         g = self.gamma_max
-        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, g + 1)
+        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, g + 1)
         v = logits0.shape[-1]
         k_first, k_rest = jax.random.split(key)
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
@@ -98,7 +115,7 @@ class DraftChain(_DraftModelDrafter):
         tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, temperature, top_p))
         qs = None if samp.greedy else jnp.zeros((b, g + 1, v), jnp.float32).at[:, 0].set(
             sampling.probs(logits0, samp, temperature, top_p))
-        gamma_row = dstate["gamma"]
+        gamma_row = dstate.gamma
         n_steps = jnp.max(jnp.where(ctx.active, gamma_row, 1)) - 1
         max_len = cache.max_len
 
@@ -122,16 +139,16 @@ class DraftChain(_DraftModelDrafter):
         _, cache, tokens, qs = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, tokens, qs))
         valid = jnp.arange(g + 1)[None, :] <= gamma_row[:, None]
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g), valid=valid, q=qs,
-                        draft_forwards=(1 + n_steps).astype(jnp.int32))
-        return prop, {"cache": cache, "gamma": gamma_row}
+                        draft_forwards=(1 + n_steps).astype(jnp.int32), rule=rule_for(samp, Rule.CHAIN_SAMPLING))
+        return prop, dstate.replace(cache=cache)
 
     def update(self, dparams, dstate, ctx, ver, hidden, layers):
         if not self.adaptive:
             return dstate
-        g = dstate["gamma"]
+        g = dstate.gamma
         full = ver.n_accepted >= g
         g_new = jnp.where(full, jnp.minimum(g + 2, self.gamma_max), jnp.maximum(g - 1, 1))
-        return {**dstate, "gamma": jnp.where(ctx.active, g_new, g)}
+        return dstate.replace(gamma=jnp.where(ctx.active, g_new, g))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +160,13 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     tree: tree_lib.StaticTree
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
-        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
             dparams, self.dcfg, c, ctx.seq, ctx.seq_len, self.max_depth + 1)[:2],
-            lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask))
+            lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask),
+            rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
 
 
 def _expand(dparams, dcfg, cache, tok_BT, pos_BT, write_at_B, mask):
@@ -156,8 +174,9 @@ def _expand(dparams, dcfg, cache, tok_BT, pos_BT, write_at_B, mask):
     return unembed(dparams, dcfg, fo.hidden), fo.cache.replace(lengths=cache.lengths)
 
 
-def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_fn, expand_fn):
-    """Fill a static tree depth by depth: a node's token is the top-``rank`` candidate of its parent's logits."""
+def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_fn, expand_fn, *, rule: Rule):
+    """Fill a static tree depth by depth: a node's token is the top-``rank`` candidate of its parent's logits.
+    ``dstate`` is a state with a ``cache`` field (the drafter's); ``rule``: the proposal's verification rule."""
     import numpy as np
 
     b = ctx.seq.shape[0]
@@ -165,7 +184,7 @@ def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_
     depths = tr.depths
     anc = tr.ancestors
     r = tr.max_rank + 1
-    cache, logits0 = catch_up_fn(dstate["cache"])
+    cache, logits0 = catch_up_fn(dstate.cache)
     max_len = cache.max_len
     root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
     tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root)
@@ -188,8 +207,8 @@ def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_
         cand = cand.at[:, nodes].set(jax.lax.top_k(lg, r)[1].astype(jnp.int32))
         forwards += 1
     prop = Proposal(tokens=tokens, parents=tr, valid=jnp.ones((b, n), bool), q=None,
-                    draft_forwards=jnp.int32(forwards))
-    return prop, {**dstate, "cache": cache}
+                    draft_forwards=jnp.int32(forwards), rule=rule)
+    return prop, dstate.replace(cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,26 +223,27 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
     total_tokens: int
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
-        return {"cache": _draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len)}
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
-        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate["cache"], ctx.seq, ctx.seq_len, self.depth + 1)
+        cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, self.depth + 1)
         prop, cache = grow_dynamic_tree(
             ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth, self.total_tokens,
             lambda c, tok, pos, write_at, mask, st: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask) + (st,),
-            base_B=ctx.seq_len, pos1_B=ctx.seq_len)
-        return prop, {**dstate, "cache": cache}
+            base_B=ctx.seq_len, pos1_B=ctx.seq_len, rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+        return prop, dstate.replace(cache=cache)
 
 
 def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: int, expand_fn, base_B, pos1_B,
-                      state0=None):
+                      state0=None, *, rule: Rule):
     """EAGLE-2 tree growth, vectorised over rows (shared by the draft-model, EAGLE and MTP drafters).
 
     ``expand_fn(cache, tokens [B,k], positions [B,k], write_at [B], mask [B,k,S], state [B,k,...])
     -> (logits [B,k,V], cache, out_state [B,k,...])`` runs the drafter on the frontier; ``state`` is what a node
     carries into its own expansion (EAGLE: the feature predicted by its parent) and ``out_state`` what its children
     inherit. Frontier nodes of depth d sit in the drafter cache at slots ``base + (d-1) k + j`` (uncommitted), at
-    positions ``pos1 + d - 1``; slots below ``base`` are the drafter's committed history.
+    positions ``pos1 + d - 1``; slots below ``base`` are the drafter's committed history. ``rule``: the proposal's
+    verification rule (the children are top-k picks: ``TREE_DETERMINISTIC`` when sampling).
     Returns (Proposal with per-row parents, cache).
     """
     b = ctx.seq.shape[0]
@@ -280,4 +300,4 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.maximum(par_tree, 0)], axis=1)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), ok], axis=1)
     return Proposal(tokens=tokens, parents=parents, valid=valid, q=None,
-                    draft_forwards=jnp.int32(forwards)), cache
+                    draft_forwards=jnp.int32(forwards), rule=rule), cache

@@ -14,14 +14,25 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pdecode.config import ModelConfig
 from pdecode.decode.draft_model import grow_dynamic_tree
 from pdecode.decode.speculative import Context, Drafter, DynamicTreeShape
+from pdecode.decode.verify import Rule, rule_for
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.heads import EagleConfig, MTPConfig, eagle_feature, eagle_step, mtp_module
 from pdecode.model.transformer import unstack_layers
+
+
+@struct.dataclass
+class FeatureState:
+    """State of a feature drafter: its own KV cache over committed pairs, and the pairs still to feed it."""
+
+    cache: kvc.KVCache
+    pend: jax.Array  # [B, depth + 1, D] target features of the pending pairs (root first, then accepted nodes)
+    pend_n: jax.Array  # [B] int32: how many of them are valid
 
 
 class FeatureDrafter(DynamicTreeShape, Drafter):
@@ -60,10 +71,10 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         width = self.depth + 1
         last = jnp.take_along_axis(feats, (plen_B - 1)[:, None, None], axis=1)  # [B, 1, D]
         pend = jnp.zeros((b, width) + feats.shape[2:], feats.dtype).at[:, :1].set(last)
-        return {"cache": cache, "pend": pend, "pend_n": jnp.ones((b,), jnp.int32)}
+        return FeatureState(cache=cache, pend=pend, pend_n=jnp.ones((b,), jnp.int32))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
-        cache, pend, pend_n = dstate["cache"], dstate["pend"], dstate["pend_n"]
+        cache, pend, pend_n = dstate.cache, dstate.pend, dstate.pend_n
         b, width = pend.shape[:2]
         start = cache.lengths
         pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -82,16 +93,17 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
             return lg, c, o
 
         prop, cache = grow_dynamic_tree(ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth,
-                                        self.total_tokens, expand, base_B=base, pos1_B=base, state0=f_root)
-        return prop, {**dstate, "cache": cache}
+                                        self.total_tokens, expand, base_B=base, pos1_B=base, state0=f_root,
+                                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+        return prop, dstate.replace(cache=cache)
 
     def update(self, dparams, dstate, ctx, ver, hidden_BND, layers_nBND):
         feats = self.target_feature(dparams, hidden_BND, layers_nBND)  # [B, N, D]
-        width = dstate["pend"].shape[1]
+        width = dstate.pend.shape[1]
         on_path = jnp.take_along_axis(feats, ver.path[:, :width, None], axis=1)  # root, accepted nodes
-        pend = jnp.where(ctx.active[:, None, None], on_path, dstate["pend"])
-        pend_n = jnp.where(ctx.active, ver.n_accepted + 1, dstate["pend_n"])
-        return {**dstate, "pend": pend, "pend_n": pend_n}
+        pend = jnp.where(ctx.active[:, None, None], on_path, dstate.pend)
+        pend_n = jnp.where(ctx.active, ver.n_accepted + 1, dstate.pend_n)
+        return dstate.replace(pend=pend, pend_n=pend_n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@
 The last n tokens of a row (n from ``ngram_max`` down to ``ngram_min``) are searched for in the row's own history
 (prompt + generated); the tokens that followed a match are proposed. With ``branches > 1`` the most recent
 matches with distinct next tokens become sibling chains of one tree (multi-candidate lookup). Proposals are a
-deterministic function of the history, so sampled verification uses the q = 1 rule (lossless).
+deterministic function of the history, so sampled verification uses the q = 1 rule (``TREE_DETERMINISTIC``,
+lossless).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
+from pdecode.decode.verify import Rule, rule_for
 
 
 def broom(branches: int, length: int) -> tree_lib.StaticTree:
@@ -83,4 +85,5 @@ class LookupDrafter(StaticTreeShape, Drafter):
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         tokens = jnp.concatenate([root, toks.reshape(b, -1)], axis=1)
         valid = jnp.concatenate([jnp.ones((b, 1), bool), tok_ok.reshape(b, -1)], axis=1)
-        return Proposal(tokens=tokens, parents=self.tree, valid=valid, q=None, draft_forwards=jnp.int32(0)), dstate
+        return Proposal(tokens=tokens, parents=self.tree, valid=valid, q=None, draft_forwards=jnp.int32(0),
+                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC)), dstate

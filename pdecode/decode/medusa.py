@@ -1,8 +1,9 @@
 """Medusa: K heads on the target's last hidden state propose the tokens 2..K+1 steps ahead; a static tree of their
 top-k candidates is verified in one target forward (Cai et al. 2024).
 
-Verification is the shared lossless core (greedy, or the q = 1 rule for deterministic top-k candidates when
-sampling). Medusa's *typical acceptance* is available only as an explicit, lossy opt-in (``typical=True``).
+Verification is the shared lossless core (the ``GREEDY`` rule, or ``TREE_DETERMINISTIC``, the q = 1 rule for
+deterministic top-k candidates, when sampling). Medusa's *typical acceptance* (the ``TYPICAL`` rule) is available
+only as an explicit, lossy opt-in (``typical=True``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from pdecode.config import ModelConfig
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
+from pdecode.decode.verify import Rule, rule_for
 from pdecode.model.heads import MedusaConfig, medusa_logits
 
 
@@ -38,8 +40,9 @@ class MedusaDrafter(StaticTreeShape, Drafter):
         toks = cand[head, :, rank].T  # [B, N]: node i takes rank r_i of head depth_i - 1
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         toks = toks.at[:, 0].set(root)
+        rule = rule_for(samp, Rule.TYPICAL if self.typical is not None else Rule.TREE_DETERMINISTIC)
         return Proposal(tokens=toks, parents=self.tree, valid=jnp.ones((b, self.tree.size), bool), q=None,
-                        draft_forwards=jnp.int32(0)), dstate
+                        draft_forwards=jnp.int32(0), rule=rule), dstate
 
 
 def check_tree(tree: tree_lib.StaticTree, mcfg: MedusaConfig) -> None:

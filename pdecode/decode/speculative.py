@@ -2,7 +2,8 @@
 as one loop per cache phase (the target cache grows between phases, as in `ar`; `common.phased_while_loop`).
 
 Every drafter (draft model chain/tree, n-gram lookup, Medusa, EAGLE, MTP) plugs in through the `Drafter`
-interface; the engine owns the target cache, the token history, verification, cache commit, EOS and stats.
+interface; the engine owns the target cache, the token history, verification, cache commit, EOS and stats. A
+proposal names the `verify.Rule` it is verified by; a drafter's state is a `flax.struct.dataclass` of its own.
 
 Invariants per row: ``seq[:seq_len]`` is prompt + generated tokens; the last one (the *root*) is not yet in the
 target cache, so ``cache.lengths == seq_len - 1``. A step feeds the root and the drafted nodes at positions
@@ -22,7 +23,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode.tree import StaticTree, depths_of
-from pdecode.decode.verify import Verified, verify
+from pdecode.decode.verify import Rule, Verified, verify
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
@@ -44,8 +45,9 @@ class Proposal(NamedTuple):
     tokens: jax.Array  # [B, N]; node 0 is the root token
     parents: Any  # a StaticTree, or [B, N] int (dynamic trees)
     valid: jax.Array  # [B, N]
-    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (sampled mode) or None
+    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (sampled rules) or None
     draft_forwards: jax.Array  # scalar int32
+    rule: Rule  # how `verify` tests the nodes (static; `verify.rule_for(samp, ...)`)
 
 
 class Drafter:
@@ -55,16 +57,18 @@ class Drafter:
     max_depth: int
     max_children: int
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
-    typical: tuple[float, float] | None = None  # Medusa's lossy typical acceptance (explicit opt-in)
+    typical: tuple[float, float] | None = None  # (epsilon, delta) of the TYPICAL rule, for drafters proposing it
 
     def prepare(self, dparams, mesh):
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
         return dparams
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
+        """The drafter's state carried through the loop (a `flax.struct.dataclass`; ``()`` for none)."""
         return ()
 
     def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, temperature, top_p):
+        """(Proposal, new state): the tree to verify, with the `Rule` it is verified by."""
         raise NotImplementedError
 
     def update(self, dparams, dstate, ctx: Context, ver: Verified, hidden_BND, layers_nBND):
@@ -173,7 +177,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
         fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
         logits = unembed(tparams, cfg, fo.hidden)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
-                     max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
+                     rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
         if isinstance(prop.parents, StaticTree) and prop.parents.max_children == 1:
@@ -216,3 +220,14 @@ def acceptance_stats(stats: dict) -> dict:
         stats["mean_accepted"] = sum(d * h for d, h in enumerate(hist)) / total if total else 0.0
         stats["accepted_histogram"] = hist
     return stats
+
+
+def make_plan(model, drafter: Drafter, draft_params=None, cache_phases: int = 4):
+    """The `registry.Plan` that runs ``drafter`` against ``model`` in the shared draft-and-verify loop: what a
+    method's ``prepare`` returns (docs/extending.md). ``draft_params``: the drafter's weights (a jit argument)."""
+    from pdecode.decode.registry import Plan
+
+    return Plan(fn=generate, params=(model.params, draft_params),
+                static={"cfg": model.cfg, "drafter": drafter, "phases": cache_phases},
+                extra_len=drafter.tree_size + 2,
+                finish_stats=lambda s: acceptance_stats({**s, "tree_size": drafter.tree_size}))

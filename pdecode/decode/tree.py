@@ -87,14 +87,6 @@ def chain(length: int) -> StaticTree:
     return from_choices([[0] * length])
 
 
-def full_tree(branching: tuple[int, ...]) -> StaticTree:
-    """Every combination of ranks: branching (3, 2) gives 3 children of the root, 2 under each."""
-    paths = [[]]
-    for b in branching:
-        paths = [p + [r] for p in paths for r in range(b)]
-    return from_choices(paths)
-
-
 def calibrated_paths(acc_KR, n: int) -> tuple[list[list[int]], float]:
     """Medusa's tree construction: the ``n`` choice paths with the highest expected acceptance, given calibrated
     accuracies ``acc[k][r]`` (how often the rank-r candidate at depth k + 1 is the target's token). A path

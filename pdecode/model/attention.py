@@ -19,7 +19,7 @@ _NEG = -1e30
 class CausalSelfMask(NamedTuple):
     """A self-attention mask ``[B, T, T]`` (keys = the T queries' own tokens, no cache) that hides every key after
     its query. `attend` then splits the queries into ``blocks`` and lets each block read only the keys up to its
-    last query: ~40% fewer score entries at 4 blocks, the same result. Training passes use it
+    last query: (n + 1) / 2n of the score entries for n blocks (5/8 at 4), the same result. Training passes use it
     (`train.objectives.causal_hidden`)."""
 
     mask: jax.Array
@@ -59,11 +59,6 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS) ->
 def causal_intra(t: int) -> jax.Array:
     """[T, T] lower-triangular (a chain of fresh tokens, or a prefill)."""
     return jnp.tril(jnp.ones((t, t), bool))
-
-
-def full_intra(t: int) -> jax.Array:
-    """[T, T] all visible (a bidirectional block)."""
-    return jnp.ones((t, t), bool)
 
 
 def padded_self_mask(lengths_B: jax.Array, t: int, causal: bool = True, window: int | None = None) -> jax.Array:

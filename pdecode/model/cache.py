@@ -1,17 +1,27 @@
-"""KV cache: a preallocated pytree with per-row lengths.
+"""The KV cache every decode loop uses: a preallocated pytree of keys, values and per-row lengths, and the operations
+on it.
 
-Layout ``k: [layers, batch, kv_heads, head_dim, max_len]`` (keys stored transposed) and
-``v: [layers, batch, kv_heads, max_len, head_dim]``, so both attention matmuls take their operands in the layout
-CPU/GPU matmul kernels want, and ``lengths: [batch]``. Decode loops over shallow models keep one buffer per layer instead (``k, v`` are tuples of
-``[batch, kv_heads, head_dim, max_len]`` / ``[batch, kv_heads, max_len, head_dim]``): a layer then reads its buffer directly, with no slice copied per step. (committed tokens per row;
-slot ``s`` of a row holds position ``s``). Every operation is by index with static shapes, so it runs inside jit and
-``lax.while_loop``:
+`KVCache` holds ``k``, ``v`` and ``lengths [batch]``, the committed tokens per row; slot ``s`` of a row holds
+position ``s``, and slots at or past ``lengths`` are stale or free (masks hide them). Keys are stored transposed so
+both attention matmuls get their operands in the layout CPU/GPU matmul kernels want:
 
-* ``write_layer``: scatter k fresh tokens of one layer at per-row offsets (used inside the forward pass);
-* ``commit``: after a verify pass wrote N fresh tokens at ``lengths..lengths+N-1``, move the accepted ones
-  (a gather by node index, e.g. an accepted tree path) to ``lengths..lengths+n-1`` and advance ``lengths``;
-* ``rollback``: forget the last n tokens of each row (only ``lengths`` moves; stale slots are masked out);
-* ``grow``: more slots at the end (a decode loop that runs in phases attends over a cache no longer than it needs).
+* stacked (the default): ``k [layers, batch, kv_heads, head_dim, max_len]``, ``v [layers, batch, kv_heads, max_len,
+  head_dim]``;
+* per layer (``per_layer=True``, used with the unrolled decode layout of shallow models): ``k`` and ``v`` are tuples
+  of one ``[batch, kv_heads, head_dim, max_len]`` / ``[batch, kv_heads, max_len, head_dim]`` buffer per layer, so a
+  layer reads its own buffer with no slice copied per step.
+
+Every operation works by index on static shapes, so it runs inside jit and ``lax.while_loop``:
+
+* `init_cache`: an empty cache of either layout;
+* `write_layer`: scatter T fresh tokens of one layer at per-row offsets (called inside the forward pass; lengths do
+  not move);
+* `advance`: keep the first n fresh tokens of each row where they are (a chain);
+* `commit`: after a verify pass wrote N fresh tokens at ``lengths .. lengths + N - 1``, move the accepted ones (a
+  gather by node index, e.g. an accepted tree path) to ``lengths .. lengths + n - 1`` and advance ``lengths``;
+* `rollback`: forget the last n committed tokens of each row (only ``lengths`` moves);
+* `grow`: more slots at the end (a decode loop that runs in phases attends over a cache no longer than it needs);
+* `set_lengths`, `where_rows`: set the lengths; pick each row from one of two caches.
 """
 
 from __future__ import annotations

@@ -1,0 +1,341 @@
+"""`pdecode plan`: will a model fit on a mesh, and how fast could it go — without any weights.
+
+    pdecode plan --config llama-3-8b --devices 8 --method sd --batch 8 --max-len 4096
+    pdecode plan --config llama-3-70b --devices 64 --mesh 2x32 --method ar --batch 8 --max-len 4096 --json
+
+The model's params are abstract (shapes, dtypes and shardings only). `generate`'s compiled function for the method
+is lowered and compiled AOT for the mesh on forced CPU devices (``--xla_force_host_platform_device_count``, set
+before JAX starts), and XLA reports per-device bytes (`memory_analysis`: arguments, outputs, temporaries). One
+decode step of each kind the method runs (an AR step over one token, a verify over k tokens, a draft step) is
+compiled the same way; its `cost_analysis` gives FLOPs and bytes per device per step, and a roofline over published
+peak FLOP/s and HBM bandwidth projects tokens/s. For speculative methods the projection takes τ (tokens per target
+forward) measured on the zoo models, so it says what τ buys at that size, not what a real draft would reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# name -> HF-style architecture (public configs of these models)
+CONFIGS = {
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                        num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                         num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                         tie_word_embeddings=True),
+    "qwen3-32b": dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                      family="qwen3", qk_norm=True),
+}
+DEFAULT_DRAFT = "llama-3.2-1b"
+
+# published peak dense bf16 FLOP/s and HBM bandwidth per chip
+HARDWARE = {
+    "tpu-v5e": dict(flops=197e12, hbm_bw=819e9, hbm=16e9),
+    "tpu-v5p": dict(flops=459e12, hbm_bw=2765e9, hbm=95e9),
+    "h100": dict(flops=989e12, hbm_bw=3350e9, hbm=80e9),
+    "h200": dict(flops=989e12, hbm_bw=4800e9, hbm=141e9),
+}
+# tokens per target forward measured on the zoo (docs/results.md: greedy, 8 validation prompts): what the
+# speculative projections assume
+ZOO_TAU = {"sd": 2.66, "eagle": 3.58}
+
+
+def model_config(name_or_dir: str, vocab: int | None = None):
+    from pdecode.checkpoint.hf import read_config
+    from pdecode.config import ModelConfig
+    from pdecode.errors import InputError
+
+    if name_or_dir in CONFIGS:
+        kw = dict(CONFIGS[name_or_dir])
+        if vocab:
+            kw["vocab_size"] = vocab
+        return ModelConfig(**kw)
+    from pathlib import Path
+
+    p = Path(name_or_dir)
+    if not (p / "config.json").exists():
+        raise InputError(f"--config {name_or_dir!r}: not one of {', '.join(CONFIGS)} and not a directory with a "
+                         "config.json")
+    return ModelConfig.from_hf(read_config(p))
+
+
+def abstract_params(cfg, dtype, mesh, specs=None):
+    """ShapeDtypeStructs with the logical shardings of ``specs`` (default: the model's) on ``mesh``."""
+    import jax
+
+    from pdecode.model.transformer import is_spec, param_specs
+    from pdecode.sharding import param_shardings
+
+    specs = param_specs(cfg) if specs is None else specs
+    shard = param_shardings(specs, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), specs, shard,
+                        is_leaf=is_spec)
+
+
+def _bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(tree)))
+
+
+def _cache_shapes(cfg, batch, max_len, dtype, mesh):
+    import jax
+    from jax.sharding import NamedSharding
+
+    from pdecode.model import cache as kvc
+    from pdecode.sharding import batch_sharding, cache_spec
+
+    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, max_len, dtype))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+        mesh, cache_spec(a.shape, mesh) if a.ndim >= 4 else batch_sharding(mesh, a.shape).spec)), shapes)
+
+
+def _memory(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    out = {k: int(getattr(ma, k + "_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def _cost(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, list):
+        ca = ca[0] if ca else {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
+
+
+def _step_cost(cfg, params, mesh, batch: int, k: int, max_len: int, cache_dtype) -> dict:
+    """FLOPs and bytes per device of one forward over k new tokens per row against a full cache of max_len."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.model.transformer import forward, unembed
+    from pdecode.sharding import batch_sharding, constrain_cache
+
+    def step(params, cache, toks):
+        p = params  # stacked layers under lax.scan: the step reads each weight once, as a decode loop does
+        cache = constrain_cache(cache, mesh)
+        pos = cache.lengths[:, None] + jnp.arange(k)[None, :]
+        from pdecode.decode.common import step_mask
+
+        mask = step_mask(cfg, cache, jnp.tril(jnp.ones((k, k), bool)), pos)
+        out = forward(p, cfg, toks, pos, mask, cache=cache, write_at_B=cache.lengths)
+        return unembed(p, cfg, out.hidden[:, -1:]), out.cache
+
+    cache = _cache_shapes(cfg, batch, max_len, cache_dtype, mesh)
+    toks = jax.ShapeDtypeStruct((batch, k), jnp.int32, sharding=batch_sharding(mesh, (batch, k)))
+    compiled = jax.jit(step, donate_argnums=1).lower(params, cache, toks).compile()
+    return _cost(compiled)
+
+
+def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len: int = 4096, mesh_shape=None,
+         dtype: str = "bfloat16", cache_dtype: str | None = None, draft_config: str | None = None,
+         gamma: int = 4, tree_nodes: int = 60, prompt_len: int = 128, options: dict | None = None) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import pdecode
+    from pdecode import sampling
+    from pdecode.decode import registry
+    from pdecode.errors import InputError
+    from pdecode.model import heads as H
+    from pdecode.sharding import batch_sharding, make_mesh
+
+    if len(jax.devices()) < devices:
+        raise InputError(f"plan needs {devices} devices and JAX sees {len(jax.devices())}: run through `pdecode "
+                         "plan` (it forces CPU devices before JAX starts) or set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={devices}")
+    data, model_ax = mesh_shape or (1, devices)
+    if data * model_ax != devices:
+        raise InputError(f"--mesh {data}x{model_ax} does not use --devices {devices}")
+    mesh = make_mesh(data, model_ax, devices=jax.devices()[:devices])
+    cfg = model_config(config).replace(activation_dtype=None)
+    jdt = jnp.dtype(dtype)
+    cdt = jnp.dtype(cache_dtype or dtype)
+    if max_len > cfg.max_position_embeddings:
+        raise InputError(f"--max-len {max_len} exceeds the model's context ({cfg.max_position_embeddings})")
+    meth = registry.get(method)
+    params = abstract_params(cfg, jdt, mesh)
+    target = pdecode.Model(cfg=cfg, params=params, name=config)
+    draft, extra_params, opts = None, 0, {}
+    if method in ("sd", "tree"):
+        dcfg = model_config(draft_config or DEFAULT_DRAFT, vocab=cfg.vocab_size)
+        draft = pdecode.Model(cfg=dcfg, params=abstract_params(dcfg, jdt, mesh), name=draft_config or DEFAULT_DRAFT)
+        extra_params = _bytes(draft.params)
+        opts = {"gamma": gamma} if method == "sd" else {}
+    elif method == "eagle":
+        ecfg = H.EagleConfig()
+        ep = abstract_params(cfg, jdt, mesh, ecfg.specs(cfg))
+        target.extras["eagle"] = (ecfg, ep)
+        extra_params = _bytes(ep)
+        opts = {"total_tokens": tree_nodes}
+    elif method != "ar":
+        raise InputError(f"plan covers ar, sd, tree and eagle; got {method!r}")
+    opts = registry.resolve_options(meth, {**opts, **(options or {})})
+    samp = sampling.validate(0.0, 0, 1.0, cfg.vocab_size)
+    p = meth.prepare(target, draft, opts, samp)
+    max_new = max_len - prompt_len - p.extra_len
+    if max_new < 1:
+        raise InputError(f"--max-len {max_len} leaves no room for new tokens after a {prompt_len}-token prompt")
+    static = dict(p.static, max_new=max_new, max_len=max_len, eos_ids=(), samp=samp, mesh=mesh)
+    if cache_dtype is not None or "cache_dtype" in _fn_params(p.fn):
+        static["cache_dtype"] = cdt
+    prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(mesh, (batch, prompt_len)))
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding(mesh, (batch,)))
+    args = (p.params, prompt, lens, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1))
+    t0 = time.perf_counter()
+    compiled = jax.jit(p.fn, static_argnames=tuple(static)).lower(*args, **static).compile()
+    compile_s = time.perf_counter() - t0
+    mem = _memory(compiled)
+    # what one device must hold at the least: its shards of the weights and of every KV cache at full length
+    floor = _shard_bytes(params) + _shard_bytes(_cache_shapes(cfg, batch, max_len, cdt, mesh))
+    if draft is not None:
+        floor += _shard_bytes(draft.params) + _shard_bytes(_cache_shapes(draft.cfg, batch, max_len, cdt, mesh))
+    elif method == "eagle":
+        floor += _shard_bytes(ep) + _shard_bytes(_cache_shapes(cfg.replace(num_layers=1), batch, max_len, cdt, mesh))
+    mem["weights_and_caches"] = floor
+
+    # per-step costs: the target's forward over 1 token (AR) or k tokens (verify), and the drafter's step
+    steps = {"target_1": _step_cost(cfg, params, mesh, batch, 1, max_len, cdt)}
+    if method == "sd":
+        steps["target_verify"] = _step_cost(cfg, params, mesh, batch, gamma + 1, max_len, cdt)
+        steps["draft_1"] = _step_cost(draft.cfg, draft.params, mesh, batch, 1, max_len, cdt)
+    elif method == "eagle":
+        steps["target_verify"] = _step_cost(cfg, params, mesh, batch, tree_nodes, max_len, cdt)
+        one_layer = cfg.replace(num_layers=1)
+        steps["draft_1"] = _step_cost(one_layer, abstract_params(one_layer, jdt, mesh), mesh, batch,
+                                      opts["tree_top_k"], max_len, cdt)
+    # the same steps by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per
+    # weight per token plus attention (4 per cached key per head per token). XLA:CPU's own counts (above) count a
+    # layer stack under lax.scan once, not once per layer, and include the float32 copies XLA:CPU makes of bfloat16
+    # matmul operands, which accelerators do not make: the projection uses the counted steps
+    def floor(c, p, k, cache_len):
+        w = _shard_bytes(p)
+        kv = _shard_bytes(_cache_shapes(c, batch, cache_len, cdt, mesh))
+        n_w = w / jnp.dtype(jdt).itemsize
+        heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
+        return {"flops": 2 * n_w * batch / data * k + 4 * batch / data * k * c.num_layers * heads_dev * c.head_dim
+                * cache_len, "bytes": w + kv}
+
+    analytic = {"target_1": floor(cfg, params, 1, max_len)}
+    if method == "sd":
+        analytic["target_verify"] = floor(cfg, params, gamma + 1, max_len)
+        analytic["draft_1"] = floor(draft.cfg, draft.params, 1, max_len)
+    elif method == "eagle":
+        analytic["target_verify"] = floor(cfg, params, tree_nodes, max_len)
+        analytic["draft_1"] = floor(one_layer, abstract_params(one_layer, jdt, mesh), opts["tree_top_k"], max_len)
+    analytic = {k: {kk: float(vv) for kk, vv in v.items()} for k, v in analytic.items()}
+    proj = {}
+    for hw, h in HARDWARE.items():
+        t = lambda c: max(c["flops"] / h["flops"], c["bytes"] / h["hbm_bw"])  # noqa: E731
+        steps_hlo, steps = steps, analytic
+        ar = batch / t(steps["target_1"])
+        row = {"ar_tokens_per_s": ar, "fits": mem["total"] <= h["hbm"],
+               "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"]}
+        if method == "sd":
+            step = t(steps["target_verify"]) + gamma * t(steps["draft_1"])
+            row["tokens_per_s"] = batch * ZOO_TAU["sd"] / step
+        elif method == "eagle":
+            step = t(steps["target_verify"]) + opts["depth"] * t(steps["draft_1"])
+            row["tokens_per_s"] = batch * ZOO_TAU["eagle"] / step
+        else:
+            row["tokens_per_s"] = ar
+        proj[hw] = row
+        steps = steps_hlo
+    return {"config": config, "method": method, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
+            "max_len": max_len, "dtype": str(jdt), "cache_dtype": str(cdt), "compiled": True,
+            "compile_s": compile_s, "param_bytes": _bytes(params), "extra_param_bytes": extra_params,
+            "per_device": mem, "per_device_bytes": mem["total"], "step_costs_per_device": steps,
+            "step_floor_per_device": analytic,
+            "tau_assumed": ZOO_TAU.get(method), "projection": proj}
+
+
+def _fn_params(fn) -> set:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)
+
+
+def to_text(r: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"  # noqa: E731
+    m = r["per_device"]
+    lines = [f"{r['config']} · {r['method']} · {r['devices']} devices (mesh data x model = {r['mesh']}) · batch "
+             f"{r['batch']} · {r['max_len']} tokens · params {r['dtype']}, cache {r['cache_dtype']}",
+             f"compiled in {r['compile_s']:.1f} s; weights {gb(r['param_bytes'])} in all"
+             + (f" + {gb(r['extra_param_bytes'])} drafter" if r["extra_param_bytes"] else ""),
+             "", "| per device | bytes |", "|---|---|",
+             f"| arguments (weights, prompt) | {gb(m['argument'])} |", f"| outputs | {gb(m['output'])} |",
+             f"| temporaries (caches, activations) | {gb(m['temp'])} |", f"| **total (XLA)** | **{gb(m['total'])}** |",
+             f"| weights + KV caches at full length (shards) | {gb(m['weights_and_caches'])} |",
+             "", "| step (per device) | GFLOP | GB read/written |", "|---|---|---|"]
+    lines[-2:] = ["| step (per device) | GFLOP (XLA:CPU) | GB (XLA:CPU) | GFLOP (count) | GB (count) |",
+                  "|---|---|---|---|---|"]
+    for k, c in r["step_costs_per_device"].items():
+        f = r["step_floor_per_device"][k]
+        lines.append(f"| {k} | {c['flops'] / 1e9:.2f} | {c['bytes'] / 1e9:.3f} | {f['flops'] / 1e9:.2f} | "
+                     f"{f['bytes'] / 1e9:.3f} |")
+    tau = f" (τ {r['tau_assumed']} as measured on the zoo)" if r["tau_assumed"] else ""
+    lines += ["", f"Roofline from the counted steps (weights and caches read once per step), per device:", "",
+              f"| hardware | fits (XLA / weights + caches) | AR tok/s | {r['method']} tok/s{tau} |", "|---|---|---|---|"]
+    for hw, p in r["projection"].items():
+        lines.append(f"| {hw} | {'yes' if p['fits'] else 'no'} / {'yes' if p['fits_weights_and_caches'] else 'no'} | "
+                     f"{p['ar_tokens_per_s']:.0f} | "
+                     f"{p['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", required=True, help=f"{', '.join(CONFIGS)} or an HF directory (config.json)")
+    ap.add_argument("--devices", type=int, required=True, help="devices of the mesh (forced CPU devices)")
+    ap.add_argument("--mesh", default=None, help="DATAxMODEL (default 1xDEVICES: params sharded over all)")
+    ap.add_argument("--method", default="ar", choices=["ar", "sd", "tree", "eagle"])
+    ap.add_argument("--draft-config", default=None, help=f"sd/tree: the draft's config (default {DEFAULT_DRAFT})")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def run_from_args(args) -> int:
+    from infer.cli import _parse_mesh_shape
+
+    mesh_shape = _parse_mesh_shape(args.mesh) if args.mesh else None
+    r = plan(args.config, args.devices, args.method, args.batch, args.max_len, mesh_shape, args.dtype,
+             args.cache_dtype, args.draft_config)
+    print(json.dumps(r) if args.json else to_text(r))
+    return 0
+
+
+def force_devices(argv: list[str]) -> None:
+    """Before JAX starts: as many forced CPU devices as ``--devices`` asks for, on the CPU platform."""
+    if "--devices" in argv:
+        n = argv[argv.index("--devices") + 1]
+        if n.isdigit():
+            flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+            os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+if __name__ == "__main__":
+    force_devices(sys.argv)
+    from infer.cli import main
+
+    sys.exit(main(["plan", *sys.argv[1:]]))

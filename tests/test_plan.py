@@ -1,0 +1,54 @@
+"""`pdecode plan`: abstract params, AOT compile on a forced-device mesh, per-device bytes and a roofline."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CFG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module")
+def cfg_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan")
+    (d / "config.json").write_text(json.dumps(CFG))
+    return d
+
+
+def _plan(*args):
+    out = subprocess.run([sys.executable, "-m", "infer.cli", "plan", *args, "--json"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_plan_compiles_and_counts_per_device_bytes(cfg_dir, method):
+    extra = ["--draft-config", str(cfg_dir)] if method == "sd" else []
+    r = _plan("--config", str(cfg_dir), "--devices", "4", "--method", method, "--batch", "4", "--max-len", "512",
+              *extra)
+    assert r["compiled"] and r["mesh"] == "1x4" and r["per_device_bytes"] == r["per_device"]["total"] > 0
+    # by count: bf16 weights sharded 4 ways (embed and lm_head over the vocab, heads and mlp over model; norms
+    # replicated), and the bf16 caches [L, B, KV/4, hd, S] for k and v
+    d, f, v, L = 64, 128, 512, 2
+    sharded = (2 * v * d + L * (4 * d * d + 3 * d * f)) / 4
+    replicated = L * 2 * d + d
+    cache = 2 * L * 4 * (4 // 4) * 16 * 512
+    n_models = 2 if method == "sd" else 1
+    lengths = 4 * 4  # the cache's per-row int32 lengths
+    assert r["per_device"]["weights_and_caches"] == n_models * (2 * (sharded + replicated + cache) + lengths)
+    assert r["per_device"]["argument"] >= 2 * (sharded + replicated)  # XLA's own figure holds at least the weights
+    assert set(r["projection"]) == {"tpu-v5e", "tpu-v5p", "h100", "h200"}
+    for p in r["projection"].values():
+        assert p["fits"] and p["tokens_per_s"] > 0
+    if method == "sd":
+        assert set(r["step_floor_per_device"]) == {"target_1", "target_verify", "draft_1"} and r["tau_assumed"]
+
+
+def test_plan_bad_input_is_one_line(cfg_dir):
+    out = subprocess.run([sys.executable, "-m", "infer.cli", "plan", "--config", "nope", "--devices", "2"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
