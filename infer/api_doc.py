@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 import sys
 from pathlib import Path
@@ -86,6 +87,11 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def _cli(v) -> str:
+    """A default as ``-o key=VALUE`` takes it (JSON: true, null, 4, 0.9; strings bare)."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def methods_help() -> str:
     """The methods and their options for ``pdecode generate --help`` (plain text)."""
     import pdecode
@@ -95,7 +101,7 @@ def methods_help() -> str:
         out.append(f"  {m.name:10s} {m.summary} [needs: {m.needs}]")
         for k, o in m.options.items():
             choices = f" ({'|'.join(o.choices)})" if o.choices else ""
-            out.append(f"      {k}={o.default!r}{choices}: {o.help}")
+            out.append(f"      {k}={_cli(o.default)}{choices}: {o.help}")
     return "\n".join(out) + "\n"
 
 

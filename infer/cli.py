@@ -5,6 +5,7 @@
     pdecode train    zoo [--only code-draft]
     pdecode convert  --src code-target --dst out/ --to orbax|hf [--force]  (heads attached to --src are written too)
     pdecode zoo      (list the shipped models)
+    pdecode plan     --config llama-3-8b --devices 8 --method sd --batch 8 --max-len 4096 (fit and roofline, no weights)
 
 Bad input (missing checkpoint, unknown method or option, prompt too long, invalid sampling values, a --mesh the
 devices cannot hold, a non-empty convert --dst) exits with status 2 and one line on stderr saying what to fix.
@@ -19,9 +20,17 @@ from pathlib import Path
 
 
 def _parse_value(v: str):
+    """``-o key=value``: JSON (4, 0.9, true, null, [[0], [1]]), else a Python literal (False, None, 'dynamic'), else
+    the plain string."""
+    import ast
+
     try:
         return json.loads(v)
     except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
         return v
 
 
@@ -71,7 +80,7 @@ def _parse_mesh_shape(spec: str, example: str = "8x1") -> tuple[int, int]:
     from pdecode.errors import InputError
 
     parts = spec.lower().split("x")
-    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+    if len(parts) != 2 or not all(x.strip().isascii() and x.strip().isdecimal() and int(x) >= 1 for x in parts):
         raise InputError(f"--mesh takes DATAxMODEL (two integers >= 1, e.g. {example}), got {spec!r}")
     d, mo = (int(x) for x in parts)
     return d, mo
@@ -86,9 +95,9 @@ def _parse_mesh(spec: str):
 
     n = jax.device_count()
     d, mo = _parse_mesh_shape(spec, f"{n}x1")
-    if d * mo != n:
+    if d * mo > n:
         raise InputError(f"--mesh {spec} needs {d * mo} devices, {n} available; pick DATAxMODEL with "
-                         f"DATA*MODEL = {n} (e.g. {n}x1)")
+                         f"DATA*MODEL <= {n} (e.g. {n}x1)")
     return make_mesh(d, mo)
 
 
@@ -113,9 +122,13 @@ def cmd_generate(args) -> int:
     for spec in args.compare or []:
         from infer.bench import parse_method, split_model
 
-        cm = registry.get(split_model(parse_method(spec)[0])[0])
+        cname, copts = parse_method(spec)
+        cm = registry.get(split_model(cname)[0])
         if cm.needs_draft and not args.draft:
             raise InputError(f"--compare {spec}: method {cm.name!r} needs a draft model: add --draft")
+        if set(copts) & {"dtype", "activation_dtype"}:
+            raise InputError(f"--compare {spec}: every row runs in --dtype / --activation-dtype; drop dtype keys")
+        registry.resolve_options(cm, copts)  # unknown or ill-typed options fail before anything runs
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -171,23 +171,23 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     cdt = jnp.dtype(cache_dtype or dtype)
     if max_len > cfg.max_position_embeddings:
         raise InputError(f"--max-len {max_len} exceeds the model's context ({cfg.max_position_embeddings})")
+    if method not in ("ar", "sd", "eagle"):
+        raise InputError(f"plan covers ar, sd and eagle; got {method!r}")
     meth = registry.get(method)
     params = abstract_params(cfg, jdt, mesh)
     target = pdecode.Model(cfg=cfg, params=params, name=config)
     draft, extra_params, opts = None, 0, {}
-    if method in ("sd", "tree"):
+    if meth.needs_draft:
         dcfg = model_config(draft_config or DEFAULT_DRAFT, vocab=cfg.vocab_size)
         draft = pdecode.Model(cfg=dcfg, params=abstract_params(dcfg, jdt, mesh), name=draft_config or DEFAULT_DRAFT)
         extra_params = _bytes(draft.params)
-        opts = {"gamma": gamma} if method == "sd" else {}
+        opts = {"gamma": gamma}
     elif method == "eagle":
         ecfg = H.EagleConfig()
         ep = abstract_params(cfg, jdt, mesh, ecfg.specs(cfg))
         target.extras["eagle"] = (ecfg, ep)
         extra_params = _bytes(ep)
         opts = {"total_tokens": tree_nodes}
-    elif method != "ar":
-        raise InputError(f"plan covers ar, sd, tree and eagle; got {method!r}")
     opts = registry.resolve_options(meth, {**opts, **(options or {})})
     samp = sampling.validate(0.0, 0, 1.0, cfg.vocab_size)
     p = meth.prepare(target, draft, opts, samp)
@@ -305,12 +305,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help=f"{', '.join(CONFIGS)} or an HF directory (config.json)")
     ap.add_argument("--devices", type=int, required=True, help="devices of the mesh (forced CPU devices)")
     ap.add_argument("--mesh", default=None, help="DATAxMODEL (default 1xDEVICES: params sharded over all)")
-    ap.add_argument("--method", default="ar", choices=["ar", "sd", "tree", "eagle"])
+    ap.add_argument("--method", default="ar", choices=["ar", "sd", "eagle"])
     ap.add_argument("--draft-config", default=None, help=f"sd/tree: the draft's config (default {DEFAULT_DRAFT})")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    ap.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32", "float16", "float8_e4m3fn",
+                                                            "float8_e5m2"], help="KV cache dtype (default: --dtype)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -326,9 +327,14 @@ def run_from_args(args) -> int:
 
 def force_devices(argv: list[str]) -> None:
     """Before JAX starts: as many forced CPU devices as ``--devices`` asks for, on the CPU platform."""
-    if "--devices" in argv:
-        n = argv[argv.index("--devices") + 1]
-        if n.isdigit():
+    n = ""
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv):
+            n = argv[i + 1]
+        elif a.startswith("--devices="):
+            n = a.split("=", 1)[1]
+    if n:
+        if n.isascii() and n.isdecimal():
             flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
             os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -294,9 +294,32 @@ def _check_same_tokenizer(m: Model, draft: Model) -> None:
                       f"target, {vb.get(tok, 'absent')} in the draft); the draft must share the target's tokenizer")
 
 
+CACHE_DTYPES = (*DTYPES, "float8_e4m3fn", "float8_e5m2")
+FP8_BACKENDS = ("gpu", "tpu", "cpu")  # where XLA stores and reads float8 buffers
+
+
+def resolve_cache_dtype(m: Model, cache_dtype: str | None):
+    """The KV caches' dtype: ``cache_dtype``, else the activations' dtype (the params' unless set apart)."""
+    if cache_dtype is None:
+        return jnp.dtype(m.cfg.activation_dtype or m.dtype)
+    if cache_dtype not in CACHE_DTYPES:
+        raise InputError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+    if cache_dtype.startswith("float8") and jax.default_backend() not in FP8_BACKENDS:
+        raise InputError(f"cache_dtype={cache_dtype} needs a backend with float8 support ({', '.join(FP8_BACKENDS)}); "
+                         f"this one is {jax.default_backend()}: use bfloat16")
+    return jnp.dtype(cache_dtype)
+
+
+def _parameters(fn) -> set:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)
+
+
 def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
-             stop_at_eos: bool = True, max_len: int | None = None, **method_options) -> GenerateOutput:
+             stop_at_eos: bool = True, max_len: int | None = None, cache_dtype: str | None = None,
+             **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -314,6 +337,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         mesh: a `jax.sharding.Mesh` with ``data`` and ``model`` axes: params, caches and the batch are sharded.
         stop_at_eos: stop a row at its first EOS (False: exactly max_new_tokens per row).
         max_len: the KV cache's length (default: the longest prompt + max_new_tokens + draft slots, rounded up).
+        cache_dtype: dtype of every KV cache (target, draft, EAGLE / MTP heads, diffusion prefix / dual caches):
+            float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (default: the activations' dtype).
         **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
 
     Returns:
@@ -326,6 +351,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
+    kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
     if draft is not None:
@@ -364,6 +390,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         len_j = jax.device_put(len_j, batch_sharding(mesh, prompt_len.shape))
     args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
     static = dict(plan.static, max_new=max_new_tokens, max_len=cache_len, eos_ids=eos, samp=samp, mesh=mesh)
+    if "cache_dtype" in _parameters(plan.fn):
+        static["cache_dtype"] = kv_dtype
     exe, compile_s = compiled(plan.fn, static, *args)
     t0 = time.perf_counter()
     out, dev_stats = exe(*args)

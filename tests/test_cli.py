@@ -28,6 +28,15 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(hf_dirs, capsys):
     assert rc == 2 and err.startswith("error: ") and "tokenizer" in err and len(err.strip().splitlines()) == 1
 
 
+def test_option_values_parse_as_json_or_python_literals():
+    from infer.cli import parse_options
+
+    got = parse_options(["adaptive=False", "gamma_max=None", "tree='dynamic'", "tree2=[[0], [1]]", "t=0.9",
+                         "a=true", "rule=threshold"])
+    assert got == {"adaptive": False, "gamma_max": None, "tree": "dynamic", "tree2": [[0], [1]], "t": 0.9,
+                   "a": True, "rule": "threshold"}
+
+
 @pytest.mark.parametrize("args,match", [
     (["--model", "/no/such/dir"], "no model '/no/such/dir'"),
     (["--method", "warp-drive"], "unknown method 'warp-drive'"),
@@ -46,7 +55,11 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(hf_dirs, capsys):
     (["--prompts-jsonl", "/no/such/prompts.jsonl"], "--prompts-jsonl /no/such/prompts.jsonl: no such file"),
     (["--compare", "warp-drive"], "unknown method 'warp-drive'"),
     (["--compare", "sd"], "--compare sd: method 'sd' needs a draft model: add --draft"),
+    (["--compare", "lookup:gamma=2.5"], "option 'gamma' of method 'lookup' takes int"),
+    (["--compare", "ar:dtype=bfloat16"], "drop dtype keys"),
+    (["--mesh", "1x\u00b2"], "--mesh takes DATAxMODEL"),
 ])
+
 def test_bad_input_one_line_error(zoo_model_name, capsys, args, match):
     argv = ["generate", "--model", zoo_model_name, "--prompt", "def f():", "--max-new-tokens", "8"] + args
     rc = main(argv)

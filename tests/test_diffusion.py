@@ -290,7 +290,7 @@ def test_errors(dllm, tiny):
         pdecode.generate(tiny, [[1, 2]], method="diffusion")
     with pytest.raises(pdecode.ConfigError, match="multiple of block_length"):
         pdecode.generate(dllm, [[1, 2]], method="diffusion", max_new_tokens=10, block_length=4)
-    with pytest.raises(pdecode.ConfigError, match="rule"):
+    with pytest.raises(pdecode.InputError, match="rule.*must be one of schedule, threshold, factor, eb"):
         pdecode.generate(dllm, [[1, 2]], method="diffusion", max_new_tokens=8, rule="nope")
 
 

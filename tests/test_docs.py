@@ -58,6 +58,19 @@ def test_option_types_are_checked(method, opts, msg):
         registry.resolve_options(registry.get(method), opts)
 
 
+def test_numpy_scalars_and_tree_objects_are_accepted():
+    import numpy as np
+
+    from pdecode.decode import tree as tree_lib
+
+    got = registry.resolve_options(registry.get("diffusion"), {"threshold": np.float32(0.5), "steps": np.int64(8)})
+    assert type(got["threshold"]) is float and type(got["steps"]) is int  # static jit arguments hash alike
+    t = tree_lib.resolve("binary-14")
+    assert registry.resolve_options(registry.get("tree"), {"tree": t})["tree"] is t
+    with pytest.raises(InputError, match="takes bool"):
+        registry.resolve_options(registry.get("sd"), {"adaptive": "yes"})
+
+
 def test_option_values_that_fit_pass():
     got = registry.resolve_options(registry.get("diffusion"), {"threshold": 1, "block_length": None, "cache": "dual"})
     assert got["threshold"] == 1 and got["cache"] == "dual" and got["rule"] == "schedule"
@@ -77,7 +90,7 @@ def test_generate_help_lists_methods_and_options():
     for name, m in pdecode.methods().items():
         assert f"  {name} " in out.stdout and m.summary in out.stdout
         for k, o in m.options.items():
-            assert f"{k}={o.default!r}" in out.stdout
+            assert f"{k}={api_doc._cli(o.default)}" in out.stdout
 
 
 def test_train_help_works():

@@ -83,3 +83,19 @@ def test_not_a_head_checkpoint(target, tmp_path):
     write_safetensors(tmp_path / "model.safetensors", {"x": np.zeros(3, np.float32)})
     with pytest.raises(pdecode.CheckpointError, match="not a head checkpoint pdecode knows"):
         pdecode.attach_heads(target, tmp_path)
+
+
+def test_released_heads_for_another_model_are_refused(target, tmp_path):
+    rng = np.random.default_rng(0)
+    d, v = target.cfg.hidden_size + 8, target.cfg.vocab_size
+    t = {"0.0.linear.weight": rng.normal(size=(d, d)).astype(np.float32),
+         "0.0.linear.bias": np.zeros(d, np.float32), "0.1.weight": rng.normal(size=(v, d)).astype(np.float32)}
+    write_safetensors(tmp_path / "medusa_lm_head.safetensors", t)
+    with pytest.raises(pdecode.CheckpointError, match="heads trained for another model"):
+        pdecode.attach_heads(target, tmp_path)
+    e3 = tmp_path / "e3"
+    e3.mkdir()
+    write_safetensors(e3 / "model.safetensors", {"fc.weight": np.zeros((4, 12), np.float32),
+                                                 "d2t": np.zeros(4, np.int64)})
+    with pytest.raises(pdecode.CheckpointError, match="EAGLE-3 release"):
+        pdecode.attach_heads(target, e3)

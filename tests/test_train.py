@@ -236,3 +236,30 @@ def test_long_task_kinds():
     assert not tasks.score(it, wrong) and 0.9 < tasks.position_score(it, wrong, tok) < 1.0
     assert tasks.position_score(it, "", tok) == 0.0
     assert not any(i.heldout for i in tasks.long_items(random.Random(0), 200))
+
+
+def test_training_step_takes_frozen_params_as_arguments():
+    """A frozen base (here 1M floats) is a jit argument of the training step, never a constant in its program."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from train.loop import _step_fn
+
+    frozen = {"base": jnp.ones((1024, 1024), jnp.float32)}
+
+    def objective(p, fz, batch, rng):
+        return jnp.mean((batch @ fz["base"] @ p["w"]) ** 2), {}
+
+    params = {"w": jnp.ones((1024, 4), jnp.float32) * 0.01}
+    opt = optax.adamw(1e-3)
+    step = _step_fn(objective, opt)
+    text = step.lower(params, frozen, opt.init(params), jnp.ones((2, 1024)), jax.random.PRNGKey(0)).as_text()
+    sizes = [int(np.prod([int(d) for d in m.split("x")[:-1]] or [1]))
+             for m in re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]*[a-z0-9]+)>", text)]
+    assert max(sizes, default=0) < 1024, max(sizes)  # scalars and small tables only
+    assert "1024x1024" in text.split("func.func public @main(")[1].split("{")[0]  # the base is an argument
+    p2, *_ = step(params, frozen, opt.init(params), jnp.ones((2, 1024)), jax.random.PRNGKey(0))
+    assert not np.allclose(np.asarray(p2["w"]), np.asarray(params["w"]))

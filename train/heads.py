@@ -80,7 +80,7 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
     from pdecode.model.attention import padded_self_mask
 
     @jax.jit
-    def agree(hp, w):
+    def agree(hp, tparams, w):
         x = w[:, :-1]
         b, t = x.shape
         h, lh = causal_hidden(tparams, cfg, x, r.hcfg.fuse_layers if r.kind == "eagle" else (cfg.num_layers - 1,))
@@ -100,7 +100,7 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
         return jnp.mean(jnp.argmax(lg, -1) == t_next[:, 1:])
 
     def eval_fn(hp):
-        vals = [float(agree(hp, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
+        vals = [float(agree(hp, tparams, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
         return {"depth1_agreement": float(np.mean(vals))}
 
     return eval_fn
@@ -180,7 +180,7 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
     positions i >= ``start``."""
 
     @jax.jit
-    def counts(w):
+    def counts(hp, tparams, w):
         x = w[:, :-1]
         b, t = x.shape
         h, _ = causal_hidden(tparams, cfg, x)
@@ -192,7 +192,7 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
             rows.append(jnp.mean(top[k, :, start:n, :] == t_next[:, start + k + 1:, None], axis=(0, 1)))
         return jnp.stack(rows)
 
-    accs = [np.asarray(counts(jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
+    accs = [np.asarray(counts(hp, tparams, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
     return np.mean(accs, axis=0)
 
 

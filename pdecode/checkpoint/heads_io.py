@@ -190,6 +190,17 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------------ released dirs
+def _check_shapes(params, specs, what: str) -> None:
+    from pdecode.model.transformer import is_spec
+
+    flat_s = {jax.tree_util.keystr(k): s for k, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
+    for k, a in jax.tree_util.tree_leaves_with_path(params):
+        s = flat_s.get(jax.tree_util.keystr(k))
+        if s is not None and tuple(a.shape) != tuple(s.shape):
+            raise CheckpointError(f"{what}: {jax.tree_util.keystr(k)} is {tuple(a.shape)}, this base model needs "
+                                  f"{tuple(s.shape)} (heads trained for another model?)")
+
+
 def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
     """(kind, head config, params, metadata) of a released head checkpoint directory, recognised by its tensors:
 
@@ -206,15 +217,24 @@ def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
         conf = {}
         if (path / "config.json").exists():
             conf = json.loads((path / "config.json").read_text())
-        heads = conf.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in tensors)
-        layers = conf.get("medusa_num_layers") or max(int(k.split(".")[1]) for k in tensors)
+        try:
+            heads = conf.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in tensors)
+            layers = conf.get("medusa_num_layers") or max(int(k.split(".")[1]) for k in tensors)
+        except (ValueError, IndexError):
+            raise CheckpointError(f"{medusa} has tensors not named '{{head}}.{{layer}}.*' (Medusa's layout); add a "
+                                  "config.json with medusa_num_heads and medusa_num_layers") from None
         mcfg, params = import_medusa(tensors, int(heads), int(layers), dtype)
+        _check_shapes(params, mcfg.specs(cfg), f"{path} (Medusa heads)")
         return "medusa", mcfg, params, {"source": "medusa release"}
     if not list(path.glob("*.safetensors*")):
         raise CheckpointError(f"{path} holds no heads.json and no safetensors: pass a pdecode heads directory or a "
                               "released Medusa / EAGLE / DeepSeek-MTP checkpoint directory (safetensors; convert a "
                               "pytorch_model.bin first)")
     tensors = read_checkpoint_dir(path)
+    if "d2t" in tensors or any(k.startswith("midlayer.") for k in tensors):
+        raise CheckpointError(f"{path} is an EAGLE-3 release (midlayer.*, d2t: [norm(emb); norm(h)] into the "
+                              "attention and a reduced draft vocabulary): that layout is not importable; pdecode's "
+                              "EAGLE-3-style heads are trained here (docs/heads.md)")
     if "fc.weight" in tensors:
         ecfg, params = import_eagle(tensors, cfg, dtype)
         return "eagle", ecfg, params, {"source": "eagle release"}

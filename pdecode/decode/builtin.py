@@ -77,7 +77,8 @@ TREE_OPTS = {
     "total_tokens": Option(24, "int", "dynamic tree: nodes kept for verification, by cumulative draft probability"),
 }
 register(Method("tree", _prepare_tree, needs_draft=True, needs="draft model",
-                options={"tree": Option("dynamic", "str | list", "'dynamic' (EAGLE-2-style, built from the draft's "
+                options={"tree": Option("dynamic", "str | list | tree",
+                                        "'dynamic' (EAGLE-2-style, built from the draft's "
                                         "probabilities), a preset name (e.g. 'binary-14', 'medusa-63') or choice "
                                         "paths such as [[0], [1], [0, 0]]"),
                          **TREE_OPTS, **PHASES},
@@ -159,7 +160,8 @@ def _prepare_mtp(model, draft, opts, samp):
 
 register(Method("medusa", _prepare_medusa, needs="Medusa heads", lossless="yes (typical=true: no, Medusa's typical "
                                                                          "acceptance)",
-                options={"tree": Option(None, "str | list", "static tree: None = the tree calibrated for the heads "
+                options={"tree": Option(None, "str | list | tree",
+                                        "static tree: None = the tree calibrated for the heads "
                                         "(heads.json), 'calibrated:N', a preset or choice paths"),
                          "typical": Option(False, "bool", "Medusa's typical acceptance (lossy) instead of lossless "
                                                           "verification"),

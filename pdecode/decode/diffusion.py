@@ -161,10 +161,10 @@ def schedule_counts(n_B: jax.Array, steps: int, step) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------------ forwards
-def refresh_pass(params, cfg: ModelConfig, cv: cvs.Canvas, x_BS):
+def refresh_pass(params, cfg: ModelConfig, cv: cvs.Canvas, x_BS, cache_dtype=jnp.float32):
     """A full pass that also writes a fresh KV cache of every position: (logits [B, S, V], cache)."""
     b, s = x_BS.shape
-    c = kvc.init_cache(cfg, b, s, per_layer=unrolled(params))
+    c = kvc.init_cache(cfg, b, s, cache_dtype, per_layer=unrolled(params))
     fo = forward(params, cfg, x_BS, cv.positions_BS, cv.attn_BSS, cache=c, write_at_B=jnp.zeros((b,), jnp.int32))
     return cvs.shift_logits(unembed(params, cfg, fo.hidden), cv.shift), fo.cache
 
@@ -198,11 +198,15 @@ def partial_pass(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cach
     return jax.lax.switch(behind, branches, cache)
 
 
+def _dtype(cache):
+    return jax.tree.leaves(cache.k)[0].dtype
+
+
 def cached_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cache, block_B, active_B, fresh_B):
     """(logits, cache, passes) of a cached step: rows in ``fresh_B`` get a full pass and a fresh cache, the others
     the partial pass over their cache; a step where both kinds of rows are active runs both passes."""
     def full(c):
-        lg, nc = refresh_pass(params, cfg, cv, x_BS)
+        lg, nc = refresh_pass(params, cfg, cv, x_BS, _dtype(cache))
         return lg, nc, jnp.int32(1)
 
     def part(c):
@@ -210,7 +214,7 @@ def cached_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cac
         return lg, nc, jnp.int32(1)
 
     def both(c):
-        lf, cf = refresh_pass(params, cfg, cv, x_BS)
+        lf, cf = refresh_pass(params, cfg, cv, x_BS, _dtype(cache))
         lp, cp = partial_pass(params, cfg, cv, opts, x_BS, c, block_B, active_B)
         return jnp.where(fresh_B[:, None, None], lf, lp), kvc.where_rows(fresh_B, cf, cp), jnp.int32(2)
 
@@ -265,8 +269,9 @@ def advance_blocks(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, masked
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig,
              opts: DiffusionOptions, mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp,
-             mesh=None):
-    """Returns (Outputs, stats). ``max_new`` equals ``opts.gen_length``."""
+             mesh=None, cache_dtype=jnp.float32):
+    """Returns (Outputs, stats). ``max_new`` equals ``opts.gen_length``; the prefix / dual caches (``opts.cache``)
+    are kept in ``cache_dtype``."""
     del max_new
     params = decode_layout(params, cfg, fuse=mesh is None)
     b = prompt_BP.shape[0]
@@ -274,7 +279,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                             mask_id=mask_id, shift=opts.shift)
     caches = None
     if opts.cache != "none":
-        caches = tuple(kvc.init_cache(cfg, b, max_len, per_layer=unrolled(params)) for _ in range(opts.passes))
+        caches = tuple(kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(params))
+                       for _ in range(opts.passes))
     zeros_B = jnp.zeros((b,), jnp.int32)
     st = DiffState(x=x, masked=cv.canvas_BS, commit_step=jnp.full(x.shape, -1, jnp.int32), block=zeros_B,
                    step_in_block=zeros_B,

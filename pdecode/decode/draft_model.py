@@ -65,8 +65,8 @@ class ChainState:
     gamma: jax.Array  # [B] int32
 
 
-def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len):
-    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len, per_layer=unrolled(dparams))
+def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype):
+    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len, cache_dtype, per_layer=unrolled(dparams))
     cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache)
     return cache
 
@@ -99,9 +99,9 @@ class DraftChain(_DraftModelDrafter):
 
     max_children = 1
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
         b = prompt_BP.shape[0]
-        return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len),
+        return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype),
                           gamma=jnp.full((b,), self.gamma, jnp.int32))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
@@ -159,8 +159,8 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     dcfg: ModelConfig
     tree: tree_lib.StaticTree
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
-        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len))
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
@@ -222,8 +222,8 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
     depth: int
     total_tokens: int
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len):
-        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len))
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, self.depth + 1)

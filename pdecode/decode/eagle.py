@@ -57,10 +57,10 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         return {**dparams, "modules": [unstack(m) for m in dparams["modules"]]} if "modules" in dparams \
             else unstack(dparams)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, pre, max_len):
+    def init(self, dparams, tparams, prompt_BP, plen_B, pre, max_len, cache_dtype=jnp.float32):
         b, p = prompt_BP.shape
         feats = self.target_feature(dparams, pre.hidden, pre.layer_hidden)  # [B, P, D]
-        cache = kvc.init_cache(self.block_cfg(), b, max_len, per_layer=True)
+        cache = kvc.init_cache(self.block_cfg(), b, max_len, cache_dtype, per_layer=True)
         if p > 1:  # pairs (x_{i+1}, f_i) for i = 0 .. plen-2
             pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
             valid = pos + 1 < plen_B[:, None]

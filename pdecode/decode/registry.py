@@ -8,6 +8,7 @@ params pytree it takes, its static arguments and how many extra cache slots it n
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable
 
 from pdecode.errors import ConfigError, InputError
@@ -23,7 +24,9 @@ class Plan:
     finish_stats: Callable[[dict], dict] | None = None
 
 
-_TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,), "list": (list, tuple)}
+_TYPES = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,), "list": (list, tuple),
+          "tree": ()}  # "tree": a `tree.StaticTree` (checked lazily, to keep this module free of the decode code)
+_PY = {"int": int, "float": float, "bool": bool}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +41,28 @@ class Option:
     help: str
     choices: tuple = ()
 
-    def check(self, method: str, name: str, value: Any) -> None:
+    def check(self, method: str, name: str, value: Any) -> Any:
+        """``value`` as the method will see it (numpy scalars become Python numbers: static jit arguments must
+        hash alike), or an InputError that says what the option takes."""
+        import numpy as np
+
         if value is None and self.default is None:
-            return
-        kinds = [k.strip() for k in self.type.split("|")]
-        ok = any(isinstance(value, _TYPES[k]) and not (k in ("int", "float") and isinstance(value, bool))
-                 for k in kinds)
-        if not ok:
-            raise InputError(f"option {name!r} of method {method!r} takes {self.type}, got {value!r}")
-        if self.choices and isinstance(value, str) and value not in self.choices:
-            raise InputError(f"option {name!r} of method {method!r} must be one of {', '.join(self.choices)}, "
-                             f"got {value!r}")
+            return value
+        if isinstance(value, np.bool_):
+            value = bool(value)
+        for k in (k.strip() for k in self.type.split("|")):
+            if k == "tree":
+                from pdecode.decode.tree import StaticTree
+
+                if isinstance(value, StaticTree):
+                    return value
+            elif isinstance(value, _TYPES[k]) and not (k in ("int", "float") and isinstance(value, (bool, np.bool_))):
+                value = _PY[k](value) if k in _PY else value
+                if self.choices and isinstance(value, str) and value not in self.choices:
+                    raise InputError(f"option {name!r} of method {method!r} must be one of "
+                                     f"{', '.join(self.choices)}, got {value!r}")
+                return value
+        raise InputError(f"option {name!r} of method {method!r} takes {self.type}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +110,8 @@ def resolve_options(method: Method, given: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         allowed = ", ".join(sorted(method.options)) or "none"
         raise InputError(f"method {method.name!r} does not take option(s) {', '.join(unknown)}; it takes: {allowed}")
-    for k, v in given.items():
-        method.options[k].check(method.name, k, v)
-    return {**method.defaults, **given}
+    checked = {k: method.options[k].check(method.name, k, v) for k, v in given.items()}
+    return {**method.defaults, **checked}
 
 
 def check_same_vocab(target_cfg, draft_cfg, what: str = "draft") -> None:

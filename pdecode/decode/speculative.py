@@ -63,8 +63,9 @@ class Drafter:
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
         return dparams
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
-        """The drafter's state carried through the loop (a `flax.struct.dataclass`; ``()`` for none)."""
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=jnp.float32):
+        """The drafter's state carried through the loop (a `flax.struct.dataclass`; ``()`` for none); a drafter
+        with its own KV cache keeps it in ``cache_dtype``."""
         return ()
 
     def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, temperature, top_p):
@@ -148,7 +149,10 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     last_idx = prompt_len_B - 1
     root_hidden = common.gather_rows(pre.hidden, last_idx)
     root_layers = None if not n_hid else jax.vmap(lambda h: common.gather_rows(h, last_idx))(pre.layer_hidden)
-    dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len)
+    import inspect
+
+    kv = {"cache_dtype": cache_dtype} if "cache_dtype" in inspect.signature(drafter.init).parameters else {}
+    dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
     d_max = drafter.max_depth
     state = SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
                       root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
