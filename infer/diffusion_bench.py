@@ -282,11 +282,15 @@ def pareto_plot(rows, code, path: Path) -> Path:
     for i, g in enumerate(lengths):
         rs = [r for r in rows if r["gen_length"] == g and r["batch"] == big]
         cs = [r for r in code if r["gen_length"] == g and r.get("nfe_per_item") and r["sampler"] in SAMPLERS]
-        panels = [(axes[i][0], rs, "nfe_per_item", "accuracy", f"long tasks, length {g}: exact accuracy", True, False),
-                  (axes[i][1], rs, "tokens_per_s", "accuracy", f"long tasks, length {g}, batch {big}", True, True),
+        yk = "accuracy" if any(r["accuracy"] > 0 for r in rs) else "position_accuracy"  # exact 0 everywhere: rank
+        what = "exact" if yk == "accuracy" else "per-position"  # by the fraction of correct positions
+        panels = [(axes[i][0], rs, "nfe_per_item", yk, f"long tasks, length {g}: {what} accuracy", True, False),
+                  (axes[i][1], rs, "tokens_per_s", yk, f"long tasks, length {g}, batch {big}", True, True),
                   (axes[i][2], cs, "nfe_per_item", "judge_ppl", f"free code, length {g}: judge perplexity", False,
                    False)]
         for ax, data, xk, yk, title, higher, x_higher in panels:
+            from matplotlib.ticker import NullFormatter, ScalarFormatter
+
             for r in data:
                 ax.scatter(r[xk], r[yk], color=colors.get(fam(r["sampler"]), "tab:purple"), s=28)
                 ax.annotate(r["sampler"], (r[xk], r[yk]), fontsize=6.5, xytext=(3, 2), textcoords="offset points")
@@ -294,8 +298,11 @@ def pareto_plot(rows, code, path: Path) -> Path:
             if front:
                 ax.plot([r[xk] for r in front], [r[yk] for r in front], color="tab:orange", lw=1, zorder=0)
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel({"nfe_per_item": "model forwards per item (log)", "tokens_per_s": "tokens/s (log)"}[xk])
-            ax.set_ylabel({"accuracy": "exact accuracy", "judge_ppl": "perplexity under code-target"}[yk])
+            ax.set_ylabel({"accuracy": "exact accuracy", "position_accuracy": "per-position accuracy",
+                           "judge_ppl": "perplexity under code-target"}[yk])
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
     fig.tight_layout()
