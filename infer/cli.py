@@ -119,16 +119,7 @@ def cmd_generate(args) -> int:
     if clash:
         raise InputError(f"{clash[0]} is not a method option: use {_FLAGS[clash[0]]} instead of -o {clash[0]}=...")
     mesh = _parse_mesh(args.mesh) if args.mesh else None
-    for spec in args.compare or []:
-        from infer.bench import parse_method, split_model
-
-        cname, copts = parse_method(spec)
-        cm = registry.get(split_model(cname)[0])
-        if cm.needs_draft and not args.draft:
-            raise InputError(f"--compare {spec}: method {cm.name!r} needs a draft model: add --draft")
-        if set(copts) & {"dtype", "activation_dtype"}:
-            raise InputError(f"--compare {spec}: every row runs in --dtype / --activation-dtype; drop dtype keys")
-        registry.resolve_options(cm, copts)  # unknown or ill-typed options fail before anything runs
+    compare = _compare_specs(args.compare or [], bool(args.draft))  # checked before anything loads or runs
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -138,12 +129,20 @@ def cmd_generate(args) -> int:
     if registry.get(args.method).needs_draft and not args.draft:
         raise InputError(f"method {args.method!r} needs a draft model: add --draft (a zoo name such as code-draft, "
                          "or a model directory)")
-    m = pdecode.load(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype)
-    draft = pdecode.load(args.draft, dtype=args.dtype, activation_dtype=args.activation_dtype) if args.draft else None
-    out = pdecode.generate(m, prompts, method=args.method, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           draft=draft, mesh=mesh, stop_at_eos=not args.ignore_eos, **options)  # the keys of _FLAGS
-    rows = _compare(args, m, draft, prompts, out, mesh) if args.compare else []
+    load = lambda name: pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype)  # noqa: E731
+    m = load(args.model)
+    draft = load(args.draft) if args.draft else None
+
+    def run(model, method, opts, d):  # the main row and every --compare row: same prompts, sampling and mesh
+        return pdecode.generate(model, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                draft=d, mesh=mesh, stop_at_eos=not args.ignore_eos, **opts)  # no key of _FLAGS
+
+    out = run(m, args.method, options, draft)
+    rows = [_row(args.method, out, None)] if compare else []
+    for spec, method, heads, opts in compare:
+        o = run(load(heads) if heads else m, method, opts, draft if registry.get(method).needs_draft else None)
+        rows.append(_row(spec, o, o.tokens == out.tokens))
     if args.json:
         for p, text, toks in zip(prompts, out.texts, out.tokens):
             print(json.dumps({"prompt": p, "text": text, "tokens": toks, "stats": out.stats}))
@@ -167,29 +166,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _compare(args, m, draft, prompts, out, mesh) -> list[dict]:
-    """Run each ``--compare`` method (``name``, ``name:key=value,...``, ``name@heads-model``) on the same prompts
-    and sampling settings as the main method; one row per method, the main one first."""
-    import pdecode
+def _compare_specs(specs: list[str], have_draft: bool) -> list[tuple]:
+    """``--compare`` specs (``name``, ``name:key=value,...``, ``name@heads-model``) -> (spec, method, heads model or
+    None, options), each checked against the registry."""
     from infer.bench import parse_method, split_model
+    from pdecode.decode import registry
+    from pdecode.errors import InputError
 
-    def row(label, o, same):
-        s = o.stats
-        return {"method": label, "tokens_per_forward": s["tokens_per_forward"],
-                "target_forwards": s["target_forwards"], "tokens_per_s": s["tokens_per_s"],
-                "new_tokens": s["new_tokens"], "same_tokens": same}
-
-    rows = [row(args.method, out, None)]
-    for spec in args.compare:
+    out = []
+    for spec in specs:
         name, opts = parse_method(spec)
         method, heads = split_model(name)
-        mm = pdecode.load(heads, dtype=args.dtype, activation_dtype=args.activation_dtype) if heads else m
-        o = pdecode.generate(mm, prompts, method=method, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                             draft=draft if pdecode.methods()[method].needs_draft else None, mesh=mesh,
-                             stop_at_eos=not args.ignore_eos, **opts)
-        rows.append(row(spec, o, o.tokens == out.tokens))
-    return rows
+        cm = registry.get(method)
+        if cm.needs_draft and not have_draft:
+            raise InputError(f"--compare {spec}: method {cm.name!r} needs a draft model: add --draft")
+        if set(opts) & {"dtype", "activation_dtype"}:
+            raise InputError(f"--compare {spec}: every row runs in --dtype / --activation-dtype; drop dtype keys")
+        registry.resolve_options(cm, opts)
+        out.append((spec, method, heads, opts))
+    return out
+
+
+def _row(label: str, o, same) -> dict:
+    s = o.stats
+    return {"method": label, "tokens_per_forward": s["tokens_per_forward"], "target_forwards": s["target_forwards"],
+            "tokens_per_s": s["tokens_per_s"], "new_tokens": s["new_tokens"], "same_tokens": same}
 
 
 def _compare_table(rows: list[dict]) -> str:

@@ -273,6 +273,7 @@ def pareto_plot(rows, code, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     lengths = sorted({r["gen_length"] for r in rows})
     big = max(r["batch"] for r in rows)
@@ -289,8 +290,6 @@ def pareto_plot(rows, code, path: Path) -> Path:
                   (axes[i][2], cs, "nfe_per_item", "judge_ppl", f"free code, length {g}: judge perplexity", False,
                    False)]
         for ax, data, xk, yk, title, higher, x_higher in panels:
-            from matplotlib.ticker import NullFormatter, ScalarFormatter
-
             for r in data:
                 ax.scatter(r[xk], r[yk], color=colors.get(fam(r["sampler"]), "tab:purple"), s=28)
                 ax.annotate(r["sampler"], (r[xk], r[yk]), fontsize=6.5, xytext=(3, 2), textcoords="offset points")

@@ -153,6 +153,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
 
     import pdecode
     from pdecode import sampling
+    from pdecode.api import _parameters
     from pdecode.decode import registry
     from pdecode.errors import InputError
     from pdecode.model import heads as H
@@ -195,7 +196,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if max_new < 1:
         raise InputError(f"--max-len {max_len} leaves no room for new tokens after a {prompt_len}-token prompt")
     static = dict(p.static, max_new=max_new, max_len=max_len, eos_ids=(), samp=samp, mesh=mesh)
-    if cache_dtype is not None or "cache_dtype" in _fn_params(p.fn):
+    if "cache_dtype" in _parameters(p.fn):
         static["cache_dtype"] = cdt
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(mesh, (batch, prompt_len)))
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding(mesh, (batch,)))
@@ -204,73 +205,58 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     compiled = jax.jit(p.fn, static_argnames=tuple(static)).lower(*args, **static).compile()
     compile_s = time.perf_counter() - t0
     mem = _memory(compiled)
-    # what one device must hold at the least: its shards of the weights and of every KV cache at full length
-    floor = _shard_bytes(params) + _shard_bytes(_cache_shapes(cfg, batch, max_len, cdt, mesh))
-    if draft is not None:
-        floor += _shard_bytes(draft.params) + _shard_bytes(_cache_shapes(draft.cfg, batch, max_len, cdt, mesh))
-    elif method == "eagle":
-        floor += _shard_bytes(ep) + _shard_bytes(_cache_shapes(cfg.replace(num_layers=1), batch, max_len, cdt, mesh))
-    mem["weights_and_caches"] = floor
 
-    # per-step costs: the target's forward over 1 token (AR) or k tokens (verify), and the drafter's step
-    steps = {"target_1": _step_cost(cfg, params, mesh, batch, 1, max_len, cdt)}
+    def held(c, weights):
+        """Bytes one device holds of a model's weights and of its KV cache at full length."""
+        return _shard_bytes(weights) + _shard_bytes(_cache_shapes(c, batch, max_len, cdt, mesh))
+
+    # the steps the method runs: (name, config, weights, tokens per row): the target's forward over 1 token (AR)
+    # or over the verified tree, and one step of the drafter
+    kinds = [("target_1", cfg, params, 1)]
+    draft_steps = 0
     if method == "sd":
-        steps["target_verify"] = _step_cost(cfg, params, mesh, batch, gamma + 1, max_len, cdt)
-        steps["draft_1"] = _step_cost(draft.cfg, draft.params, mesh, batch, 1, max_len, cdt)
+        kinds += [("target_verify", cfg, params, opts["gamma"] + 1), ("draft_1", draft.cfg, draft.params, 1)]
+        draft_steps = opts["gamma"]
+        mem["weights_and_caches"] = held(cfg, params) + held(draft.cfg, draft.params)
     elif method == "eagle":
-        steps["target_verify"] = _step_cost(cfg, params, mesh, batch, tree_nodes, max_len, cdt)
         one_layer = cfg.replace(num_layers=1)
-        steps["draft_1"] = _step_cost(one_layer, abstract_params(one_layer, jdt, mesh), mesh, batch,
-                                      opts["tree_top_k"], max_len, cdt)
-    # the same steps by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per
-    # weight per token plus attention (4 per cached key per head per token). XLA:CPU's own counts (above) count a
-    # layer stack under lax.scan once, not once per layer, and include the float32 copies XLA:CPU makes of bfloat16
-    # matmul operands, which accelerators do not make: the projection uses the counted steps
-    def floor(c, p, k, cache_len):
-        w = _shard_bytes(p)
-        kv = _shard_bytes(_cache_shapes(c, batch, cache_len, cdt, mesh))
-        n_w = w / jnp.dtype(jdt).itemsize
-        heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
-        return {"flops": 2 * n_w * batch / data * k + 4 * batch / data * k * c.num_layers * heads_dev * c.head_dim
-                * cache_len, "bytes": w + kv}
+        kinds += [("target_verify", cfg, params, opts["total_tokens"]),
+                  ("draft_1", one_layer, abstract_params(one_layer, jdt, mesh), opts["tree_top_k"])]
+        draft_steps = opts["depth"]
+        mem["weights_and_caches"] = held(cfg, params) + _shard_bytes(ep) + \
+            _shard_bytes(_cache_shapes(one_layer, batch, max_len, cdt, mesh))
+    else:
+        mem["weights_and_caches"] = held(cfg, params)
 
-    analytic = {"target_1": floor(cfg, params, 1, max_len)}
-    if method == "sd":
-        analytic["target_verify"] = floor(cfg, params, gamma + 1, max_len)
-        analytic["draft_1"] = floor(draft.cfg, draft.params, 1, max_len)
-    elif method == "eagle":
-        analytic["target_verify"] = floor(cfg, params, tree_nodes, max_len)
-        analytic["draft_1"] = floor(one_layer, abstract_params(one_layer, jdt, mesh), opts["tree_top_k"], max_len)
-    analytic = {k: {kk: float(vv) for kk, vv in v.items()} for k, v in analytic.items()}
+    def counted(c, w, k):
+        """A step by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per weight
+        per token plus attention (4 per cached key per head per token)."""
+        n_w = _shard_bytes(w) / jnp.dtype(jdt).itemsize
+        heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
+        return {"flops": float(2 * n_w * batch / data * k + 4 * batch / data * k * c.num_layers * heads_dev
+                               * c.head_dim * max_len), "bytes": float(held(c, w))}
+
+    # XLA:CPU's own counts count a layer stack under lax.scan once, not once per layer, and include the float32
+    # copies XLA:CPU makes of bfloat16 matmul operands, which accelerators do not make: the projection uses the
+    # counted steps, and both are reported
+    steps = {name: _step_cost(c, w, mesh, batch, k, max_len, cdt) for name, c, w, k in kinds}
+    analytic = {name: counted(c, w, k) for name, c, w, k in kinds}
     proj = {}
     for hw, h in HARDWARE.items():
         t = lambda c: max(c["flops"] / h["flops"], c["bytes"] / h["hbm_bw"])  # noqa: E731
-        steps_hlo, steps = steps, analytic
-        ar = batch / t(steps["target_1"])
+        ar = batch / t(analytic["target_1"])
         row = {"ar_tokens_per_s": ar, "fits": mem["total"] <= h["hbm"],
-               "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"]}
-        if method == "sd":
-            step = t(steps["target_verify"]) + gamma * t(steps["draft_1"])
-            row["tokens_per_s"] = batch * ZOO_TAU["sd"] / step
-        elif method == "eagle":
-            step = t(steps["target_verify"]) + opts["depth"] * t(steps["draft_1"])
-            row["tokens_per_s"] = batch * ZOO_TAU["eagle"] / step
-        else:
-            row["tokens_per_s"] = ar
+               "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"], "tokens_per_s": ar}
+        if method in ZOO_TAU:
+            step = t(analytic["target_verify"]) + draft_steps * t(analytic["draft_1"])
+            row["tokens_per_s"] = batch * ZOO_TAU[method] / step
         proj[hw] = row
-        steps = steps_hlo
     return {"config": config, "method": method, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
             "max_len": max_len, "dtype": str(jdt), "cache_dtype": str(cdt), "compiled": True,
             "compile_s": compile_s, "param_bytes": _bytes(params), "extra_param_bytes": extra_params,
             "per_device": mem, "per_device_bytes": mem["total"], "step_costs_per_device": steps,
             "step_floor_per_device": analytic,
             "tau_assumed": ZOO_TAU.get(method), "projection": proj}
-
-
-def _fn_params(fn) -> set:
-    import inspect
-
-    return set(inspect.signature(fn).parameters)
 
 
 def to_text(r: dict) -> str:
@@ -284,9 +270,8 @@ def to_text(r: dict) -> str:
              f"| arguments (weights, prompt) | {gb(m['argument'])} |", f"| outputs | {gb(m['output'])} |",
              f"| temporaries (caches, activations) | {gb(m['temp'])} |", f"| **total (XLA)** | **{gb(m['total'])}** |",
              f"| weights + KV caches at full length (shards) | {gb(m['weights_and_caches'])} |",
-             "", "| step (per device) | GFLOP | GB read/written |", "|---|---|---|"]
-    lines[-2:] = ["| step (per device) | GFLOP (XLA:CPU) | GB (XLA:CPU) | GFLOP (count) | GB (count) |",
-                  "|---|---|---|---|---|"]
+             "", "| step (per device) | GFLOP (XLA:CPU) | GB (XLA:CPU) | GFLOP (count) | GB (count) |",
+             "|---|---|---|---|---|"]
     for k, c in r["step_costs_per_device"].items():
         f = r["step_floor_per_device"][k]
         lines.append(f"| {k} | {c['flops'] / 1e9:.2f} | {c['bytes'] / 1e9:.3f} | {f['flops'] / 1e9:.2f} | "

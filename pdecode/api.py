@@ -263,24 +263,6 @@ def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -
     return out
 
 
-def _check_option_names(meth: registry.Method, given: dict) -> None:
-    """One line for a keyword neither `generate` nor the method takes, with the closest name of either."""
-    unknown = sorted(set(given) - set(meth.options))
-    if not unknown:
-        return
-    import difflib
-    import inspect
-
-    own = [k for k in inspect.signature(generate).parameters if k not in ("m", "prompts", "method_options")]
-    name = unknown[0]
-    also = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
-    close = difflib.get_close_matches(name, own + sorted(meth.options), n=1)
-    if close:
-        raise InputError(f"unknown option {name!r} for method {meth.name!r}: did you mean {close[0]}?{also}")
-    allowed = ", ".join(sorted(meth.options)) or "none"
-    raise InputError(f"unknown option {name!r} for method {meth.name!r}{also}; it takes: {allowed}")
-
-
 def _check_same_tokenizer(m: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer maps tokens to other ids than the target's (skipped when either has none)."""
     a, b = m.tokenizer, draft.tokenizer
@@ -338,7 +320,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         stop_at_eos: stop a row at its first EOS (False: exactly max_new_tokens per row).
         max_len: the KV cache's length (default: the longest prompt + max_new_tokens + draft slots, rounded up).
         cache_dtype: dtype of every KV cache (target, draft, EAGLE / MTP heads, diffusion prefix / dual caches):
-            float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (default: the activations' dtype).
+            float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (default: the activations' dtype); a method
+            that keeps no cache (dico) refuses it.
         **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
 
     Returns:
@@ -346,8 +329,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
-    _check_option_names(meth, method_options)
-    opts = registry.resolve_options(meth, method_options)
+    own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))
+    opts = registry.resolve_options(meth, method_options, near=own)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
@@ -392,6 +375,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     static = dict(plan.static, max_new=max_new_tokens, max_len=cache_len, eos_ids=eos, samp=samp, mesh=mesh)
     if "cache_dtype" in _parameters(plan.fn):
         static["cache_dtype"] = kv_dtype
+    elif cache_dtype is not None:
+        raise InputError(f"method {method!r} keeps no KV cache, so cache_dtype does nothing there: drop it")
     exe, compile_s = compiled(plan.fn, static, *args)
     t0 = time.perf_counter()
     out, dev_stats = exe(*args)

@@ -64,3 +64,9 @@ def test_fp8_cache_runs_and_bad_dtype_is_refused(target):
     assert len(out.tokens[0]) >= 1 and "f8e4m3fn[" in _last_hlo()
     with pytest.raises(pdecode.InputError, match="cache_dtype must be one of"):
         pdecode.generate(target, PROMPTS[:1], max_new_tokens=4, cache_dtype="int8")
+
+
+def test_cache_dtype_on_a_method_without_a_cache_is_refused():
+    m = pdecode.load("code-dllm")
+    with pytest.raises(pdecode.InputError, match="method 'dico' keeps no KV cache"):
+        pdecode.generate(m, PROMPTS[:1], method="dico", max_new_tokens=32, cache_dtype="bfloat16")

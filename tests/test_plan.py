@@ -52,3 +52,16 @@ def test_plan_bad_input_is_one_line(cfg_dir):
     out = subprocess.run([sys.executable, "-m", "infer.cli", "plan", "--config", "nope", "--devices", "2"],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_plan_costs_follow_the_method_options(cfg_dir):
+    """The verify step is costed at the gamma the plan compiled (an option overriding the default counts)."""
+    import jax
+
+    from infer.plan import plan
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (the test command forces 8)")
+    r = plan(str(cfg_dir), 4, "sd", 4, 512, draft_config=str(cfg_dir), options={"gamma": 2})
+    f = r["step_floor_per_device"]
+    assert f["target_verify"]["flops"] == pytest.approx(3 * f["target_1"]["flops"])  # root + 2 drafted tokens

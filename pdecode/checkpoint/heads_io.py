@@ -60,6 +60,13 @@ def _flatten(tree, prefix=""):
     return out
 
 
+def _template(hcfg, cfg: ModelConfig):
+    """The heads' params tree with unallocated arrays of the shapes ``cfg`` needs (for `_unflatten_like`)."""
+    from pdecode.model.transformer import is_spec
+
+    return jax.tree.map(lambda s: np.empty(s.shape, np.float32), hcfg.specs(cfg), is_leaf=is_spec)
+
+
 def _unflatten_like(flat: dict, template):
     def build(t, prefix):
         if isinstance(t, dict):
@@ -71,7 +78,8 @@ def _unflatten_like(flat: dict, template):
             raise CheckpointError(f"heads checkpoint lacks tensor {name!r}")
         a = flat[name]
         if tuple(a.shape) != tuple(t.shape):
-            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the config needs {t.shape}")
+            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the config needs {t.shape} "
+                                  "(heads trained for another model?)")
         return a
 
     return build(template, "")
@@ -96,8 +104,6 @@ def is_heads_dir(path: Path) -> bool:
 
 def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
     """(kind, head config, params as numpy, metadata) of a pdecode heads directory, checked against ``cfg``."""
-    from pdecode.model.transformer import is_spec
-
     path = Path(path)
     try:
         meta = json.loads((path / "heads.json").read_text())
@@ -105,10 +111,8 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
         raise CheckpointError(f"cannot read {path}/heads.json: {e}") from None
     kind = meta.get("kind")
     hcfg = head_config(kind, meta.get("config", {}))
-    specs = hcfg.specs(cfg)
-    template = jax.tree.map(lambda s: np.empty(s.shape, np.float32), specs, is_leaf=is_spec)
     flat = read_safetensors(path / "heads.safetensors")
-    params = _unflatten_like(flat, template)
+    params = _unflatten_like(flat, _template(hcfg, cfg))
     params = jax.tree.map(lambda a: np.asarray(a, dtype), params)
     return kind, hcfg, params, meta
 
@@ -190,17 +194,6 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------------ released dirs
-def _check_shapes(params, specs, what: str) -> None:
-    from pdecode.model.transformer import is_spec
-
-    flat_s = {jax.tree_util.keystr(k): s for k, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
-    for k, a in jax.tree_util.tree_leaves_with_path(params):
-        s = flat_s.get(jax.tree_util.keystr(k))
-        if s is not None and tuple(a.shape) != tuple(s.shape):
-            raise CheckpointError(f"{what}: {jax.tree_util.keystr(k)} is {tuple(a.shape)}, this base model needs "
-                                  f"{tuple(s.shape)} (heads trained for another model?)")
-
-
 def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
     """(kind, head config, params, metadata) of a released head checkpoint directory, recognised by its tensors:
 
@@ -224,7 +217,7 @@ def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
             raise CheckpointError(f"{medusa} has tensors not named '{{head}}.{{layer}}.*' (Medusa's layout); add a "
                                   "config.json with medusa_num_heads and medusa_num_layers") from None
         mcfg, params = import_medusa(tensors, int(heads), int(layers), dtype)
-        _check_shapes(params, mcfg.specs(cfg), f"{path} (Medusa heads)")
+        params = _unflatten_like(_flatten(params), _template(mcfg, cfg))  # shapes checked against the base
         return "medusa", mcfg, params, {"source": "medusa release"}
     if not list(path.glob("*.safetensors*")):
         raise CheckpointError(f"{path} holds no heads.json and no safetensors: pass a pdecode heads directory or a "

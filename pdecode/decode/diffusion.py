@@ -198,15 +198,11 @@ def partial_pass(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cach
     return jax.lax.switch(behind, branches, cache)
 
 
-def _dtype(cache):
-    return jax.tree.leaves(cache.k)[0].dtype
-
-
 def cached_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cache, block_B, active_B, fresh_B):
     """(logits, cache, passes) of a cached step: rows in ``fresh_B`` get a full pass and a fresh cache, the others
     the partial pass over their cache; a step where both kinds of rows are active runs both passes."""
     def full(c):
-        lg, nc = refresh_pass(params, cfg, cv, x_BS, _dtype(cache))
+        lg, nc = refresh_pass(params, cfg, cv, x_BS, cache.dtype)
         return lg, nc, jnp.int32(1)
 
     def part(c):
@@ -214,7 +210,7 @@ def cached_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, x_BS, cac
         return lg, nc, jnp.int32(1)
 
     def both(c):
-        lf, cf = refresh_pass(params, cfg, cv, x_BS, _dtype(cache))
+        lf, cf = refresh_pass(params, cfg, cv, x_BS, cache.dtype)
         lp, cp = partial_pass(params, cfg, cv, opts, x_BS, c, block_B, active_B)
         return jnp.where(fresh_B[:, None, None], lf, lp), kvc.where_rows(fresh_B, cf, cp), jnp.int32(2)
 

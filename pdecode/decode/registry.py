@@ -104,12 +104,21 @@ def get(name: str) -> Method:
     return METHODS[name]
 
 
-def resolve_options(method: Method, given: dict[str, Any]) -> dict[str, Any]:
-    """The method's defaults updated with ``given``, each value checked against its `Option`."""
+def resolve_options(method: Method, given: dict[str, Any], near: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The method's defaults updated with ``given``, each value checked against its `Option`. A name the method does
+    not take is one line, with the closest of its options and of ``near`` (the caller's own keywords, which a
+    misspelling more likely meant)."""
     unknown = sorted(set(given) - set(method.options))
     if unknown:
+        import difflib
+
+        name = unknown[0]
+        also = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+        close = difflib.get_close_matches(name, list(near) + sorted(method.options), n=1)
+        if close:
+            raise InputError(f"unknown option {name!r} for method {method.name!r}: did you mean {close[0]}?{also}")
         allowed = ", ".join(sorted(method.options)) or "none"
-        raise InputError(f"method {method.name!r} does not take option(s) {', '.join(unknown)}; it takes: {allowed}")
+        raise InputError(f"unknown option {name!r} for method {method.name!r}{also}; it takes: {allowed}")
     checked = {k: method.options[k].check(method.name, k, v) for k, v in given.items()}
     return {**method.defaults, **checked}
 

@@ -50,6 +50,11 @@ class KVCache:
         return self.v[0].shape[2] if self.per_layer else self.v.shape[3]
 
     @property
+    def dtype(self):
+        """The dtype keys and values are stored in."""
+        return jax.tree.leaves(self.k)[0].dtype
+
+    @property
     def batch(self) -> int:
         return self.lengths.shape[0]
 
