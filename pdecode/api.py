@@ -55,6 +55,7 @@ class Model:
     path: Path | None = None
     extras: dict = dataclasses.field(default_factory=dict)  # method-specific weights (heads, ...)
     _sharded: dict = dataclasses.field(default_factory=dict, repr=False)
+    _placed: Any = dataclasses.field(default=None, repr=False)  # the mesh `on_mesh` placed these params on
 
     @property
     def dtype(self):
@@ -63,16 +64,24 @@ class Model:
     def num_params(self) -> int:
         return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))
 
-    def on_mesh(self, mesh) -> "Model":
-        """This model with params placed on ``mesh`` by the logical sharding rules (cached per mesh)."""
-        if mesh is None:
+    def on_mesh(self, mesh, indivisible: str = "error") -> "Model":
+        """This model with params — and attached heads — placed on ``mesh`` by the logical sharding rules (cached
+        per mesh). A dimension the mesh axis does not divide is a ConfigError naming both, unless
+        ``indivisible="replicate"`` (see `pdecode.sharding`)."""
+        if mesh is None or self._placed is mesh:
             return self
-        if mesh not in self._sharded:
+        key = (mesh, indivisible)
+        if key not in self._sharded:
             from pdecode.sharding import shard_params
 
-            params = shard_params(self.params, param_specs(self.cfg), mesh)
-            self._sharded[mesh] = dataclasses.replace(self, params=params, _sharded={})
-        return self._sharded[mesh]
+            params = shard_params(self.params, param_specs(self.cfg), mesh, indivisible=indivisible)
+            extras = dict(self.extras)
+            for kind, val in self.extras.items():
+                if isinstance(val, tuple) and len(val) == 2 and hasattr(val[0], "specs"):
+                    hcfg, hp = val
+                    extras[kind] = (hcfg, shard_params(hp, hcfg.specs(self.cfg), mesh, indivisible=indivisible))
+            self._sharded[key] = dataclasses.replace(self, params=params, extras=extras, _sharded={}, _placed=mesh)
+        return self._sharded[key]
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
@@ -95,27 +104,31 @@ def methods() -> dict[str, registry.Method]:
     return dict(registry.METHODS)  # in registration order
 
 
-def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None,
-         activation_dtype: str | None = None) -> Model:
+def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
+         activation_dtype: str | None = None, indivisible: str = "error") -> Model:
     """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]) or a pdecode
     orbax directory (config.json + params/); a heads directory loads its base model with the heads attached.
 
     Args:
         name_or_path: a zoo name (`pdecode.zoo_names()`) or a model directory.
-        dtype: the params' dtype: float32, bfloat16 or float16.
-        mesh: a `jax.sharding.Mesh`: params are placed by the logical sharding rules.
+        dtype: the params' dtype: "auto" (the dtype the checkpoint stores; the zoo stores bfloat16), float32,
+            bfloat16 or float16.
+        mesh: a `jax.sharding.Mesh`: params are placed by the logical sharding rules, read straight into their
+            shards (each device receives only its slice; nothing is first gathered on one device).
+        indivisible: with a mesh, a weight dimension the mesh axis does not divide is an error ("error") or kept
+            whole on every device ("replicate"); kv heads are always replicated when indivisible (`pdecode.sharding`).
         activation_dtype: the residual stream's, norms' and attention's dtype (default: ``dtype``); bfloat16 params
             with float32 activations is mixed precision (half the bytes a decode step reads, fp32 accumulation).
 
     Returns:
         `Model`: ``cfg``, ``params``, ``tokenizer``, ``extras`` (attached heads).
     """
-    if dtype not in _DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise InputError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}")
     if activation_dtype is not None and activation_dtype not in _DTYPES:
         raise InputError(f"activation_dtype must be one of {', '.join(_DTYPES)}, got {activation_dtype!r}")
     if activation_dtype is not None and activation_dtype != dtype:
-        m = load(name_or_path, dtype=dtype, mesh=mesh)
+        m = load(name_or_path, dtype=dtype, mesh=mesh, indivisible=indivisible)
         return dataclasses.replace(m, cfg=m.cfg.replace(activation_dtype=activation_dtype), _sharded={})
     path = resolve_path(name_or_path)
     from pdecode.checkpoint import heads_io
@@ -128,20 +141,16 @@ def load(name_or_path: str | os.PathLike, dtype: str = "float32", mesh=None,
         if not base:
             raise CheckpointError(f"{path}/heads.json names no base_model to attach the heads to")
         base_path = (path / base) if (path / base).is_dir() else base
-        return attach_heads(load(base_path, dtype=dtype, mesh=mesh), path)
+        return attach_heads(load(base_path, dtype=dtype, mesh=mesh, indivisible=indivisible), path)
     if orbax_ckpt.is_orbax_dir(path):
-        cfg, params = orbax_ckpt.restore(path, dtype=_DTYPES[dtype], mesh=mesh)
+        cfg, params = orbax_ckpt.restore(path, dtype=None if dtype == "auto" else _DTYPES[dtype], mesh=mesh,
+                                         indivisible=indivisible)
     else:
-        cfg, np_params = hf_ckpt.load_hf(path, dtype=np.dtype(jnp.dtype(_DTYPES[dtype])))
-        params = jax.tree.map(jnp.asarray, np_params)
-        if mesh is not None:
-            from pdecode.sharding import shard_params
-
-            params = shard_params(params, param_specs(cfg), mesh)
+        cfg, params = hf_ckpt.load_hf_arrays(path, dtype=dtype, mesh=mesh, indivisible=indivisible)
     tok = None
     if (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
-    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path, _placed=mesh)
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
     return m
@@ -162,7 +171,7 @@ def attach_heads(m: Model, path: str | os.PathLike) -> Model:
     else:
         kind, hcfg, params, meta = heads_io.load_released(path, m.cfg, dtype=dtype)
     extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params)), f"{kind}_meta": meta}
-    return dataclasses.replace(m, extras=extras, _sharded={})
+    return dataclasses.replace(m, extras=extras, _sharded={}, _placed=None)  # on_mesh places the new heads
 
 
 def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
@@ -341,7 +350,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         _check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
     extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
-    plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh) if draft is not None else None, opts, samp, **extra)
+    plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh, indivisible="replicate") if draft is not None else None,
+                        opts, samp, **extra)
 
     lens = [len(x) for x in ids]
     p_bucket = _bucket(max(lens))

@@ -16,6 +16,8 @@ from pdecode.errors import ConfigError
 
 # the dtypes params and activations may take (validation, `pdecode.load`, the CLI's choices)
 DTYPES = ("float32", "bfloat16", "float16")
+# attention implementations (`pdecode.model.attention.attend`; docs/performance.md, "Attention implementations")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas", "pallas_interpret")
 
 # HF `model_type` -> our family name. The family only decides naming and a few architectural switches.
 _HF_FAMILIES = {
@@ -69,6 +71,9 @@ class ModelConfig:
     # dtype of the residual stream, norms and attention; None = the params' dtype. "float32" with bfloat16 params:
     # bfloat16 matmul operands accumulating in float32, everything else in float32 (mixed precision).
     activation_dtype: str | None = None
+    # attention implementation (ATTENTION_IMPLS): "auto" picks one by backend and shapes (xla on CPU); an explicit
+    # one that cannot serve a call raises ConfigError (`attention.resolve_impl`)
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         problems = []
@@ -84,6 +89,8 @@ class ModelConfig:
             problems.append(f"unknown family {self.family!r}; expected one of llama, mistral, qwen2, qwen3")
         if self.activation_dtype is not None and self.activation_dtype not in DTYPES:
             problems.append(f"activation_dtype must be {', '.join(DTYPES)} or None (got {self.activation_dtype!r})")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            problems.append(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)} (got {self.attention_impl!r})")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 

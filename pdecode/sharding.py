@@ -1,8 +1,14 @@
 """Logical axis names -> mesh axes, and the shardings of params, caches and batches.
 
 Every weight carries logical axis names in its `ParamSpec` (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``mlp``,
-``layers``); `RULES` maps them onto a `jax.sharding.Mesh` with a ``data`` and a ``model`` axis. A dimension that
-the mesh axis does not divide stays replicated, so any model runs on any mesh.
+``layers``); `RULES` maps them onto a `jax.sharding.Mesh` with a ``data`` and a ``model`` axis.
+
+A dimension its mesh axis does not divide is an error that names both (``indivisible="error"``, the default for a
+model's own weights), except for the logical axes in `REPLICATE_IF_INDIVISIBLE`: ``kv_heads`` (a GQA model with
+fewer kv heads than the model axis keeps its k/v projections and cache whole on every device, the usual practice)
+and ``batch`` (a batch smaller than the data axis runs replicated). ``indivisible="replicate"`` replicates any such
+dimension instead: `pdecode.generate` places a draft model that way (a draft is small; its few heads rarely divide
+the model axis a large target needs).
 """
 
 from __future__ import annotations
@@ -37,12 +43,24 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
-def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None) -> P:
+REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "batch"})
+
+
+def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None, indivisible: str = "replicate",
+             what: str = "") -> P:
+    """The PartitionSpec of an array with logical ``axes``; ``indivisible``: "error" or "replicate" (see the
+    module's doc); ``what`` names the array in the error."""
     rules = RULES if rules is None else rules
     out, used = [], set()
     for name, dim in zip(axes, shape):
         mesh_axis = rules.get(name) if name else None
-        if mesh_axis is None or mesh_axis in used or mesh_axis not in mesh.shape or dim % mesh.shape[mesh_axis]:
+        if mesh_axis is None or mesh_axis in used or mesh_axis not in mesh.shape:
+            out.append(None)
+        elif dim % mesh.shape[mesh_axis]:
+            if indivisible == "error" and name not in REPLICATE_IF_INDIVISIBLE and mesh.shape[mesh_axis] > 1:
+                raise ConfigError(f"{what or 'an array'}: its {name} dimension ({dim}) is not divisible by the mesh's "
+                                  f"{mesh_axis} axis ({mesh.shape[mesh_axis]}); use a {mesh_axis} axis that divides "
+                                  f"{dim}, or replicate it explicitly (Model.on_mesh(mesh, indivisible='replicate'))")
             out.append(None)
         else:
             out.append(mesh_axis)
@@ -50,12 +68,23 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None) -
     return P(*out)
 
 
-def param_shardings(specs, mesh: Mesh, rules: dict | None = None):
-    return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.axes, s.shape, mesh, rules)), specs, is_leaf=is_spec)
+def _name(key_path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
 
 
-def shard_params(params, specs, mesh: Mesh, rules: dict | None = None):
-    return jax.device_put(params, param_shardings(specs, mesh, rules))
+def param_shardings(specs, mesh: Mesh, rules: dict | None = None, indivisible: str = "error"):
+    """NamedShardings of a spec tree; an indivisible sharded dimension is an error unless ``indivisible="replicate"``
+    (or its logical axis is in `REPLICATE_IF_INDIVISIBLE`)."""
+    if indivisible not in ("error", "replicate"):
+        raise ConfigError(f"indivisible must be 'error' or 'replicate', got {indivisible!r}")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    out = [NamedSharding(mesh, spec_for(s.axes, s.shape, mesh, rules, indivisible, _name(kp)))
+           for kp, s in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_params(params, specs, mesh: Mesh, rules: dict | None = None, indivisible: str = "error"):
+    return jax.device_put(params, param_shardings(specs, mesh, rules, indivisible))
 
 
 def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:

@@ -18,6 +18,11 @@ def test_logical_rules_and_divisibility():
     assert spec_for(("vocab", "embed"), (97, 64), mesh) == P(None, None)  # 97 % 4 != 0: replicated
     assert spec_for(("layers", "embed", "kv_heads", None), (3, 64, 2, 16), mesh) == P(None, None, None, None)
     assert spec_for(("batch", None), (8, 5), mesh) == P("data", None)
+    # a model's own weights: an indivisible sharded dimension is an error naming it (kv heads / batch replicate)
+    with pytest.raises(pdecode.errors.ConfigError, match=r"embed: its vocab dimension \(97\) is not divisible by "
+                       r"the mesh's model axis \(4\)"):
+        spec_for(("vocab", "embed"), (97, 64), mesh, indivisible="error", what="embed")
+    assert spec_for(("kv_heads", None), (2, 16), mesh, indivisible="error") == P(None, None)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 8)])
@@ -26,10 +31,13 @@ def test_sharded_greedy_equals_single_device(tiny, shape):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20], [21, 22, 23, 24, 25, 26, 27],
                [28, 29, 30], [31]]
     single = pdecode.generate(tiny, prompts, max_new_tokens=16, stop_at_eos=False)
-    sharded = pdecode.generate(tiny, prompts, max_new_tokens=16, stop_at_eos=False, mesh=mesh)
+    if shape[1] > 1:  # the tiny vocab (97) does not divide the model axis: replication must be asked for
+        with pytest.raises(pdecode.errors.ConfigError, match="vocab dimension"):
+            pdecode.generate(tiny, prompts, max_new_tokens=16, mesh=mesh)
+    on_mesh = tiny.on_mesh(mesh, indivisible="replicate")
+    sharded = pdecode.generate(on_mesh, prompts, max_new_tokens=16, stop_at_eos=False, mesh=mesh)
     assert sharded.tokens == single.tokens
     # the params really are spread over the mesh
-    on_mesh = tiny.on_mesh(mesh)
     w = on_mesh.params["layers"]["w_gate"]
     assert len(w.sharding.device_set) == 8
     if shape[1] > 1:
@@ -43,8 +51,10 @@ def test_load_with_mesh_and_orbax_round_trip(hf_dirs, tmp_path):
     m = pdecode.load(hf_dirs["qwen3"][0])
     orbax_ckpt.save(m.cfg, m.params, tmp_path / "ob")
     mesh = make_mesh(2, 4)
-    m2 = pdecode.load(tmp_path / "ob", mesh=mesh)
-    shard = param_shardings(param_specs(m2.cfg), mesh)
+    with pytest.raises(pdecode.errors.ConfigError, match="vocab dimension"):
+        pdecode.load(tmp_path / "ob", mesh=mesh)
+    m2 = pdecode.load(tmp_path / "ob", mesh=mesh, indivisible="replicate")
+    shard = param_shardings(param_specs(m2.cfg), mesh, indivisible="replicate")
     assert m2.params["layers"]["wq"].sharding == shard["layers"]["wq"]
     for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(m2.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -60,6 +70,21 @@ def test_sharded_speculative_equals_single_device(tiny):
         draft = tiny if method == "sd" else None
         single = pdecode.generate(tiny, prompts, method=method, draft=draft, max_new_tokens=12, stop_at_eos=False,
                                   **opts)
-        sharded = pdecode.generate(tiny, prompts, method=method, draft=draft, max_new_tokens=12, stop_at_eos=False,
-                                   mesh=mesh, **opts)
+        sharded = pdecode.generate(tiny.on_mesh(mesh, indivisible="replicate"), prompts, method=method, draft=draft,
+                                   max_new_tokens=12, stop_at_eos=False, mesh=mesh, **opts)
         assert sharded.tokens == single.tokens
+
+
+def test_attached_heads_are_sharded_by_on_mesh():
+    """on_mesh places attached heads by their own logical specs, and EAGLE decodes the same on the mesh."""
+    mesh = make_mesh(2, 4)
+    m = pdecode.load("code-target-eagle", dtype="float32")
+    placed = m.on_mesh(mesh)
+    _, hp = placed.extras["eagle"]
+    specs = {str(a.sharding.spec) for a in jax.tree.leaves(hp)}
+    assert any("model" in s for s in specs), specs
+    assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(hp))
+    prompts = ["def fib(n):", "import os\n", "class Stack:"]
+    single = pdecode.generate(m, prompts, method="eagle", max_new_tokens=20)
+    sharded = pdecode.generate(m, prompts, method="eagle", max_new_tokens=20, mesh=mesh)
+    assert sharded.tokens == single.tokens

@@ -113,29 +113,18 @@ def _set(tree: dict, path: str, value):
     tree[parts[-1]] = value
 
 
-def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[Rule], num_layers: int,
-                      dtype=None, source: str = "checkpoint") -> dict:
-    """Gather HF tensors into a params tree (numpy), checking every name and shape against the spec tree."""
-    params: dict = {}
+def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str) -> None:
+    """Every tensor the rules name is present with the element count its spec needs, or one CheckpointError."""
     missing, bad = [], []
     for r in rules:
         spec = _get(specs, r.ours)
         layered = "{i}" in r.hf
-        names = [r.hf.format(i=i) for i in range(num_layers)] if layered else [r.hf]
         per_shape = spec.shape[1:] if layered else spec.shape
-        parts = []
-        for name in names:
+        for name in ([r.hf.format(i=i) for i in range(num_layers)] if layered else [r.hf]):
             if name not in tensors:
                 missing.append(name)
-                continue
-            a = tensors[name]
-            if int(np.prod(a.shape)) != int(np.prod(per_shape)):
-                bad.append(f"{name}: checkpoint {tuple(a.shape)} vs config {per_shape}")
-                continue
-            parts.append(_to_ours(np.asarray(a), r.layout, per_shape))
-        if len(parts) == len(names):
-            arr = np.stack(parts) if layered else parts[0]
-            _set(params, r.ours, arr.astype(dtype) if dtype is not None else arr)
+            elif int(np.prod(tensors[name].shape)) != int(np.prod(per_shape)):
+                bad.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs config {per_shape}")
     if missing or bad:
         msg = []
         if missing:
@@ -143,7 +132,112 @@ def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[R
         if bad:
             msg.append("shape mismatch: " + "; ".join(bad[:4]))
         raise CheckpointError(f"{source} does not match its config.json: " + "; ".join(msg))
+
+
+def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[Rule], num_layers: int,
+                      dtype=None, source: str = "checkpoint") -> dict:
+    """Gather HF tensors into a params tree (numpy), checking every name and shape against the spec tree."""
+    _check(tensors, specs, rules, num_layers, source)
+    params: dict = {}
+    for r in rules:
+        spec = _get(specs, r.ours)
+        layered = "{i}" in r.hf
+        per_shape = spec.shape[1:] if layered else spec.shape
+        names = [r.hf.format(i=i) for i in range(num_layers)] if layered else [r.hf]
+        parts = [_to_ours(np.asarray(tensors[n]), r.layout, per_shape) for n in names]
+        arr = np.stack(parts) if layered else parts[0]
+        _set(params, r.ours, arr.astype(dtype) if dtype is not None else arr)
     return params
+
+
+def stored_dtype(tensors, hf_cfg: dict) -> str:
+    """The floating dtype a checkpoint stores its weights in (float32, bfloat16 or float16): the embedding
+    tensor's, else config.json's ``torch_dtype``, else float32. What ``dtype="auto"`` loads."""
+    from pdecode.config import DTYPES
+
+    for name in ("model.embed_tokens.weight", "model.transformer.wte.weight"):
+        if name in tensors:
+            dt = str(tensors[name].dtype)
+            return dt if dt in DTYPES else "float32"
+    dt = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
+    return dt if dt in DTYPES else "float32"
+
+
+def _slice_key(index: tuple, shape: tuple) -> tuple[tuple, ...]:
+    """A hashable form of a shard's index (slices are not hashable before Python 3.12)."""
+    full = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n) for s, n in zip(full, shape))
+
+
+def _sliced_shape(shape: tuple, index: tuple) -> tuple[int, ...]:
+    return tuple(len(range(n)[i]) for n, i in zip(shape, index))
+
+
+def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str = "error") -> tuple[ModelConfig, dict]:
+    """Read an HF directory straight into device arrays: (cfg, params as jax arrays).
+
+    Tensor by tensor from memory maps, each param is built shard by shard: for every distinct slice its
+    `NamedSharding` (the logical rules on ``mesh``; one device without a mesh) asks for, only that slice is
+    gathered on the host (per layer, converted to ``dtype``) and put on the device(s) that hold it; then the
+    tensor's pages are released. The host never holds more than one slice of one param besides the memory maps'
+    pages in flight, so loading peaks near the model's own size (tests/test_sharded_load.py measures it).
+    ``dtype``: "auto" (the stored dtype, `stored_dtype`), or float32 / bfloat16 / float16; ``indivisible``: see
+    `pdecode.sharding`.
+    """
+    import ml_dtypes  # noqa: F401  (bfloat16 as a numpy dtype)
+    from jax.sharding import SingleDeviceSharding
+
+    from pdecode.checkpoint.safetensors_io import CheckpointTensors
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no model directory at {path}")
+    hf_cfg = read_config(path)
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}/config.json: {e}") from None
+    src = CheckpointTensors(path)
+    if cfg.tie_word_embeddings is False and "lm_head.weight" not in src and "model.embed_tokens.weight" in src:
+        raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
+    specs = param_specs(cfg)
+    rules = rules_for(cfg)
+    _check(src, specs, rules, cfg.num_layers, str(path))
+    if dtype == "auto":
+        dtype = stored_dtype(src, hf_cfg)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    if mesh is not None:
+        from pdecode.sharding import param_shardings
+
+        shardings = param_shardings(specs, mesh, indivisible=indivisible)
+    params: dict = {}
+    for r in rules:
+        spec = _get(specs, r.ours)
+        layered = "{i}" in r.hf
+        per_shape = spec.shape[1:] if layered else spec.shape
+        names = [r.hf.format(i=i) for i in range(cfg.num_layers)] if layered else [r.hf]
+        sharding = _get(shardings, r.ours) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+        by_index: dict = {}
+        for dev, index in sharding.addressable_devices_indices_map(spec.shape).items():
+            by_index.setdefault(_slice_key(index, spec.shape), []).append(dev)
+        shards = []
+        for key, devs in by_index.items():
+            index = tuple(slice(*k) for k in key)
+            if layered:
+                layers = range(cfg.num_layers)[index[0]]
+                host = np.empty((len(layers),) + _sliced_shape(per_shape, index[1:]), np_dtype)
+                for j, i in enumerate(layers):
+                    host[j] = _to_ours(src[names[i]], r.layout, per_shape)[index[1:]]
+            else:
+                host = np.asarray(_to_ours(src[names[0]], r.layout, per_shape)[index], np_dtype)
+            shards += [(d, jax.device_put(host, d)) for d in devs]
+            del host
+        order = {d: k for k, d in enumerate(sharding.addressable_devices_indices_map(spec.shape))}
+        arrays = [a for _, a in sorted(shards, key=lambda da: order[da[0]])]
+        _set(params, r.ours, jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
+        for n in names:
+            src.release(n)
+    return cfg.replace(layout="hf"), params
 
 
 def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, np.ndarray]:

@@ -32,6 +32,8 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / "params", params)
         ckptr.wait_until_finished()
+    stored = str(jax.tree.leaves(params)[0].dtype)  # what dtype="auto" restores
+    cfg = cfg.replace(dtype=stored) if stored in ("float32", "bfloat16", "float16") else cfg
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -41,7 +43,9 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
     return out
 
 
-def restore(path: str | Path, dtype=None, mesh=None) -> tuple[ModelConfig, dict]:
+def restore(path: str | Path, dtype=None, mesh=None, indivisible: str = "error") -> tuple[ModelConfig, dict]:
+    """(cfg, params) read straight into their shardings on ``mesh`` (one device without); ``dtype`` None: the
+    dtype the checkpoint was saved in (config.json's ``torch_dtype``)."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
@@ -49,11 +53,11 @@ def restore(path: str | Path, dtype=None, mesh=None) -> tuple[ModelConfig, dict]
     if not is_orbax_dir(path):
         raise CheckpointError(f"{path} is not a pdecode orbax directory (needs config.json and params/)")
     cfg = ModelConfig.load(path)
-    abstract = abstract_params(cfg, dtype or jnp.float32)
+    abstract = abstract_params(cfg, dtype or jnp.dtype(cfg.dtype))
     if mesh is not None:
         from pdecode.sharding import param_shardings
 
-        shard = param_shardings(param_specs(cfg), mesh)
+        shard = param_shardings(param_specs(cfg), mesh, indivisible=indivisible)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shard)
     try:
         with ocp.StandardCheckpointer() as ckptr:

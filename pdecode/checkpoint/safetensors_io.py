@@ -39,9 +39,10 @@ def stored_path(path: str | Path) -> Path:
     return xz if not path.exists() and xz.exists() else path
 
 
-def _load(path: Path) -> tuple[dict[str, np.ndarray], dict | None]:
+def _load(path: Path, spans: dict | None = None) -> tuple[dict[str, np.ndarray], dict | None]:
     """(tensors as read-only numpy views over a memory map or the decompressed bytes of .xz, the header's
-    __metadata__) of one safetensors file, plain or .xz."""
+    __metadata__) of one safetensors file, plain or .xz. ``spans`` (if given) receives name -> (buffer, start,
+    nbytes) of each tensor, for `CheckpointTensors.release`."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -72,6 +73,8 @@ def _load(path: Path) -> tuple[dict[str, np.ndarray], dict | None]:
         lo, hi = info["data_offsets"]
         arr = np.frombuffer(buf, dtype=dt, count=(hi - lo) // np.dtype(dt).itemsize, offset=base + lo)
         out[name] = arr.reshape(info["shape"])
+        if spans is not None:
+            spans[name] = (buf, base + lo, hi - lo)
     return out, header.get("__metadata__")
 
 
@@ -124,8 +127,9 @@ def compress_file(path: str | Path) -> Path:
     return write_safetensors(path, {k: np.array(v) for k, v in tensors.items()}, meta, compress=True)
 
 
-def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
-    """Tensors of an HF directory: ``model.safetensors``, or the shards named by ``*.safetensors.index.json``."""
+def read_checkpoint_dir(path: Path, spans: dict | None = None) -> dict[str, np.ndarray]:
+    """Tensors of an HF directory: ``model.safetensors``, or the shards named by ``*.safetensors.index.json``
+    (read-only views; nothing is read from disk until a tensor is touched)."""
     index = sorted(path.glob("*.safetensors.index.json"))
     if index:
         try:
@@ -136,7 +140,7 @@ def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
         for shard in sorted(set(weight_map.values())):
             if not stored_path(path / shard).exists():
                 raise CheckpointError(f"{index[0].name} names shard {shard}, which is missing from {path}")
-            tensors.update(read_safetensors(path / shard))
+            tensors.update(_load(stored_path(path / shard), spans)[0])
         return tensors
     plain = sorted(path.glob("*.safetensors"))
     # a plain file wins over an .xz of the same name (as in stored_path); heads files are not model weights
@@ -146,5 +150,33 @@ def read_checkpoint_dir(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"no *.safetensors weights in {path} (pdecode reads HF safetensors checkpoints)")
     tensors = {}
     for f in files:
-        tensors.update(read_safetensors(f))
+        tensors.update(_load(f, spans)[0])
     return tensors
+
+
+class CheckpointTensors:
+    """The tensors of an HF directory, read lazily from memory maps: ``tensors[name]`` is a read-only view, and
+    ``release(name)`` tells the kernel the tensor's pages are no longer needed (``MADV_DONTNEED``), so a loader that
+    releases each tensor once it is on its devices never holds more than a few tensors' pages resident on the host,
+    whatever the checkpoint's size. (An .xz file is decompressed into memory whole; release is then a no-op.)"""
+
+    def __init__(self, path: Path):
+        self._spans: dict = {}
+        self.tensors = read_checkpoint_dir(Path(path), self._spans)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def release(self, name: str) -> None:
+        buf, start, n = self._spans.get(name, (None, 0, 0))
+        if not isinstance(buf, mmap.mmap) or n == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = start - start % mmap.PAGESIZE
+        hi = start + n + (-(start + n)) % mmap.PAGESIZE
+        try:  # pages shared with a neighbouring tensor are simply read again when touched
+            buf.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(buf)) - lo)
+        except (OSError, ValueError):
+            pass

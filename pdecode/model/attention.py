@@ -8,10 +8,14 @@ bidirectional blocks), and padding.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from pdecode.config import ATTENTION_IMPLS
+from pdecode.errors import ConfigError
 
 _NEG = -1e30
 
@@ -26,13 +30,26 @@ class CausalSelfMask(NamedTuple):
     blocks: int = 4
 
 
-def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS) -> jax.Array:
+def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, impl: str = "xla") -> jax.Array:
     """Grouped-query attention. q: [B,T,H,hd]; k: [B,KV,hd,S] (transposed, the cache layout); v: [B,KV,S,hd];
     mask: [B,T,S] (True = visible), or a `CausalSelfMask`. Returns [B,T,H,hd].
 
-    Scores and softmax run in float32 whatever the input dtypes. A query with no visible key gets the mean of all
-    values (masks always give a real query at least one key).
+    Scores and softmax run in float32 whatever the input dtypes; the matmul operands are in the cache's dtype. A query
+    with no visible key gets the mean of all values (masks always give a real query at least one key).
+
+    ``impl`` picks the implementation (static; `resolve_impl`, docs/performance.md): "xla" (the einsums below, the
+    reference), "dot_product" (`jax.nn.dot_product_attention`, its XLA implementation), "cudnn" (the same function's
+    cuDNN flash attention; CUDA GPUs), "pallas" (the Pallas splash-attention kernel; TPU), "pallas_interpret" (that
+    kernel in Pallas interpret mode on any backend: slow, for tests), or "auto" (one of them by
+    `jax.default_backend()` and the shapes, else "xla"). An explicit impl that cannot serve the shapes, dtypes or
+    backend raises `ConfigError`; only "auto" falls back. "cudnn" and "pallas*" give a query with no visible key the
+    value at key slot 0 instead of the mean (finite either way; masks give real queries a key).
     """
+    impl = resolve_impl(impl, q_BTHD.shape, k_BKDS.shape, k_BKDS.dtype, v_BKSD.dtype)
+    if impl in ("dot_product", "cudnn"):
+        return _attend_dot_product(q_BTHD, k_BKDS, v_BKSD, mask_BTS, "cudnn" if impl == "cudnn" else "xla")
+    if impl in ("pallas", "pallas_interpret"):
+        return _attend_splash(q_BTHD, k_BKDS, v_BKSD, mask_BTS, interpret=impl == "pallas_interpret")
     if isinstance(mask_BTS, CausalSelfMask):
         t, n = q_BTHD.shape[1], mask_BTS.blocks
         if n <= 1 or t % n or t // n < 16:
@@ -53,6 +70,163 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS) ->
     out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v_BKSD.dtype), v_BKSD, preferred_element_type=jnp.float32)
     out = out / jnp.sum(e, axis=-1, keepdims=True)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ implementations
+# "auto" runs an accelerator kernel only for passes of at least this many queries (prefill, training, diffusion
+# passes over a whole sequence). Shorter passes (decode steps, verifies) keep the XLA reference: on GPU the kernel
+# path copies the K cache into the [B, S, KV, hd] layout cuDNN takes, once per layer and step, and the TPU kernel
+# tiles queries in blocks of 128. A rule from the shapes, not a measurement: none was made on an accelerator.
+AUTO_MIN_QUERIES = 128
+_BLOCKS = (512, 256, 128)  # splash-attention tile sizes tried, largest first
+
+
+def resolve_impl(impl: str, q_shape, k_shape, dtype, v_dtype=None, backend: str | None = None) -> str:
+    """The implementation `attend` runs for ``impl``, from static facts only: q's shape [B,T,H,hd], k's [B,KV,hd,S],
+    the cache's dtype (k's), v's dtype (default: k's) and the backend (default `jax.default_backend()`).
+
+    "auto" picks "cudnn" on "gpu" when cuDNN can serve the call, T >= AUTO_MIN_QUERIES, and T and S are even (cuDNN
+    refuses a masked pass of odd length under differentiation, and attend cannot tell whether it is differentiated);
+    "pallas" on "tpu" when the kernel can serve the call, T >= AUTO_MIN_QUERIES and head_dim is a multiple of 128;
+    "xla" otherwise, and always on "cpu". Any other impl is returned unchanged when it can serve the call, or raises
+    `ConfigError` saying why not and what to use instead.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"unknown attention impl {impl!r}; expected one of {', '.join(ATTENTION_IMPLS)}")
+    backend = backend or jax.default_backend()
+    dtype = jnp.dtype(dtype)
+    v_dtype = dtype if v_dtype is None else jnp.dtype(v_dtype)
+    if impl == "auto":
+        t, s, d = q_shape[1], k_shape[-1], q_shape[-1]
+        if t < AUTO_MIN_QUERIES:
+            return "xla"
+        if backend == "gpu" and t % 2 == 0 and s % 2 == 0 and \
+                _why_not("cudnn", q_shape, k_shape, dtype, v_dtype, backend) is None:
+            return "cudnn"
+        if backend == "tpu" and d % 128 == 0 and _why_not("pallas", q_shape, k_shape, dtype, v_dtype, backend) is None:
+            return "pallas"
+        return "xla"
+    why = _why_not(impl, q_shape, k_shape, dtype, v_dtype, backend)
+    if why is not None:
+        raise ConfigError(f"attention impl {impl!r} cannot serve this call: {why}; use impl='xla' (or 'auto')")
+    return impl
+
+
+def _why_not(impl: str, q_shape, k_shape, dtype, v_dtype, backend: str) -> str | None:
+    """Why ``impl`` cannot serve a call of these shapes and dtypes on ``backend`` (None: it can)."""
+    t, d, s = q_shape[1], q_shape[-1], k_shape[-1]
+    if impl in ("xla", "dot_product"):
+        return None
+    if v_dtype != dtype:
+        return f"k and v have different dtypes ({dtype}, {v_dtype})"
+    if impl == "cudnn":
+        if backend != "gpu":
+            return f"cuDNN runs on a CUDA GPU and the backend is {backend!r}"
+        d_max = _cudnn_head_dim_max()
+        if d_max is None:
+            return "the GPU backend is not CUDA (no cuDNN)"
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return f"cuDNN flash attention takes a bfloat16 or float16 cache, not {dtype}"
+        if d % 8 or d > d_max:
+            return f"cuDNN flash attention needs head_dim a multiple of 8 and at most {d_max} (got {d})"
+        return None
+    # "pallas" / "pallas_interpret": the splash-attention kernel
+    if impl == "pallas" and backend != "tpu":
+        return (f"the Pallas splash kernel compiles for TPU only and the backend is {backend!r} "
+                "('pallas_interpret' runs it on any backend, slowly)")
+    if _splash() is None:
+        return "this JAX has no jax.experimental.pallas.ops.tpu.splash_attention"
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"the splash kernel takes a float32 or bfloat16 cache, not {dtype}"
+    if _tile(s, small=False) is None:
+        return f"the splash kernel tiles keys in blocks of a multiple of 128 and S={s} is not one (grow the cache)"
+    if _tile(t, small=True) is None:
+        return f"the splash kernel tiles queries in blocks of 128, or one block of a multiple of 8 below 128 (T={t})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_head_dim_max() -> int | None:
+    """The largest head_dim cuDNN flash attention takes on the first GPU (256 from compute capability 9.0, 128
+    before), or None without a CUDA GPU."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:  # no GPU backend
+        return None
+    if "cuda" not in str(dev.client.platform_version).lower():
+        return None
+    cc = tuple(int(x) for x in str(getattr(dev, "compute_capability", "0.0")).split("."))
+    return 256 if cc >= (9, 0) else 128
+
+
+@functools.lru_cache(maxsize=None)
+def _splash():
+    """The splash-attention kernel module (jax.experimental.pallas.ops.tpu), or None where this JAX lacks it."""
+    try:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+    except ImportError:
+        return None
+    return splash_attention_kernel
+
+
+def _tile(n: int, small: bool) -> int | None:
+    """The splash tile for a sequence of n: the largest of 512/256/128 dividing n, else (``small``) n itself when it
+    is a multiple of 8 below 128; None when neither."""
+    for b in _BLOCKS:
+        if n % b == 0:
+            return b
+    return n if small and n < 128 and n % 8 == 0 else None
+
+
+def _some_key(mask_BTS: jax.Array) -> jax.Array:
+    """The mask with key slot 0 made visible to every query that sees no key (the kernels' softmax over an empty
+    row is 0/0; the reference's is the mean of the values)."""
+    s = jnp.arange(mask_BTS.shape[-1])
+    return mask_BTS | (~jnp.any(mask_BTS, axis=-1, keepdims=True) & (s == 0))
+
+
+def _attend_dot_product(q_BTHD, k_BKDS, v_BKSD, mask_BTS, implementation: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` ("xla" or "cudnn") in its [B, S, N, hd] layouts; GQA by fewer kv heads. A
+    `CausalSelfMask` also sets ``is_causal`` (its mask hides every later key anyway), so cuDNN skips those tiles."""
+    b, t, _, _ = q_BTHD.shape
+    causal = isinstance(mask_BTS, CausalSelfMask)
+    m = jnp.broadcast_to(mask_BTS.mask if causal else mask_BTS, (b, t, k_BKDS.shape[-1]))
+    if implementation == "cudnn":
+        m = _some_key(m)
+    out = jax.nn.dot_product_attention(q_BTHD.astype(k_BKDS.dtype), jnp.transpose(k_BKDS, (0, 3, 1, 2)),
+                                       jnp.swapaxes(v_BKSD, 1, 2), mask=m[:, None], is_causal=causal,
+                                       implementation=implementation)
+    return out.astype(q_BTHD.dtype)
+
+
+def _attend_splash(q_BTHD, k_BKDS, v_BKSD, mask_BTS, interpret: bool) -> jax.Array:
+    """The Pallas splash-attention kernel, one call per row (vmapped), the row's [T, S] mask given as a dynamic
+    block mask: exact for any boolean mask, and tiles with no visible key are skipped. k stays in the cache's
+    [KV, hd, S] layout (the kernel's SEQ_MINOR k layout); GQA by fewer kv heads."""
+    sk = _splash()
+    b, t, _, d = q_BTHD.shape
+    s = k_BKDS.shape[-1]
+    m = jnp.broadcast_to(mask_BTS.mask if isinstance(mask_BTS, CausalSelfMask) else mask_BTS, (b, t, s))
+    m = _some_key(m)
+    bq, bkv = _tile(t, small=True), _tile(s, small=False)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True, k_layout=sk.QKVLayout.SEQ_MINOR)
+    # the kernel takes no scale: q is scaled in float32, then cast to the cache's dtype (the matmul operands')
+    q = (q_BTHD.astype(jnp.float32) * (1.0 / d ** 0.5)).astype(k_BKDS.dtype).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+
+    def dynamic(info):
+        # Built under jit, MaskInfo.is_dynamic_mask is a traced bool that the kernel's __call__ tests in Python
+        # (JAX 0.10); it only names a profiler scope.
+        return None if info is None else info._replace(is_dynamic_mask=True)
+
+    def row(m_TS, q_HTD, k_KDS, v_KSD):
+        kernel = sk.make_splash_mha_single_device(m_TS[None], block_sizes=sizes, interpret=interpret)
+        kernel = sk.SplashAttentionKernel(dynamic(kernel.fwd_mask_info), dynamic(kernel.dq_mask_info),
+                                          dynamic(kernel.dkv_mask_info), **kernel.kwargs)
+        return kernel(q_HTD, jnp.swapaxes(k_KDS, -1, -2), v_KSD)  # k's logical [KV, S, hd]; SEQ_MINOR swaps back
+
+    out = jax.vmap(row)(m, q, k_BKDS, v_BKSD)  # [B, H, T, hd]
+    return out.transpose(0, 2, 1, 3).astype(q_BTHD.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ masks
