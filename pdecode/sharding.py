@@ -43,6 +43,10 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
+# FSDP-style training: every weight is also split over ``data`` along its ``embed`` axis (all-gathered per layer
+# for the forward, its gradient reduce-scattered back), so params, grads and optimizer moments take 1/N each
+FSDP_RULES: dict[str, str | None] = {**RULES, "embed": "data"}
+
 REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "batch"})
 
 

@@ -36,6 +36,10 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     time_budget_s: float | None = None  # stop early (and say so) once this much wall time is spent
+    accum: int = 1  # gradient accumulation: each batch runs as `accum` micro-batches (a scan), one update
+    # mixed precision: the trainable params stay float32 (the master weights AdamW updates) and are cast to this
+    # dtype for the forward and backward passes; None: compute in the params' own dtype
+    compute_dtype: str | None = None
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -78,19 +82,106 @@ def _ckpt_manager(ckpt_dir: Path, keep: int = 2):
     return ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
 
-def _step_fn(objective: Callable, opt: optax.GradientTransformation):
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def loss_and_grads(objective: Callable, params, frozen, batch, rng, accum: int = 1, compute_dtype=None):
+    """(loss, metrics, grads) of ``objective`` on ``batch``: as ``accum`` micro-batches (the batch's leading axis
+    split evenly; a `lax.scan` sums their gradients, so memory is one micro-batch's activations), each with its own
+    fold of ``rng``; with ``compute_dtype`` the forward and backward run on params cast to it while the gradients
+    come back in the params' dtype (the cast's transpose)."""
+
+    def f(p, b, r):
+        return objective(_cast(p, compute_dtype) if compute_dtype else p, frozen, b, r)
+
+    grad_f = jax.value_and_grad(f, has_aux=True)
+    if accum == 1:
+        (loss, metrics), grads = grad_f(params, batch, rng)
+        return loss, metrics, grads
+    micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
+
+    def body(acc, xs):
+        i, b = xs
+        (loss, metrics), grads = grad_f(params, b, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+
+    (loss0, metrics0), _ = jax.eval_shape(grad_f, params, jax.tree.map(lambda x: x[0], micro), rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, metrics0, params))
+    tot, _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+    return jax.tree.map(lambda a: a / accum, tot)
+
+
+def _step_fn(objective: Callable, opt: optax.GradientTransformation, accum: int = 1, compute_dtype=None,
+             param_shardings=None):
     """The jitted training step. Every array it reads is an argument — the trainable params and the frozen ones
     (a base model, a teacher) alike — so nothing is baked into the compiled program as a constant and a frozen
-    8B base costs device memory once, not compile time and program size."""
+    8B base costs device memory once, not compile time and program size. With ``param_shardings`` (a mesh run)
+    the updated params are pinned to them, so every step keeps the data-parallel or FSDP layout it started with."""
 
     @jax.jit
     def step_fn(params, frozen, opt_state, batch, rng):
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, frozen, batch, rng)
+        loss, metrics, grads = loss_and_grads(objective, params, frozen, batch, rng, accum, compute_dtype)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+        if param_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
         return params, opt_state, loss, dict(metrics, grad_norm=optax.global_norm(grads))
 
     return step_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """How a training run lays out on a mesh: the trainable params by their logical ``specs`` (data parallel:
+    replicated over ``data``, tensor-parallel over ``model`` by `pdecode.sharding.RULES`; ``fsdp``: also split over
+    ``data`` along their ``embed`` axis, `pdecode.sharding.FSDP_RULES`), the frozen params by ``frozen_specs``
+    (None: replicated), the batch split over ``data``."""
+
+    mesh: Any
+    specs: Any
+    frozen_specs: Any = None
+    fsdp: bool = False
+
+    def rules(self):
+        from pdecode.sharding import FSDP_RULES, RULES
+
+        return FSDP_RULES if self.fsdp else RULES
+
+    def param_shardings(self):
+        from pdecode.sharding import param_shardings
+
+        return param_shardings(self.specs, self.mesh, self.rules(), indivisible="replicate")
+
+    def place(self, params, frozen):
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from pdecode.sharding import param_shardings
+
+        params = jax.device_put(params, self.param_shardings())
+        if frozen is not None:
+            fs = (param_shardings(self.frozen_specs, self.mesh, self.rules(), indivisible="replicate")
+                  if self.frozen_specs is not None else NamedSharding(self.mesh, P()))
+            frozen = jax.device_put(frozen, fs)
+        return params, frozen
+
+    def place_scalars(self, tree):
+        """Leaves on a single device (an optimizer's step count) replicated over the mesh instead."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        rep = NamedSharding(self.mesh, P())
+        return jax.tree.map(lambda a: a if len(a.sharding.device_set) > 1 else jax.device_put(a, rep), tree)
+
+    def place_batch(self, batch):
+        from pdecode.sharding import batch_sharding
+
+        return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, np.shape(x))), batch)
+
+
+def _check_accum(tc: TrainConfig, batch) -> None:
+    n = np.shape(jax.tree.leaves(batch)[0])[0]
+    if tc.accum < 1 or n % tc.accum:
+        raise ValueError(f"accum={tc.accum} must be >= 1 and divide the batch size ({n})")
 
 
 def time_step(objective: Callable, params: Any, frozen: Any, batch: np.ndarray, tc: TrainConfig,
@@ -98,7 +189,8 @@ def time_step(objective: Callable, params: Any, frozen: Any, batch: np.ndarray, 
     """Seconds per training step (the loop's jitted step: loss, gradients, AdamW update) on one batch: compile
     time and the median of ``repeats`` timed steps after one warm-up."""
     opt = make_optimizer(tc)
-    step_fn = _step_fn(objective, opt)
+    _check_accum(tc, batch)
+    step_fn = _step_fn(objective, opt, tc.accum, tc.compute_dtype)
     state, batch, key = opt.init(params), jax.tree.map(jnp.asarray, batch), jax.random.PRNGKey(tc.seed)
     t0 = time.perf_counter()
     params, state, loss, _ = step_fn(params, frozen, state, batch, key)
@@ -114,11 +206,19 @@ def time_step(objective: Callable, params: Any, frozen: Any, batch: np.ndarray, 
 
 def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int], np.ndarray], tc: TrainConfig,
           ckpt_dir: str | Path | None = None, eval_fn: Callable[[Any], dict] | None = None, desc: str = "train",
-          tokens_per_step: int | None = None) -> tuple[Any, dict]:
+          tokens_per_step: int | None = None, mesh_plan: MeshPlan | None = None) -> tuple[Any, dict]:
+    """Train ``params`` (see the module's doc); ``mesh_plan`` runs it data-parallel or FSDP on a mesh."""
     import orbax.checkpoint as ocp
 
     opt = make_optimizer(tc)
-    opt_state = opt.init(params)
+    _check_accum(tc, batch_fn(0))
+    if tc.compute_dtype is not None:
+        params = _cast(params, jnp.float32)  # the master weights
+    if mesh_plan is not None:
+        params, frozen = mesh_plan.place(params, frozen)
+    opt_state = jax.jit(opt.init)(params)  # the moments take their params' shardings
+    if mesh_plan is not None:
+        opt_state = mesh_plan.place_scalars(opt_state)
     start = 0
     mgr = None
     if ckpt_dir is not None:
@@ -127,7 +227,7 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
         mgr = _ckpt_manager(ckpt_dir)
         last = mgr.latest_step()
         if last is not None:
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                                     {"params": params, "opt_state": opt_state})
             restored = mgr.restore(last, args=ocp.args.StandardRestore(abstract))
             params = restored["params"]
@@ -135,7 +235,9 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
             start = last
             print(f"{desc}: resumed from step {last} in {ckpt_dir}", file=sys.stderr)
 
-    step_fn = _step_fn(objective, opt)
+    step_fn = _step_fn(objective, opt, tc.accum, tc.compute_dtype,
+                       mesh_plan.param_shardings() if mesh_plan is not None else None)
+    place_batch = mesh_plan.place_batch if mesh_plan is not None else (lambda b: jax.tree.map(jnp.asarray, b))
 
     hist: dict[str, list] = {"step": [], "loss": [], "eval": []}
     tokens = tokens_per_step or int(np.prod(np.shape(jax.tree.leaves(batch_fn(0))[0])[:2]))
@@ -145,7 +247,7 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
     stopped_early = False
     step = start
     for step in range(start + 1, tc.steps + 1):
-        batch = jax.tree.map(jnp.asarray, batch_fn(step))
+        batch = place_batch(batch_fn(step))
         params, opt_state, loss, metrics = step_fn(params, frozen, opt_state, batch, jax.random.fold_in(key, step))
         if step % tc.log_every == 0 or step == tc.steps:
             lv = float(loss)

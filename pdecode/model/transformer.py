@@ -207,7 +207,7 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, ca
         k, v = cache.layer(layer_idx)  # [B, KV, hd, S], [B, KV, S, hd]
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
-    a = attend(q, k, v, mask)
+    a = attend(q, k, v, mask, impl=cfg.attention_impl)
     if lp["wo"].ndim == 2:  # decode layout
         x = x + linear(a.reshape(b, t, -1), lp["wo"])
     else:
