@@ -76,35 +76,16 @@ def _read_prompts(args) -> list[str]:
 
 
 def _parse_mesh_shape(spec: str, example: str = "8x1") -> tuple[int, int]:
-    """``DATAxMODEL`` -> (data, model)."""
-    from pdecode.errors import InputError
+    from pdecode.sharding import parse_mesh_shape
 
-    parts = spec.lower().split("x")
-    if len(parts) != 2 or not all(x.strip().isascii() and x.strip().isdecimal() and int(x) >= 1 for x in parts):
-        raise InputError(f"--mesh takes DATAxMODEL (two integers >= 1, e.g. {example}), got {spec!r}")
-    d, mo = (int(x) for x in parts)
-    return d, mo
+    return parse_mesh_shape(spec, example)
 
 
 def _parse_mesh(spec: str):
-    """``--mesh DATAxMODEL`` -> a mesh over all the available devices."""
-    import jax
+    """``--mesh DATAxMODEL`` -> a mesh over the available devices."""
+    from pdecode.sharding import mesh_from_spec
 
-    from pdecode.errors import InputError
-    from pdecode.sharding import make_mesh
-
-    n = jax.device_count()
-    d, mo = _parse_mesh_shape(spec, f"{n}x1")
-    if d * mo > n:
-        raise InputError(f"--mesh {spec} needs {d * mo} devices, {n} available; pick DATAxMODEL with "
-                         f"DATA*MODEL <= {n} (e.g. {n}x1)")
-    return make_mesh(d, mo)
-
-
-# generate's arguments that cmd_generate sets from its own flags (a -o of the same name would clash)
-_FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "mesh": "--mesh",
-          "stop_at_eos": "--ignore-eos"}
+    return mesh_from_spec(spec)
 
 
 def cmd_generate(args) -> int:
@@ -251,7 +232,7 @@ def cmd_zoo(args) -> int:
     return 0
 
 
-TRAINERS = {"zoo": "train.zoo", "heads": "train.heads", "dllm": "train.dllm"}
+TRAINERS = {"zoo": "train.zoo", "heads": "train.heads", "draft": "train.draft", "dllm": "train.dllm"}
 
 
 def cmd_train(args, rest: list[str]) -> int:
@@ -295,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     # the choices are pdecode.config.DTYPES, written out so building the parser does not import jax
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="params' dtype")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="params' dtype (auto: as the checkpoint stores them; the zoo stores bfloat16)")
     g.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="residual stream / attention dtype (default: --dtype); --dtype bfloat16 --activation-dtype "
                         "float32 is mixed precision (fastest at batch > 1 on CPU)")
@@ -317,8 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the zoo models, heads or the diffusion model", add_help=False,
                        description="pdecode train WHAT [its options]; `pdecode train WHAT -h` lists WHAT's options.")
     t.add_argument("what", nargs="?", choices=list(TRAINERS),
-                   help="zoo: code-target and code-draft (train.zoo); heads: Medusa / EAGLE / EAGLE-3 / MTP heads and "
-                        "the native MTP model (train.heads); dllm: code-dllm, the masked-diffusion model (train.dllm)")
+                   help="zoo: code-target and code-draft (train.zoo); heads: Medusa / EAGLE / EAGLE-3 / MTP heads, the "
+                        "zoo's recipes or --base DIR --kind K --data FILES for your own model (train.heads); draft: "
+                        "distil a draft for --base DIR from --data FILES (train.draft); dllm: code-dllm, the "
+                        "masked-diffusion model (train.dllm)")
     t.set_defaults(train_parser=t)
 
     c = sub.add_parser("convert", help="convert between HF safetensors and orbax")

@@ -50,6 +50,29 @@ FSDP_RULES: dict[str, str | None] = {**RULES, "embed": "data"}
 REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads", "batch"})
 
 
+def parse_mesh_shape(spec: str, example: str = "8x1", flag: str = "--mesh") -> tuple[int, int]:
+    """``DATAxMODEL`` -> (data, model); an InputError that shows the form otherwise."""
+    from pdecode.errors import InputError
+
+    parts = spec.lower().split("x")
+    if len(parts) != 2 or not all(x.strip().isascii() and x.strip().isdecimal() and int(x) >= 1 for x in parts):
+        raise InputError(f"{flag} takes DATAxMODEL (two integers >= 1, e.g. {example}), got {spec!r}")
+    d, mo = (int(x) for x in parts)
+    return d, mo
+
+
+def mesh_from_spec(spec: str, flag: str = "--mesh") -> Mesh:
+    """``DATAxMODEL`` -> a mesh over the first DATA*MODEL available devices (an InputError when too few)."""
+    from pdecode.errors import InputError
+
+    n = jax.device_count()
+    d, mo = parse_mesh_shape(spec, f"{n}x1", flag)
+    if d * mo > n:
+        raise InputError(f"{flag} {spec} needs {d * mo} devices, {n} available; pick DATAxMODEL with "
+                         f"DATA*MODEL <= {n} (e.g. {n}x1)")
+    return make_mesh(d, mo)
+
+
 def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None, indivisible: str = "replicate",
              what: str = "") -> P:
     """The PartitionSpec of an array with logical ``axes``; ``indivisible``: "error" or "replicate" (see the

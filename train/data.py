@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdecode.errors import InputError
+
 EOT, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
 SPECIAL_TOKENS = [EOT, PAD, MASK]
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
@@ -80,6 +82,40 @@ def encode_files(tok, files: list[Path]) -> np.ndarray:
         parts.append(np.asarray(e.ids, np.int32))
         parts.append(np.asarray([eot], np.int32))
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def user_files(paths: list) -> list[Path]:
+    """Text files for training from ``paths``: files as given, directories walked (every regular file, sorted;
+    hidden ones skipped). Errors name what is wrong."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.parts))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise InputError(f"--data {p}: no such file or directory")
+    if not out:
+        raise InputError(f"--data {' '.join(map(str, paths))}: no files found")
+    return out
+
+
+def user_streams(tok, paths: list, seq_len: int, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token streams of user text files, tokenized with ``tok`` (a `pdecode.Tokenizer`), each
+    file followed by the tokenizer's end-of-sequence id; the last ``val_fraction`` of the stream (at least two
+    windows) is held out."""
+    files = user_files(paths)
+    sep = tok.eos_ids[0] if tok.eos_ids else None
+    parts = []
+    for ids in tok.encode_batch([read_text(f) for f in files], add_special_tokens=False):
+        parts.append(np.asarray(ids + ([sep] if sep is not None else []), np.int32))
+    stream = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+    n_val = max(int(len(stream) * val_fraction), 2 * (seq_len + 1))
+    if len(stream) - n_val <= 2 * (seq_len + 1):
+        raise InputError(f"--data: {len(stream)} tokens in {len(files)} file(s) is too little to train on windows of "
+                         f"{seq_len + 1} tokens with a held-out part (need more than {n_val + 2 * (seq_len + 1)}); "
+                         "add text or lower --seq-len")
+    return stream[:-n_val], stream[-n_val:]
 
 
 class TokenBatches:

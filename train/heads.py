@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from pdecode.checkpoint.heads_io import save_heads
+from pdecode.errors import InputError
 from pdecode.checkpoint.hf import load_hf, save_hf
 from pdecode.model import heads as H
 from pdecode.model.transformer import init_from_specs, init_params, unembed
@@ -106,15 +107,12 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
     return eval_fn
 
 
-def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self_distill: int = 0) -> dict:
-    r = RECIPES[name]
-    tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
-    tok = ensure_tokenizer(zoo)
-    tr, va = token_streams(tok, work / "data")
-    cfg, tparams = load_hf(zoo / r.base)
-    tparams = jax.tree.map(jnp.asarray, tparams)
-    if self_distill:  # train on text the target generated itself (its own distribution, as at decode time)
-        tr = data.self_distilled(zoo, work, r.base, tr, self_distill)
+def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, out: Path, ckpt_dir: Path,
+                 base_model: str, command: str, desc: str, mesh_plan=None) -> dict:
+    """Train heads of recipe ``r`` on the frozen base (``cfg``, ``tparams``) over token streams ``tr`` / ``va``,
+    save them to ``out`` (heads.json + heads.safetensors.xz, bf16) with a train_info.json; the one path both the
+    zoo recipes and `pdecode train heads --base DIR` take."""
+    tc = r.tc
     hp = init_from_specs(r.hcfg.specs(cfg), jax.random.PRNGKey(tc.seed))
     if r.kind == "medusa":
         hp = H.medusa_init_zero(hp)
@@ -122,26 +120,109 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self
     val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(96)
     eval_fn = _eval_heads(r, cfg, tparams, val_windows)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(hp))
-    print(f"{name}: {r.kind} heads, {n_params / 1e6:.2f}M params on frozen {r.base}, {tc.steps} steps of "
+    print(f"{desc}: {r.kind} heads, {n_params / 1e6:.2f}M params on frozen {base_model}, {tc.steps} steps of "
           f"{r.batch_size}x{r.seq_len}", file=sys.stderr)
-    sig = hashlib.sha1(repr((r, tc)).encode()).hexdigest()[:10]
     t0 = time.perf_counter()
-    hp, hist = train(_objective(r, cfg), hp, tparams, batches.batch, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
-                     eval_fn=eval_fn, desc=name)
+    hp, hist = train(_objective(r, cfg), hp, tparams, batches.batch, tc, ckpt_dir=ckpt_dir, eval_fn=eval_fn,
+                     desc=desc, mesh_plan=mesh_plan)
     wall = time.perf_counter() - t0
-    info = {"name": name, "command": f"python -m train.heads --only {name}" + (
-                f" --self-distill {self_distill}" if self_distill else ""), "kind": r.kind, "params": n_params,
+    info = {"name": out.name, "command": command, "kind": r.kind, "params": n_params, "base_model": base_model,
             "final_eval": hist["eval"][-1] if hist["eval"] else None,
             "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
             "evals": hist["eval"], "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
             "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
             "ttt_steps": r.ttt_steps}
-    save_heads(zoo / name, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, hp, base_model=r.base,
+    save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, jax.device_get(hp), base_model=base_model,
                dtype=ml_dtypes.bfloat16, compress=True)
-    (zoo / name / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"{name}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min",
-          file=sys.stderr)
+    (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    if hist["eval"]:
+        print(f"{desc}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min -> {out}",
+              file=sys.stderr)
     return info
+
+
+def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self_distill: int = 0) -> dict:
+    """A zoo recipe: heads for the shipped base, trained on the corpus (or its own continuations)."""
+    r = RECIPES[name]
+    if steps:
+        r = dataclasses.replace(r, tc=dataclasses.replace(r.tc, steps=steps))
+    tok = ensure_tokenizer(zoo)
+    tr, va = token_streams(tok, work / "data")
+    cfg, tparams = load_hf(zoo / r.base)
+    tparams = jax.tree.map(jnp.asarray, tparams)
+    if self_distill:  # train on text the target generated itself (its own distribution, as at decode time)
+        tr = data.self_distilled(zoo, work, r.base, tr, self_distill)
+    sig = hashlib.sha1(repr((r, r.tc)).encode()).hexdigest()[:10]
+    command = f"python -m train.heads --only {name}" + (f" --self-distill {self_distill}" if self_distill else "")
+    return fit_and_save(r, cfg, tparams, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}", r.base, command, name)
+
+
+KINDS = ("medusa", "eagle", "eagle3", "mtp")
+
+
+def head_config(kind: str, cfg) -> tuple[object, int]:
+    """(head config, EAGLE-3 training-time-test depth) of a head kind for a base: the zoo recipes' shapes (Medusa:
+    4 heads of 1 residual layer; EAGLE: one decoder layer; EAGLE-3: fusing layers 1, L/2 and L-1, 3 test steps;
+    MTP: one DeepSeek-V3 module)."""
+    if kind == "medusa":
+        return H.MedusaConfig(num_heads=4, num_layers=1), 1
+    if kind == "eagle":
+        return H.EagleConfig(), 1
+    if kind == "eagle3":
+        n = cfg.num_layers
+        if n < 3:
+            raise InputError(f"--kind eagle3 fuses three of the base's layers; it has {n}")
+        return H.EagleConfig(fuse_layers=(1, n // 2, n - 1)), 3
+    if kind == "mtp":
+        return H.MTPConfig(num_modules=1), 1
+    raise InputError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Path, steps: int = 500,
+                    seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, self_distill: int = 0,
+                    mesh=None, fsdp: bool = False, accum: int = 1, compute_dtype: str | None = None,
+                    base_dtype: str = "auto", seed: int = 0, calibrate: bool = True) -> dict:
+    """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
+    user's text files (``data_paths``; the base's tokenizer), or on ``self_distill`` tokens of the base's own
+    continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``) with the base tensor-parallel."""
+    import pdecode
+    from pdecode.model.transformer import param_specs
+    from train.loop import MeshPlan
+
+    m = pdecode.load(base, dtype=base_dtype, mesh=mesh)
+    if m.tokenizer is None:
+        raise InputError(f"--base {base}: no tokenizer.json next to the weights; training reads text through it")
+    hcfg, ttt = head_config(kind, m.cfg)
+    tc = TrainConfig(steps=steps, lr=lr, warmup=max(1, min(30, steps // 10)), eval_every=max(1, steps // 2),
+                     ckpt_every=max(1, min(100, steps)), log_every=max(1, min(10, steps)), seed=seed, accum=accum,
+                     compute_dtype=compute_dtype)
+    r = HeadRecipe("eagle" if kind == "eagle3" else kind, hcfg, tc, seq_len, batch_size, ttt, base=str(base))
+    tr, va = data.user_streams(m.tokenizer, data_paths, seq_len)
+    if self_distill:
+        print(f"self-distillation: generating {self_distill} tokens with {base}", file=sys.stderr)
+        tr = data.self_distillation_stream(m, tr, self_distill, batch=min(64, batch_size * 4),
+                                           temperature=data.SELF_DISTILL_TEMPERATURE, seed=seed)
+    base_model = str(base) if not Path(base).is_dir() else str(Path(base).resolve())
+    mesh_plan = MeshPlan(mesh, hcfg.specs(m.cfg), param_specs(m.cfg), fsdp) if mesh is not None else None
+    sig = hashlib.sha1(repr((r, base_model, [str(p) for p in data_paths], self_distill)).encode()).hexdigest()[:10]
+    command = " ".join(["pdecode train heads", "--base", str(base), "--kind", kind, "--data",
+                        *map(str, data_paths), "--out", str(out), "--steps", str(steps)]
+                       + (["--self-distill", str(self_distill)] if self_distill else []))
+    out = Path(out)
+    info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model, command,
+                        f"heads:{kind}", mesh_plan)
+    if kind == "medusa" and calibrate:
+        hcfg_l, hp, meta = _load_saved(out, m.cfg)
+        info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
+                                                   command + " (tree calibrated after training)")
+    return info
+
+
+def _load_saved(out: Path, cfg):
+    from pdecode.checkpoint.heads_io import load_heads
+
+    _, hcfg, hp, meta = load_heads(out, cfg)
+    return hcfg, jax.tree.map(jnp.asarray, hp), meta
 
 
 def _saved_heads(name: str, zoo: Path, work: Path):
@@ -197,15 +278,22 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
 
 
 def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_TREE_NODES) -> dict:
+    """Calibrate the static tree of zoo Medusa heads (`_calibrate_tree`)."""
+    r, (tr, _), cfg, tparams, hcfg, hp, meta = _saved_heads(name, zoo, work)
+    return _calibrate_tree(zoo / name, r, cfg, tparams, tr, hcfg, hp, meta, nodes,
+                           f"python -m train.heads --only {name} --calibrate-tree {nodes}")
+
+
+def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg, hp, meta: dict, nodes: int,
+                    command: str) -> dict:
     """Measure the heads' per-rank accuracy where they will be used — on the target's own greedy continuations
-    (192 tokens) of 96 training-stream prompts (64 tokens) — and store the best ``nodes``-node tree
+    (of 96 training-stream prompts of 64 tokens, to the recipe's window) — and store the best ``nodes``-node tree
     (`tree.calibrated_paths`) in heads.json, where ``method="medusa"`` picks it up by default."""
     import pdecode
     from pdecode.decode.tree import calibrated_paths
 
-    r, (tr, _), cfg, tparams, hcfg, hp, meta = _saved_heads(name, zoo, work)
     prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(96)[:, :CALIBRATION_PROMPT]
-    target = pdecode.Model(cfg=cfg, params=tparams, name=r.base)  # the base already loaded above
+    target = pdecode.Model(cfg=cfg, params=tparams, name=r.base)  # the base already loaded
     cont = [pdecode.generate(target, [list(map(int, p)) for p in prompts[i: i + 16]],
                              max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False).tokens
             for i in range(0, len(prompts), 16)]
@@ -215,11 +303,11 @@ def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_
     meta["tree"] = paths
     meta["tree_calibration"] = {"nodes": nodes, "expected_tokens_per_step": round(float(expected), 4),
                                 "accuracy": np.round(acc, 4).tolist(),
-                                "data": f"the base's greedy continuations of 96 training-stream prompts "
+                                "data": f"the base's greedy continuations of {len(prompts)} training-stream prompts "
                                         f"({CALIBRATION_PROMPT} + {r.seq_len + 1 - CALIBRATION_PROMPT} tokens)",
-                                "command": f"python -m train.heads --only {name} --calibrate-tree {nodes}"}
-    (zoo / name / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{name}: calibrated tree of {nodes} nodes, expected {expected:.3f} tokens/step "
+                                "command": command}
+    (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{out.name}: calibrated tree of {nodes} nodes, expected {expected:.3f} tokens/step "
           f"(head top-1 accuracy {', '.join(f'{a:.3f}' for a in acc[:, 0])})", file=sys.stderr)
     return meta["tree_calibration"]
 
@@ -259,6 +347,40 @@ def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float
     return info
 
 
+def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3) -> None:
+    """The flags `pdecode train heads --base` and `pdecode train draft` share."""
+    g = ap.add_argument_group(f"{what} for your own base model (instead of a zoo recipe)")
+    g.add_argument("--base", help="an HF model directory (config.json, *.safetensors, tokenizer.json) or zoo name")
+    g.add_argument("--data", nargs="+", metavar="PATH", help="text files or directories to train on (tokenized "
+                   "with the base's tokenizer; the last 5%% held out)")
+    g.add_argument("--out", type=Path, help="where to write the result")
+    g.add_argument("--seq-len", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--lr", type=float, default=lr)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mesh", default=None, metavar="DATAxMODEL", help="train on a mesh: data-parallel over DATA, "
+                   "the base tensor-parallel over MODEL")
+    g.add_argument("--fsdp", action="store_true", help="with --mesh: also split the trained weights over DATA")
+    g.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per step")
+    g.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16"],
+                   help="forward/backward in this dtype, float32 master weights")
+    g.add_argument("--base-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the frozen base's dtype (auto: as stored)")
+
+
+def check_base_arguments(ap: argparse.ArgumentParser, args, extra_required=()) -> None:
+    missing = [f"--{n.replace('_', '-')}" for n in ("data", "out", *extra_required) if not getattr(args, n)]
+    if missing:
+        ap.error(f"--base needs {' and '.join(missing)}")
+    if args.fsdp and not args.mesh:
+        ap.error("--fsdp needs --mesh DATAxMODEL")
+    for n in ("seq_len", "batch_size", "accum"):
+        if getattr(args, n) < 1:
+            ap.error(f"--{n.replace('_', '-')} must be >= 1")
+    if args.batch_size % args.accum:
+        ap.error(f"--accum {args.accum} must divide --batch-size {args.batch_size}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m train.heads", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,8 +393,23 @@ def main(argv=None):
                     help="(Medusa heads) only calibrate and store a static tree of NODES nodes in heads.json")
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="train heads on N tokens generated by the target itself instead of the corpus")
+    ap.add_argument("--kind", choices=KINDS, help="(with --base) which heads to train")
+    add_base_arguments(ap, "heads")
     args = ap.parse_args(argv)
     from pdecode.api import zoo_dir
+
+    if args.base:
+        if args.only or args.eval_only or args.calibrate_tree is not None:
+            ap.error("--base trains heads for your own model; --only / --eval-only / --calibrate-tree are for the "
+                     "zoo recipes")
+        check_base_arguments(ap, args, ("kind",))
+        from pdecode.sharding import mesh_from_spec
+
+        mesh = mesh_from_spec(args.mesh) if args.mesh else None
+        return train_heads_for(args.base, args.kind, args.data, args.out, args.work, steps=args.steps or 500,
+                               seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                               self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
+                               compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed)
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):

@@ -140,43 +140,40 @@ def time_recipe_step(name: str, zoo: Path, repeats: int = 5) -> dict:
     return res
 
 
-def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> dict:
-    r = RECIPES[name]
-    tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
-    tok = ensure_tokenizer(zoo)
-    tr, va = token_streams(tok, work / "data")
-    batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
+def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size: int, tr: np.ndarray, va: np.ndarray,
+                    out: Path, ckpt_dir: Path, objective, frozen, tokenizer_dir: Path, command: str, desc: str,
+                    gen: np.ndarray | None = None, mesh_plan=None, info_extra: dict | None = None,
+                    params=None) -> dict:
+    """Train an LM (plain next-token, or distilled from the frozen teacher ``frozen`` by ``objective``) and save it in
+    HF format (bf16) with a train_info.json: the one path the zoo recipes and `pdecode train draft` take. ``gen``
+    (the teacher's own continuations): half of every batch comes from it, what a draft sees at decode time."""
+    batches = data.TokenBatches(tr, seq_len, batch_size, seed=tc.seed)
     batch_fn = batches.batch
-    if r.self_distill:  # half of every batch from the teacher's own continuations: what a draft sees at decode time
-        gen = data.TokenBatches(data.self_distilled(zoo, work, r.teacher, tr, r.self_distill), r.seq_len,
-                                r.batch_size // 2, seed=tc.seed + 1)
-        corpus = data.TokenBatches(tr, r.seq_len, r.batch_size - r.batch_size // 2, seed=tc.seed)
-        batch_fn = lambda i: np.concatenate([corpus.batch(i), gen.batch(i)])  # noqa: E731
-    val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(10_000)
-    eval_fn = make_eval(r.cfg, val_windows)
-    params = init_params(r.cfg, jax.random.PRNGKey(tc.seed))
-    objective, frozen = _objective(r, zoo)
-    print(f"{name}: {r.cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {r.batch_size}x{r.seq_len} tokens"
-          f"{f', distilled from {r.teacher}' if r.teacher else ''}, train stream {len(tr)} tokens, validation "
-          f"{len(val_windows)} windows", file=sys.stderr)
+    if gen is not None:
+        g = data.TokenBatches(gen, seq_len, batch_size // 2, seed=tc.seed + 1)
+        corpus = data.TokenBatches(tr, seq_len, batch_size - batch_size // 2, seed=tc.seed)
+        batch_fn = lambda i: np.concatenate([corpus.batch(i), g.batch(i)])  # noqa: E731
+    val_windows = data.TokenBatches(va, seq_len, 1).fixed_eval(10_000)
+    eval_fn = make_eval(cfg, val_windows)
+    if params is None:
+        params = init_params(cfg, jax.random.PRNGKey(tc.seed))
+    print(f"{desc}: {cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {batch_size}x{seq_len} tokens, train "
+          f"stream {len(tr)} tokens, validation {len(val_windows)} windows", file=sys.stderr)
     t0 = time.perf_counter()
-    # checkpoints are keyed by the recipe, so a changed recipe never resumes from another one's state
-    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher, r.self_distill)).encode()).hexdigest()[:10]
-    params, hist = train(objective, params, frozen, batch_fn, tc, ckpt_dir=work / "ckpt" / f"{name}-{sig}",
-                         eval_fn=eval_fn, desc=name)
+    params, hist = train(objective, params, frozen, batch_fn, tc, ckpt_dir=ckpt_dir, eval_fn=eval_fn, desc=desc,
+                         mesh_plan=mesh_plan)
     wall = time.perf_counter() - t0
-    out = zoo / name
-    save_hf(r.cfg.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=tokenizer_dir(zoo))
+    save_hf(cfg.replace(dtype="bfloat16"), jax.device_get(params), out, dtype="bfloat16", tokenizer_dir=tokenizer_dir)
     # Validation loss of the weights as shipped (bf16), which is what users load.
     from pdecode.checkpoint.hf import load_hf
 
     _, shipped = load_hf(out)
     info = {
-        "name": name,
-        "command": f"python -m train.zoo --only {name}",
-        "params": r.cfg.num_params(),
+        "name": out.name,
+        "command": command,
+        "params": cfg.num_params(),
         "steps": hist["last_step"],
-        "tokens_seen": int(hist["last_step"] * r.batch_size * r.seq_len),
+        "tokens_seen": int(hist["last_step"] * batch_size * seq_len),
         "train_tokens": int(len(tr)),
         "train_minutes_this_run": round(wall / 60, 2),
         "val_loss": eval_fn(jax.tree.map(jnp.asarray, shipped))["val_loss"],
@@ -184,17 +181,31 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
         "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
         "evals": hist["eval"],
         "train_config": dataclasses.asdict(tc),
-        "seq_len": r.seq_len,
-        "batch_size": r.batch_size,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
         "python": sys.version.split()[0],
-        "corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
-        "teacher": r.teacher,
-        "self_distill_tokens": r.self_distill,
+        **(info_extra or {}),
     }
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"{name}: validation loss {info['val_loss']:.4f} (bf16 weights), {wall / 60:.1f} min -> {out}",
+    print(f"{desc}: validation loss {info['val_loss']:.4f} (bf16 weights), {wall / 60:.1f} min -> {out}",
           file=sys.stderr)
     return info
+
+
+def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> dict:
+    r = RECIPES[name]
+    tc = dataclasses.replace(r.tc, steps=steps) if steps else r.tc
+    tok = ensure_tokenizer(zoo)
+    tr, va = token_streams(tok, work / "data")
+    gen = data.self_distilled(zoo, work, r.teacher, tr, r.self_distill) if r.self_distill else None
+    objective, frozen = _objective(r, zoo)
+    # checkpoints are keyed by the recipe, so a changed recipe never resumes from another one's state
+    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher, r.self_distill)).encode()).hexdigest()[:10]
+    extra = {"corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
+             "teacher": r.teacher, "self_distill_tokens": r.self_distill}
+    return fit_and_save_lm(r.cfg, tc, r.seq_len, r.batch_size, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}",
+                           objective, frozen, tokenizer_dir(zoo), f"python -m train.zoo --only {name}",
+                           name + (f" (distilled from {r.teacher})" if r.teacher else ""), gen=gen, info_extra=extra)
 
 
 def main(argv=None):
