@@ -259,6 +259,92 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
             "tau_assumed": ZOO_TAU.get(method), "projection": proj}
 
 
+def largest_constant(hlo_text: str) -> int:
+    """Bytes of the largest constant in a lowered (StableHLO) program: a closed-over weight would show up here."""
+    import re
+
+    import numpy as np
+
+    widths = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "i8": 1, "ui8": 1, "i1": 1, "f64": 8, "ui32": 4}
+    best = 0
+    for shape in re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]*[a-z]+[0-9]*)>", hlo_text):
+        *dims, dt = shape.split("x")
+        best = max(best, int(np.prod([int(d) for d in dims] or [1])) * widths.get(dt, 4))
+    return best
+
+
+def plan_train_heads(config: str, devices: int, kind: str = "eagle", batch: int = 8, seq_len: int = 2048,
+                     mesh_shape=None, dtype: str = "bfloat16", fsdp: bool = True, accum: int = 1) -> dict:
+    """The heads training step for a base of ``config`` on a forced-device mesh, from abstract params: lowered
+    (the largest constant it holds: the frozen base must be an argument, not baked in) and compiled (per-device
+    bytes). The base is frozen in ``dtype``, tensor-parallel over ``model``; the heads train in float32 (AdamW
+    moments beside them); with ``fsdp`` both are also split over ``data`` (`train.loop.MeshPlan`, as `pdecode train
+    heads --mesh --fsdp` lays them out); the batch is split over ``data``."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.errors import InputError
+    from pdecode.model.transformer import is_spec, param_specs
+    from pdecode.sharding import batch_sharding, make_mesh
+    from train.heads import HeadRecipe, _objective, head_config
+    from train.loop import MeshPlan, TrainConfig, _step_fn, make_optimizer
+
+    if len(jax.devices()) < devices:
+        raise InputError(f"plan needs {devices} devices and JAX sees {len(jax.devices())}")
+    data, model_ax = mesh_shape or (1, devices)
+    if data * model_ax != devices:
+        raise InputError(f"--mesh {data}x{model_ax} does not use --devices {devices}")
+    if batch % (data * accum):
+        raise InputError(f"--batch {batch} must be a multiple of the data axis times --accum ({data} x {accum})")
+    mesh = make_mesh(data, model_ax, devices=jax.devices()[:devices])
+    cfg = model_config(config).replace(activation_dtype=None)
+    hcfg, ttt = head_config(kind, cfg)
+    r = HeadRecipe("eagle" if kind == "eagle3" else kind, hcfg, TrainConfig(steps=1, accum=accum), seq_len, batch, ttt)
+    mp = MeshPlan(mesh, hcfg.specs(cfg), param_specs(cfg), fsdp)
+    base = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=sh), param_specs(cfg),
+                        mp.frozen_shardings(), is_leaf=is_spec)
+    shard = mp.param_shardings()
+    heads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), hcfg.specs(cfg), shard,
+                         is_leaf=is_spec)
+    opt = make_optimizer(r.tc)
+    # the AdamW moments take the shardings XLA gives them from their params (as `train` makes them)
+    init = jax.jit(opt.init).lower(heads).compile()
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rep = NamedSharding(mesh, P())  # a step count lands on one device; replicate it as `train` does
+    opt_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh if len(
+        sh.device_set) > 1 else rep), jax.eval_shape(opt.init, heads), init.output_shardings)
+    toks = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=batch_sharding(mesh, (batch, seq_len + 1)))
+    step = _step_fn(_objective(r, cfg), opt, accum, None, shard)
+    t0 = time.perf_counter()
+    lowered = step.lower(heads, base, opt_state, toks, jax.random.PRNGKey(0))
+    biggest = largest_constant(lowered.as_text())
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = _memory(compiled)
+    return {"config": config, "train_heads": kind, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
+            "seq_len": seq_len, "accum": accum, "fsdp": fsdp, "dtype": dtype, "compiled": True,
+            "compile_s": compile_s, "base_param_bytes": _bytes(base), "head_param_bytes": _bytes(heads),
+            "largest_constant_bytes": biggest, "per_device": mem, "per_device_bytes": mem["total"],
+            "base_shard_bytes": _shard_bytes(base), "head_and_moments_shard_bytes": 3 * _shard_bytes(heads)}
+
+
+def train_to_text(r: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"  # noqa: E731
+    m = r["per_device"]
+    return "\n".join([
+        f"{r['config']} · {r['train_heads']} heads training step · {r['devices']} devices (mesh data x model = "
+        f"{r['mesh']}) · batch {r['batch']} x {r['seq_len']} tokens · accum {r['accum']} · base {r['dtype']} frozen, "
+        f"heads float32{' FSDP' if r['fsdp'] else ''}",
+        f"compiled in {r['compile_s']:.1f} s; base {gb(r['base_param_bytes'])}, heads {gb(r['head_param_bytes'])}; "
+        f"largest constant in the program: {r['largest_constant_bytes']} bytes", "",
+        "| per device | bytes |", "|---|---|",
+        f"| arguments (base shard, heads, moments, batch) | {gb(m['argument'])} |", f"| outputs | {gb(m['output'])} |",
+        f"| temporaries (activations, gradients) | {gb(m['temp'])} |", f"| **total (XLA)** | **{gb(m['total'])}** |",
+        f"| base shard + heads + AdamW moments (count) | "
+        f"{gb(r['base_shard_bytes'] + r['head_and_moments_shard_bytes'])} |"])
+
+
 def to_text(r: dict) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"  # noqa: E731
     m = r["per_device"]
@@ -297,6 +383,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32", "float16", "float8_e4m3fn",
                                                             "float8_e5m2"], help="KV cache dtype (default: --dtype)")
+    ap.add_argument("--train-heads", default=None, choices=["medusa", "eagle", "eagle3", "mtp"],
+                    help="plan the heads training step for this base instead of a decode (with --batch, --seq-len)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="--train-heads: tokens per training window")
+    ap.add_argument("--accum", type=int, default=1, help="--train-heads: gradient accumulation micro-batches")
     ap.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -304,6 +394,11 @@ def run_from_args(args) -> int:
     from infer.cli import _parse_mesh_shape
 
     mesh_shape = _parse_mesh_shape(args.mesh) if args.mesh else None
+    if args.train_heads:
+        r = plan_train_heads(args.config, args.devices, args.train_heads, args.batch, args.seq_len, mesh_shape,
+                             args.dtype, accum=args.accum)
+        print(json.dumps(r) if args.json else train_to_text(r))
+        return 0
     r = plan(args.config, args.devices, args.method, args.batch, args.max_len, mesh_shape, args.dtype,
              args.cache_dtype, args.draft_config)
     print(json.dumps(r) if args.json else to_text(r))

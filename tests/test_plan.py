@@ -65,3 +65,27 @@ def test_plan_costs_follow_the_method_options(cfg_dir):
     r = plan(str(cfg_dir), 4, "sd", 4, 512, draft_config=str(cfg_dir), options={"gamma": 2})
     f = r["step_floor_per_device"]
     assert f["target_verify"]["flops"] == pytest.approx(3 * f["target_1"]["flops"])  # root + 2 drafted tokens
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_plan_heads_training_step_holds_no_large_constant(cfg_dir, kind):
+    r = _plan("--config", str(cfg_dir), "--devices", "4", "--mesh", "2x2", "--train-heads", kind, "--batch", "4",
+              "--seq-len", "64")
+    assert r["compiled"] and r["per_device_bytes"] > 0 and r["fsdp"]
+    assert r["largest_constant_bytes"] < 1 << 20, r["largest_constant_bytes"]
+    # the base (bf16, split over both axes) and the heads + moments (fp32) by count, per device
+    assert r["base_shard_bytes"] < r["base_param_bytes"] / 2
+
+
+def test_largest_constant_sees_a_closed_over_weight():
+    """The measure the plan reports can fail: a step that closes over a 4 MB weight shows a 4 MB constant."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from infer.plan import largest_constant
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((1024, 1024), np.float32))
+    closed = jax.jit(lambda x: x @ w).lower(jnp.ones((2, 1024))).as_text()
+    passed = jax.jit(lambda x, w: x @ w).lower(jnp.ones((2, 1024)), w).as_text()
+    assert largest_constant(closed) == 4 * 1024 * 1024 and largest_constant(passed) < 1024

@@ -153,16 +153,20 @@ class MeshPlan:
 
         return param_shardings(self.specs, self.mesh, self.rules(), indivisible="replicate")
 
-    def place(self, params, frozen):
+    def frozen_shardings(self):
+        """The frozen params' shardings by ``frozen_specs`` (the same rules), or one replicated sharding."""
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         from pdecode.sharding import param_shardings
 
+        if self.frozen_specs is None:
+            return NamedSharding(self.mesh, P())
+        return param_shardings(self.frozen_specs, self.mesh, self.rules(), indivisible="replicate")
+
+    def place(self, params, frozen):
         params = jax.device_put(params, self.param_shardings())
         if frozen is not None:
-            fs = (param_shardings(self.frozen_specs, self.mesh, self.rules(), indivisible="replicate")
-                  if self.frozen_specs is not None else NamedSharding(self.mesh, P()))
-            frozen = jax.device_put(frozen, fs)
+            frozen = jax.device_put(frozen, self.frozen_shardings())
         return params, frozen
 
     def place_scalars(self, tree):
