@@ -361,7 +361,7 @@ def run(args) -> int:
 
     import pdecode
 
-    m = pdecode.load(args.model)
+    m = pdecode.load(args.model, dtype="float32")  # the recorded figures ran float32 weights
     if getattr(args, "tune_dico", False):
         tune_dico(m, max(args.gen_lengths), max(args.batch), args.out)
         return 0
@@ -376,8 +376,8 @@ def run(args) -> int:
     items = task_items(args.tasks, args.items)
     t0 = time.perf_counter()
     rows, code = [], []
-    judge = pdecode.load(args.judge) if args.judge else None
-    ref = pdecode.load(args.ar_reference) if args.ar_reference else None
+    judge = pdecode.load(args.judge, dtype="float32") if args.judge else None
+    ref = pdecode.load(args.ar_reference, dtype="float32") if args.ar_reference else None
     for g in args.gen_lengths:
         rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items)
         if judge is not None and args.code_prompts:

@@ -151,7 +151,7 @@ def test_dico_tuning_picks_the_cheapest_setting_near_the_best(tmp_path, monkeypa
     model = tiny_hf(tmp_path / "dllm", causal=False)
     import pdecode
 
-    rep = DB.tune_dico(pdecode.load(model), 16, 2, tmp_path / "t")
+    rep = DB.tune_dico(pdecode.load(model, dtype="float32"), 16, 2, tmp_path / "t")
     assert len(rep["results"]) == 2 and rep["items"] == 4
     best = max(r["position_accuracy"] for r in rep["results"])
     near = [r for r in rep["results"] if r["position_accuracy"] >= best - 0.01]

@@ -11,7 +11,7 @@ PROMPTS = ["def f(x):", "import os\n", "class A:\n    def g(self):"]
 
 @pytest.fixture(scope="module")
 def target():
-    return pdecode.load("code-target")
+    return pdecode.load("code-target", dtype="float32")
 
 
 def _last_hlo() -> str:
@@ -41,8 +41,8 @@ def test_bf16_cache_is_bf16_and_close_to_fp32(target, ar_bf16):
     ("mtp", "code-target-mtp-posthoc", {}),
 ])
 def test_lossless_methods_equal_ar_under_a_bf16_cache(ar_bf16, method, model, opts):
-    m = pdecode.load(model)
-    draft = pdecode.load("code-draft") if method == "sd" else None
+    m = pdecode.load(model, dtype="float32")
+    draft = pdecode.load("code-draft", dtype="float32") if method == "sd" else None
     out = pdecode.generate(m, PROMPTS, method=method, draft=draft, max_new_tokens=20, stop_at_eos=False,
                            cache_dtype="bfloat16", **opts)
     assert out.tokens == ar_bf16[0]
@@ -50,7 +50,7 @@ def test_lossless_methods_equal_ar_under_a_bf16_cache(ar_bf16, method, model, op
 
 
 def test_diffusion_dual_cache_in_bf16():
-    m = pdecode.load("code-dllm")
+    m = pdecode.load("code-dllm", dtype="float32")
     kw = dict(method="diffusion", max_new_tokens=32, block_length=8, rule="threshold", threshold=0.9, cache="dual")
     ref = pdecode.generate(m, PROMPTS[:2], **kw)
     out = pdecode.generate(m, PROMPTS[:2], cache_dtype="bfloat16", **kw)
@@ -67,6 +67,6 @@ def test_fp8_cache_runs_and_bad_dtype_is_refused(target):
 
 
 def test_cache_dtype_on_a_method_without_a_cache_is_refused():
-    m = pdecode.load("code-dllm")
+    m = pdecode.load("code-dllm", dtype="float32")
     with pytest.raises(pdecode.InputError, match="method 'dico' keeps no KV cache"):
         pdecode.generate(m, PROMPTS[:1], method="dico", max_new_tokens=32, cache_dtype="bfloat16")

@@ -81,7 +81,7 @@ def test_no_prompt_and_bad_jsonl_one_line_error(zoo_model_name, tmp_path, capsys
 def test_misspelt_generate_keyword_names_the_keyword(zoo_model_name):
     import pdecode
 
-    m = pdecode.load(zoo_model_name)
+    m = pdecode.load(zoo_model_name, dtype="float32")
     with pytest.raises(pdecode.InputError, match=r"unknown option 'max_new_token' for method 'ar': did you mean "
                                                  r"max_new_tokens\?"):
         pdecode.generate(m, ["x"], max_new_token=8)
@@ -102,11 +102,11 @@ def test_draft_with_another_tokenizer_of_the_same_size_is_refused(zoo_model_name
     vocab = tok["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same size, two ids swapped
     (d / "tokenizer.json").write_text(json.dumps(tok))
-    target, draft = pdecode.load(zoo_model_name), pdecode.load(d)
+    target, draft = pdecode.load(zoo_model_name, dtype="float32"), pdecode.load(d)
     assert draft.tokenizer.vocab_size == target.tokenizer.vocab_size and draft.cfg.vocab_size == target.cfg.vocab_size
     with pytest.raises(pdecode.ConfigError, match="has another tokenizer than the target.*2 tokens differ"):
         pdecode.generate(target, ["def f():"], method="sd", draft=draft, max_new_tokens=4)
-    ok = pdecode.load("code-draft")  # the shipped draft shares the target's tokenizer
+    ok = pdecode.load("code-draft", dtype="float32")  # the shipped draft shares the target's tokenizer
     assert len(pdecode.generate(target, ["def f():"], method="sd", draft=ok, max_new_tokens=4).tokens[0]) >= 1
 
 
@@ -157,7 +157,7 @@ def test_convert_round_trip(zoo_model_name, tmp_path, capsys):
     assert main(["convert", "--src", zoo_model_name, "--dst", str(tmp_path / "ob"), "--to", "orbax"]) == 0
     assert main(["convert", "--src", str(tmp_path / "ob"), "--dst", str(tmp_path / "hf"), "--to", "hf",
                  "--dtype", "bfloat16"]) == 0
-    a, b = pdecode.load(zoo_model_name), pdecode.load(tmp_path / "hf")
+    a, b = pdecode.load(zoo_model_name, dtype="float32"), pdecode.load(tmp_path / "hf")
     np.testing.assert_array_equal(np.asarray(a.params["embed"]), np.asarray(b.params["embed"]))
     assert b.tokenizer is not None
 
@@ -171,7 +171,7 @@ def test_convert_writes_the_heads(tmp_path, capsys):
 
     assert main(["convert", "--src", "code-target-eagle", "--dst", str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert "with its eagle heads" in capsys.readouterr().err
-    a, b = pdecode.load("code-target-eagle"), pdecode.load(tmp_path / "hf")
+    a, b = pdecode.load("code-target-eagle", dtype="float32"), pdecode.load(tmp_path / "hf")
     assert b.extras["eagle"][0] == a.extras["eagle"][0]
     for x, y in zip(jax.tree.leaves(a.extras["eagle"][1]), jax.tree.leaves(b.extras["eagle"][1])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -14,12 +14,12 @@ ZOO = pdecode.zoo_dir()
 
 @pytest.fixture(scope="module")
 def target():
-    return pdecode.load("code-target")
+    return pdecode.load("code-target", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return pdecode.load("code-draft")
+    return pdecode.load("code-draft", dtype="float32")
 
 
 def test_sizes_and_format(target, draft):
@@ -99,7 +99,7 @@ HEADS = {"code-target-medusa": "medusa", "code-target-eagle": "eagle", "code-tar
 
 @pytest.mark.parametrize("name,kind", sorted(HEADS.items()))
 def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
-    m = pdecode.load(name)
+    m = pdecode.load(name, dtype="float32")
     assert kind in m.extras and m.cfg == target.cfg
     if kind == "medusa":  # ships the tree calibrated for its heads (python -m train.heads --calibrate-tree 64)
         meta = m.extras["medusa_meta"]
@@ -113,7 +113,7 @@ def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
 
 
 def test_native_mtp_model():
-    m = pdecode.load("code-target-mtp")
+    m = pdecode.load("code-target-mtp", dtype="float32")
     assert "mtp" in m.extras and m.tokenizer is not None
     info = json.loads((ZOO / "code-target-mtp" / "train_info.json").read_text())
     assert info["val_loss"] < 4.0 and info["mtp_lambda"] > 0
@@ -131,8 +131,8 @@ PPL_BAR = 25.0
 def test_code_dllm_is_code_target_adapted():
     """code-dllm is code-target's network run bidirectionally with the AR shift, trained by the documented recipe
     within its time budget; its validation NLL bound sits beside code-target's AR loss on the same windows."""
-    m = pdecode.load("code-dllm")
-    t = pdecode.load("code-target")
+    m = pdecode.load("code-dllm", dtype="float32")
+    t = pdecode.load("code-target", dtype="float32")
     assert not m.cfg.causal and m.cfg.diffusion_shift and m.cfg.mask_token_id == 2
     assert m.cfg.replace(causal=True, diffusion_shift=False) == t.cfg
     info = json.loads((ZOO / "code-dllm" / "train_info.json").read_text())
@@ -150,7 +150,7 @@ def test_code_dllm_writes_long_answers():
 
     from train.tasks import position_score, split_long
 
-    m = pdecode.load("code-dllm")
+    m = pdecode.load("code-dllm", dtype="float32")
     items = [it for k in ("copy_long", "repeat_long", "range_long", "sort_long")
              for it in [x for x in split_long()[1] if x.kind == k][:4]]
     out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=128, block_length=32,
@@ -165,7 +165,7 @@ def test_code_dllm_continues_code():
     tokens, and they do not loop (distinct 4-grams)."""
     from infer.diffusion_bench import code_prompts, distinct4, judge_nll
 
-    m, judge = pdecode.load("code-dllm"), pdecode.load("code-target")
+    m, judge = pdecode.load("code-dllm", dtype="float32"), pdecode.load("code-target", dtype="float32")
     prompts, _ = code_prompts(m.tokenizer.backend, 4, 64, 128)
     out = pdecode.generate(m, prompts, method="diffusion", max_new_tokens=128, block_length=8, steps=128)
     nll = [judge_nll(judge, p, t) for p, t in zip(prompts, out.tokens)]

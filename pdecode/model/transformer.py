@@ -23,7 +23,73 @@ from pdecode.config import ModelConfig, rope_inv_freq
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 
-Params = dict[str, Any]
+Params = dict[str, Any]  # the canonical layout: layers stacked on a leading axis, q/k/v and gate/up apart
+
+
+class Layout(NamedTuple):
+    """How a params tree is arranged (static; `layout_of`). The canonical layout (`Params`, what checkpoints,
+    training and sharding rules use) is all False; `decode_layout` makes the decode one, a `DecodeParams`."""
+
+    unrolled: bool = False  # layers are a `DecodeLayers` tuple of per-layer dicts (a plain loop, no slicing)
+    fused: bool = False  # per-layer wqkv [D, (H+2KV)hd], wo [H*hd, D], w_gu [D, 2F] (single matmuls)
+    unembed_t: bool = False  # the tied embedding pre-transposed once, as "unembed_t" [D, V]
+
+
+CANONICAL = Layout()
+
+
+@jax.tree_util.register_pytree_node_class
+class DecodeLayers(tuple):
+    """The per-layer weight dicts of the decode layout; ``fused``: q/k/v and gate/up fused (unsharded runs)."""
+
+    fused: bool
+
+    def __new__(cls, layers, fused: bool):
+        obj = super().__new__(cls, layers)
+        obj.fused = bool(fused)
+        return obj
+
+    def tree_flatten(self):
+        return tuple(self), self.fused
+
+    @classmethod
+    def tree_unflatten(cls, fused, children):
+        return cls(children, fused)
+
+
+@jax.tree_util.register_pytree_node_class
+class DecodeParams(dict):
+    """Params in the decode layout, with their `Layout` stated (``.layout``) rather than read from which keys
+    happen to be present. Made by `decode_layout` inside a jitted call, once, before the loop."""
+
+    def __init__(self, items: dict, layout: Layout):
+        super().__init__(items)
+        self.layout = layout
+        if layout.unembed_t != ("unembed_t" in items) or layout.unrolled != isinstance(items["layers"], DecodeLayers):
+            raise ValueError(f"DecodeParams: layout {layout} does not match the weights given")
+
+    def tree_flatten(self):
+        keys = tuple(sorted(self))
+        return tuple(self[k] for k in keys), (keys, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, layout = aux
+        obj = dict.__new__(cls)
+        dict.__init__(obj, zip(keys, children))
+        obj.layout = layout
+        return obj
+
+
+def layout_of(params) -> Layout:
+    """The `Layout` of a params tree: a `DecodeParams` says it; a plain dict is canonical (its layers may still be
+    a `DecodeLayers` tuple, e.g. a training pass that unstacks them)."""
+    if isinstance(params, DecodeParams):
+        return params.layout
+    layers = params["layers"]
+    if isinstance(layers, DecodeLayers):
+        return Layout(unrolled=True, fused=layers.fused)
+    return CANONICAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +221,7 @@ def linear(x: jax.Array, w: jax.Array, spec: str | None = None) -> jax.Array:
 
 def unembed(params: Params, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """Final hidden states (already normed) -> float32 logits."""
-    if "unembed_t" in params:  # decode layout: the tied embedding pre-transposed once
+    if layout_of(params).unembed_t:  # decode layout: the tied embedding pre-transposed once
         spec, w = "...d,dv->...v", params["unembed_t"]
     elif cfg.tie_word_embeddings:
         spec, w = "...d,vd->...v", params["embed"]
@@ -170,11 +236,11 @@ class ForwardOut(NamedTuple):
     layer_hidden: jax.Array | None  # [n, B, T, D] outputs of the requested layers (before the final norm)
 
 
-def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope):
-    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (Qwen3) and RoPE applied."""
+def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool):
+    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (Qwen3) and RoPE applied; ``fused``: lp holds wqkv."""
     b, t, _ = h.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if "wqkv" in lp:  # decode layout: one matmul for q, k and v
+    if fused:  # decode layout: one matmul for q, k and v
         qkv = linear(h, lp["wqkv"])
         if "bqkv" in lp:
             qkv = qkv + lp["bqkv"]
@@ -197,10 +263,10 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope):
 
 
 def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, cache: kvc.KVCache | None, layer_idx,
-           write_at: jax.Array | None):
+           write_at: jax.Array | None, fused: bool = False):
     b, t, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _qkv(cfg, lp, h, rope)
+    q, k, v = _qkv(cfg, lp, h, rope, fused)
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
     if cache is not None:
         cache = kvc.write_layer(cache, layer_idx, k, v, write_at)
@@ -208,12 +274,12 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, ca
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
     a = attend(q, k, v, mask, impl=cfg.attention_impl)
-    if lp["wo"].ndim == 2:  # decode layout
+    if fused:  # decode layout: wo [H*hd, D], w_gu [D, 2F]
         x = x + linear(a.reshape(b, t, -1), lp["wo"])
     else:
         x = x + linear(a, lp["wo"], "bthk,hkd->btd")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gu" in lp:
+    if fused:
         g, u = jnp.split(linear(h, lp["w_gu"]), 2, axis=-1)
     else:
         g = linear(h, lp["w_gate"], "btd,df->btf")
@@ -226,14 +292,15 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = (), rope_table=None
                ) -> tuple[jax.Array, kvc.KVCache | None, jax.Array | None]:
-    """Run a stack of blocks over embeddings. ``layers`` is the stacked dict (run under `lax.scan`) or the tuple
-    of per-layer dicts of the decode layout (a plain loop). Returns (x, cache, layer_hidden)."""
+    """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
+    `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
+    (x, cache, layer_hidden)."""
     rope = rope_tables(cfg, positions_BT, rope_table)
-    if isinstance(layers, (tuple, list)):
+    if isinstance(layers, DecodeLayers):
         num_layers = len(layers)
         hid = []
         for i, lp in enumerate(layers):
-            x_BTD, cache = _block(cfg, lp, x_BTD, rope, mask_BTS, cache, i, write_at_B)
+            x_BTD, cache = _block(cfg, lp, x_BTD, rope, mask_BTS, cache, i, write_at_B, layers.fused)
             hid.append(x_BTD)
         sel = [hid[layer % num_layers] for layer in hidden_layers]
         return x_BTD, cache, (jnp.stack(sel) if sel else None)
@@ -261,13 +328,13 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
             cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = ()) -> ForwardOut:
-    """Transformer pass over T tokens per row.
+    """Transformer pass over T tokens per row; ``params``: canonical (`Params`) or `DecodeParams`.
 
     Without a cache, keys are the T tokens themselves and ``mask`` is [B, T, T]. With a cache, the fresh keys and
     values are written at slots ``write_at[b] + t`` first and queries read all ``max_len`` slots, so ``mask`` is
     [B, T, max_len] (build it with `attention.cache_mask`); a cache-less causal pass may wrap its mask in
     `attention.CausalSelfMask` (skips the keys after each block of queries). ``cache.lengths`` is not changed: the
-    caller decides what to keep (`cache.advance` / `cache.commit`). ``params`` may be canonical or in `decode_layout`.
+    caller decides what to keep (`cache.advance` / `cache.commit`).
     """
     if cache is not None and isinstance(mask_BTS, CausalSelfMask):
         raise ValueError("CausalSelfMask describes a pass without a cache; with a cache use attention.cache_mask")
@@ -283,18 +350,18 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
 UNROLL_MAX_LAYERS = 16
 
 
-def unrolled(params: Params) -> bool:
+def unrolled(params: Params | DecodeParams) -> bool:
     """Whether params are in the unrolled decode layout (then caches keep one buffer per layer)."""
-    return isinstance(params["layers"], (tuple, list))
+    return layout_of(params).unrolled
 
 
-def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params:
+def decode_layout(params: Params | DecodeParams, cfg: ModelConfig, fuse: bool = True) -> DecodeParams:
     """The params rearranged for a decode loop (call inside jit, before the loop, so it runs once per call):
     per-layer weights unstacked (no slicing inside the loop), q/k/v and gate/up fused into single matmuls, the tied
     embedding pre-transposed for the unembedding. Deep models (> UNROLL_MAX_LAYERS) keep the stacked layers and
-    their `lax.scan`. With ``fuse=False`` (sharded runs) weights stay unfused so every shard keeps whole heads."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    their `lax.scan`. With ``fuse=False`` (sharded runs) weights stay unfused so every shard keeps whole heads.
+    The result says which of these it did in its ``.layout``."""
+    if isinstance(params, DecodeParams):
         return params
     out = dict(params)
     if cfg.tie_word_embeddings:
@@ -302,14 +369,16 @@ def decode_layout(params: Params, cfg: ModelConfig, fuse: bool = True) -> Params
     table = rope_table(cfg)
     if table is not None:
         out["rope_table"] = table
-    out["layers"] = unstack_layers(layers, cfg, fuse)
-    return out
+    out["layers"] = layers = unstack_layers(params["layers"], cfg, fuse)
+    unrolled_ = isinstance(layers, DecodeLayers)
+    return DecodeParams(out, Layout(unrolled=unrolled_, fused=unrolled_ and layers.fused,
+                                    unembed_t=cfg.tie_word_embeddings))
 
 
 def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
-    """A stacked layer dict -> tuple of per-layer dicts (q/k/v and gate/up fused when ``fuse``); stacks deeper than
-    UNROLL_MAX_LAYERS are returned as they are (they keep `lax.scan`)."""
-    if isinstance(layers, (tuple, list)):
+    """A stacked layer dict -> a `DecodeLayers` tuple of per-layer dicts (q/k/v and gate/up fused when ``fuse``);
+    stacks deeper than UNROLL_MAX_LAYERS are returned as they are (they keep `lax.scan`)."""
+    if isinstance(layers, DecodeLayers):
         return layers
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     if num_layers > UNROLL_MAX_LAYERS:
@@ -327,7 +396,7 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
             lp["wo"] = lp["wo"].reshape(-1, d)
             lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         per.append(lp)
-    return tuple(per)
+    return DecodeLayers(per, fuse)
 
 
 def cast_params(params: Params, dtype) -> Params:
