@@ -175,11 +175,17 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if method not in ("ar", "sd", "eagle"):
         raise InputError(f"plan covers ar, sd and eagle; got {method!r}")
     meth = registry.get(method)
+    from pdecode.sharding import kv_repeat
+
+    stored_bytes = _bytes(abstract_params(cfg, jdt, mesh))  # the checkpoint's own weights
+    r = kv_repeat(cfg, mesh)  # kv heads repeated to the model axis, as Model.on_mesh does
+    cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r)
     params = abstract_params(cfg, jdt, mesh)
     target = pdecode.Model(cfg=cfg, params=params, name=config)
     draft, extra_params, opts = None, 0, {}
     if meth.needs_draft:
         dcfg = model_config(draft_config or DEFAULT_DRAFT, vocab=cfg.vocab_size)
+        dcfg = dcfg.replace(num_kv_heads=dcfg.num_kv_heads * kv_repeat(dcfg, mesh))
         draft = pdecode.Model(cfg=dcfg, params=abstract_params(dcfg, jdt, mesh), name=draft_config or DEFAULT_DRAFT)
         extra_params = _bytes(draft.params)
         opts = {"gamma": gamma}
@@ -253,7 +259,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         proj[hw] = row
     return {"config": config, "method": method, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
             "max_len": max_len, "dtype": str(jdt), "cache_dtype": str(cdt), "compiled": True,
-            "compile_s": compile_s, "param_bytes": _bytes(params), "extra_param_bytes": extra_params,
+            "compile_s": compile_s, "param_bytes": stored_bytes, "kv_repeat": r, "extra_param_bytes": extra_params,
             "per_device": mem, "per_device_bytes": mem["total"], "step_costs_per_device": steps,
             "step_floor_per_device": analytic,
             "tau_assumed": ZOO_TAU.get(method), "projection": proj}
@@ -351,7 +357,8 @@ def to_text(r: dict) -> str:
     lines = [f"{r['config']} · {r['method']} · {r['devices']} devices (mesh data x model = {r['mesh']}) · batch "
              f"{r['batch']} · {r['max_len']} tokens · params {r['dtype']}, cache {r['cache_dtype']}",
              f"compiled in {r['compile_s']:.1f} s; weights {gb(r['param_bytes'])} in all"
-             + (f" + {gb(r['extra_param_bytes'])} drafter" if r["extra_param_bytes"] else ""),
+             + (f" + {gb(r['extra_param_bytes'])} drafter" if r["extra_param_bytes"] else "")
+             + (f"; kv heads repeated x{r['kv_repeat']} to the model axis" if r.get("kv_repeat", 1) > 1 else ""),
              "", "| per device | bytes |", "|---|---|",
              f"| arguments (weights, prompt) | {gb(m['argument'])} |", f"| outputs | {gb(m['output'])} |",
              f"| temporaries (caches, activations) | {gb(m['temp'])} |", f"| **total (XLA)** | **{gb(m['total'])}** |",

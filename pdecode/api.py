@@ -56,6 +56,8 @@ class Model:
     extras: dict = dataclasses.field(default_factory=dict)  # method-specific weights (heads, ...)
     _sharded: dict = dataclasses.field(default_factory=dict, repr=False)
     _placed: Any = dataclasses.field(default=None, repr=False)  # the mesh `on_mesh` placed these params on
+    _source_cfg: Any = dataclasses.field(default=None, repr=False)  # the config before placing (kv heads as stored)
+    _indivisible: str = dataclasses.field(default="error", repr=False)
 
     @property
     def dtype(self):
@@ -67,21 +69,35 @@ class Model:
     def on_mesh(self, mesh, indivisible: str = "error") -> "Model":
         """This model with params — and attached heads — placed on ``mesh`` by the logical sharding rules (cached
         per mesh). A dimension the mesh axis does not divide is a ConfigError naming both, unless
-        ``indivisible="replicate"`` (see `pdecode.sharding`)."""
+        ``indivisible="replicate"`` (see `pdecode.sharding`). When the ``model`` axis is a multiple of the kv heads,
+        each kv head is repeated to match it (`pdecode.sharding.kv_repeat`: same outputs, each device keeps only the
+        kv head its query heads read, of the weights and of the cache), so the placed model's ``cfg.num_kv_heads``
+        is the axis size; save a model before placing it to keep the checkpoint's own shape."""
         if mesh is None or self._placed is mesh:
             return self
         key = (mesh, indivisible)
         if key not in self._sharded:
-            from pdecode.sharding import shard_params
+            from pdecode.sharding import kv_repeat
 
-            params = shard_params(self.params, param_specs(self.cfg), mesh, indivisible=indivisible)
+            r = kv_repeat(self.cfg, mesh)
+            cfg = self.cfg.replace(num_kv_heads=self.cfg.num_kv_heads * r) if r > 1 else self.cfg
+            params = _place_tree(self.params, param_specs(self.cfg), param_specs(cfg), mesh, r, indivisible)
             extras = dict(self.extras)
             for kind, val in self.extras.items():
                 if isinstance(val, tuple) and len(val) == 2 and hasattr(val[0], "specs"):
                     hcfg, hp = val
-                    extras[kind] = (hcfg, shard_params(hp, hcfg.specs(self.cfg), mesh, indivisible=indivisible))
-            self._sharded[key] = dataclasses.replace(self, params=params, extras=extras, _sharded={}, _placed=mesh)
+                    extras[kind] = (hcfg, _place_tree(hp, hcfg.specs(self.cfg), hcfg.specs(cfg), mesh, r, indivisible))
+            self._sharded[key] = dataclasses.replace(self, cfg=cfg, params=params, extras=extras, _sharded={},
+                                                     _placed=mesh, _source_cfg=self.cfg, _indivisible=indivisible)
         return self._sharded[key]
+
+
+def _place_tree(params, old_specs, new_specs, mesh, r: int, indivisible: str):
+    """Params placed on ``mesh`` by their specs, kv heads repeated ``r`` times (`pdecode.sharding.kv_repeat`)."""
+    from pdecode.sharding import param_shardings, repeat_kv_heads, shard_params
+
+    params = shard_params(params, old_specs, mesh, indivisible=indivisible)
+    return repeat_kv_heads(params, old_specs, r, param_shardings(new_specs, mesh, indivisible=indivisible))
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
@@ -150,7 +166,8 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     tok = None
     if (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
-    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path, _placed=mesh)
+    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+    m = m.on_mesh(mesh, indivisible)  # already in their shards: this only repeats kv heads where the axis needs it
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
     return m
@@ -166,12 +183,19 @@ def attach_heads(m: Model, path: str | os.PathLike) -> Model:
 
     path = resolve_path(path)
     dtype = np.dtype(jnp.dtype(m.dtype))
+    cfg0 = m._source_cfg or m.cfg  # heads are stored for the model's own shapes, before any placing
     if heads_io.is_heads_dir(path):
-        kind, hcfg, params, meta = heads_io.load_heads(path, m.cfg, dtype=dtype)
+        kind, hcfg, params, meta = heads_io.load_heads(path, cfg0, dtype=dtype)
     else:
-        kind, hcfg, params, meta = heads_io.load_released(path, m.cfg, dtype=dtype)
-    extras = {**m.extras, kind: (hcfg, jax.tree.map(jnp.asarray, params)), f"{kind}_meta": meta}
-    return dataclasses.replace(m, extras=extras, _sharded={}, _placed=None)  # on_mesh places the new heads
+        kind, hcfg, params, meta = heads_io.load_released(path, cfg0, dtype=dtype)
+    params = jax.tree.map(jnp.asarray, params)
+    if m._placed is not None:  # a placed model: its heads go to the same mesh, kv heads repeated as its own
+        from pdecode.sharding import kv_repeat
+
+        params = _place_tree(params, hcfg.specs(cfg0), hcfg.specs(m.cfg), m._placed, kv_repeat(cfg0, m._placed),
+                             m._indivisible)
+    extras = {**m.extras, kind: (hcfg, params), f"{kind}_meta": meta}
+    return dataclasses.replace(m, extras=extras, _sharded={})
 
 
 def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:

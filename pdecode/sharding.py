@@ -14,6 +14,7 @@ the model axis a large target needs).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -132,6 +133,35 @@ def constrain_cache(cache, mesh: Mesh | None):
     ln = NamedSharding(mesh, spec_for(("batch",), cache.lengths.shape, mesh))
     return cache.replace(k=jax.tree.map(pin, cache.k), v=jax.tree.map(pin, cache.v),
                          lengths=jax.lax.with_sharding_constraint(cache.lengths, ln))
+
+
+def kv_repeat(cfg, mesh: Mesh | None) -> int:
+    """How many times to repeat each kv head so that the kv heads divide the mesh's ``model`` axis: a GQA model
+    with fewer kv heads than the tensor-parallel degree (Llama-3-70B: 8 kv heads on 32 or 64 devices) would
+    otherwise keep every kv head — its k/v projections and its whole KV cache — on every device. Repeating head j
+    r times in place (j -> j*r .. j*r + r - 1) keeps each query head reading the same keys and values (query head h
+    reads kv head h // (H / KV) before, h // (H / (KV r)) after, and the second over r is the first), so outputs
+    are unchanged, and each device then holds only the kv head its own query heads read. 1 when not needed or not
+    possible (the model axis must be a multiple of the kv heads, and the query heads a multiple of the axis)."""
+    if mesh is None or "model" not in mesh.shape:
+        return 1
+    m, kv, h = mesh.shape["model"], cfg.num_kv_heads, cfg.num_heads
+    if kv >= m or m % kv or h % m:
+        return 1
+    return m // kv
+
+
+def repeat_kv_heads(params, specs, r: int, shardings=None):
+    """``params`` with every weight that has a ``kv_heads`` axis (by its spec) repeated ``r`` times along it, in
+    place (`kv_repeat`), computed under jit straight into ``shardings`` when given (no gathering on one device)."""
+    if r == 1:
+        return params
+
+    def rep(a, s):
+        return jnp.repeat(a, r, axis=s.axes.index("kv_heads")) if "kv_heads" in s.axes else a
+
+    f = lambda p: jax.tree.map(rep, p, specs)  # noqa: E731
+    return jax.jit(f, out_shardings=shardings)(params)
 
 
 def describe(mesh: Mesh | None) -> str:

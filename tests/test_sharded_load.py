@@ -155,7 +155,7 @@ def test_orbax_restore_auto_dtype_and_mesh(tmp_path):
     mesh = make_mesh(data=1, model=4)
     r = pdecode.load(tmp_path / "ob", mesh=mesh)
     assert str(r.dtype) == "bfloat16"
-    for a, b in zip(jax.tree.leaves(z.params), jax.tree.leaves(r.params)):
+    for a, b in zip(jax.tree.leaves(z.on_mesh(mesh).params), jax.tree.leaves(r.params)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     wq = r.params["layers"]["wq"]
     assert "model" in str(wq.sharding.spec) and len(wq.addressable_shards) == 4

@@ -56,7 +56,7 @@ def test_load_with_mesh_and_orbax_round_trip(hf_dirs, tmp_path):
     m2 = pdecode.load(tmp_path / "ob", mesh=mesh, indivisible="replicate")
     shard = param_shardings(param_specs(m2.cfg), mesh, indivisible="replicate")
     assert m2.params["layers"]["wq"].sharding == shard["layers"]["wq"]
-    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(m2.params)):
+    for a, b in zip(jax.tree.leaves(m.on_mesh(mesh, indivisible="replicate").params), jax.tree.leaves(m2.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ids = [[3, 4, 5, 6]]
     assert pdecode.generate(m2, ids, max_new_tokens=8, mesh=mesh).tokens == \
@@ -88,3 +88,28 @@ def test_attached_heads_are_sharded_by_on_mesh():
     single = pdecode.generate(m, prompts, method="eagle", max_new_tokens=20)
     sharded = pdecode.generate(m, prompts, method="eagle", max_new_tokens=20, mesh=mesh)
     assert sharded.tokens == single.tokens
+
+
+def test_kv_heads_repeated_to_the_model_axis():
+    """4 query / 2 kv heads on a model axis of 4: each kv head is repeated twice (same outputs), so weights and cache
+    shard over the axis instead of sitting whole on every device; heads attached later get the same treatment."""
+    from pdecode.sharding import kv_repeat
+
+    mesh = make_mesh(1, 4)
+    m = pdecode.load("code-target", dtype="float32")
+    assert (m.cfg.num_heads, m.cfg.num_kv_heads) == (4, 2) and kv_repeat(m.cfg, mesh) == 2
+    placed = m.on_mesh(mesh)
+    wk = placed.params["layers"]["wk"]
+    assert placed.cfg.num_kv_heads == 4 and wk.shape[2] == 4 and wk.sharding.spec[2] == "model"
+    assert wk.addressable_shards[0].data.shape[2] == 1
+    np.testing.assert_array_equal(np.asarray(wk)[:, :, 0::2], np.asarray(m.params["layers"]["wk"]))
+    np.testing.assert_array_equal(np.asarray(wk)[:, :, 1::2], np.asarray(m.params["layers"]["wk"]))
+    prompts = ["def fib(n):", "import os\n", "class Stack:", "x = [1, 2"]
+    assert pdecode.generate(placed, prompts, max_new_tokens=16, mesh=mesh).tokens == \
+        pdecode.generate(m, prompts, max_new_tokens=16).tokens
+    # heads attached to the placed model are placed and repeated alike; EAGLE decodes the same
+    with_heads = pdecode.attach_heads(placed, "code-target-eagle")
+    assert with_heads.extras["eagle"][1]["layers"]["wk"].shape[2] == 4
+    single = pdecode.attach_heads(m, "code-target-eagle")
+    assert pdecode.generate(with_heads, prompts, method="eagle", max_new_tokens=16, mesh=mesh).tokens == \
+        pdecode.generate(single, prompts, method="eagle", max_new_tokens=16).tokens
