@@ -88,6 +88,12 @@ def _parse_mesh(spec: str):
     return mesh_from_spec(spec)
 
 
+# generate's arguments that cmd_generate sets from its own flags (a -o of the same name would clash)
+_FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "mesh": "--mesh",
+          "stop_at_eos": "--ignore-eos"}
+
+
 def cmd_generate(args) -> int:
     import pdecode
 

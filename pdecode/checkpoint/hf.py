@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, write_safetensors
+from pdecode.checkpoint.safetensors_io import write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError, ConfigError
 from pdecode.model.transformer import param_specs
@@ -187,19 +187,8 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
     import ml_dtypes  # noqa: F401  (bfloat16 as a numpy dtype)
     from jax.sharding import SingleDeviceSharding
 
-    from pdecode.checkpoint.safetensors_io import CheckpointTensors
-
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"no model directory at {path}")
-    hf_cfg = read_config(path)
-    try:
-        cfg = ModelConfig.from_hf(hf_cfg)
-    except ConfigError as e:
-        raise CheckpointError(f"{path}/config.json: {e}") from None
-    src = CheckpointTensors(path)
-    if cfg.tie_word_embeddings is False and "lm_head.weight" not in src and "model.embed_tokens.weight" in src:
-        raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
+    cfg, hf_cfg, src = _open(path)
     specs = param_specs(cfg)
     rules = rules_for(cfg)
     _check(src, specs, rules, cfg.num_layers, str(path))
@@ -264,9 +253,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{f} is not valid JSON: {e}") from None
 
 
-def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
-    """Read an HF directory (config.json + model.safetensors or sharded with index) -> (cfg, numpy params)."""
-    path = Path(path)
+def _open(path: Path):
+    """(cfg, config.json as a dict, the lazily read tensors) of an HF directory, or one CheckpointError."""
+    from pdecode.checkpoint.safetensors_io import CheckpointTensors
+
     if not path.is_dir():
         raise CheckpointError(f"no model directory at {path}")
     hf_cfg = read_config(path)
@@ -274,10 +264,17 @@ def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
         cfg = ModelConfig.from_hf(hf_cfg)
     except ConfigError as e:
         raise CheckpointError(f"{path}/config.json: {e}") from None
-    tensors = read_checkpoint_dir(path)
-    if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+    src = CheckpointTensors(path)
+    if cfg.tie_word_embeddings is False and "lm_head.weight" not in src and "model.embed_tokens.weight" in src:
         raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
-    params = tensors_to_params(tensors, param_specs(cfg), rules_for(cfg), cfg.num_layers, dtype, source=str(path))
+    return cfg, hf_cfg, src
+
+
+def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
+    """Read an HF directory (config.json + model.safetensors or sharded with index) -> (cfg, numpy params)."""
+    path = Path(path)
+    cfg, _, src = _open(path)
+    params = tensors_to_params(src, param_specs(cfg), rules_for(cfg), cfg.num_layers, dtype, source=str(path))
     # once loaded, the params are ours: saving writes the transformers (Llama/Qwen) naming
     return cfg.replace(layout="hf"), params
 
