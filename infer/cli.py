@@ -125,6 +125,8 @@ def cmd_generate(args) -> int:
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 draft=d, mesh=mesh, stop_at_eos=not args.ignore_eos, **opts)  # no key of _FLAGS
 
+    if args.decompose:
+        return _decompose(args, m, draft, prompts, options, mesh, compare)
     out = run(m, args.method, options, draft)
     rows = [_row(args.method, out, None)] if compare else []
     for spec, method, heads, opts in compare:
@@ -150,6 +152,31 @@ def cmd_generate(args) -> int:
 
         commit_order_plot(out.stats["commit_step"], args.plot, title=f"{args.method}: step each position was decoded")
         print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _decompose(args, m, draft, prompts, options, mesh, compare) -> int:
+    """``--decompose PLANNER``: plan the one prompt into points and fill them as one batch (`pdecode.decompose`)."""
+    import pdecode
+    from pdecode.errors import InputError
+
+    if len(prompts) != 1:
+        raise InputError(f"--decompose takes one prompt (it plans it into points), got {len(prompts)}")
+    if compare:
+        raise InputError("--decompose and --compare do not combine; run them separately")
+    out = pdecode.decompose(m, prompts[0], planner=args.decompose, method=args.method,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, draft=draft, mesh=mesh,
+                            stop_at_eos=not args.ignore_eos, **options)
+    s = out.stats
+    if args.json:
+        print(json.dumps({"prompt": prompts[0], "text": out.text, "prefix": out.prefix, "points": out.points,
+                          "fills": out.fills, "stats": s}))
+    else:
+        print(out.text)
+        print(f"[decompose {s['planner']} / {args.method}] {s['decision']['mode']}: {s['decision']['reason']}; "
+              f"{s['points']} points, prefix {s['prefix_tokens']} tokens prefilled once, {s['new_tokens']} new tokens, "
+              f"{s['fill_forwards']} fill forwards, {s['wall_s']:.2f}s", file=sys.stderr)
     return 0
 
 
@@ -276,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     g.add_argument("--prompts-jsonl", help="one JSON string (or {\"prompt\": ...}) per line")
+    g.add_argument("--decompose", default=None, metavar="PLANNER", choices=["stubs", "lines"],
+                   help="plan the prompt into independent points (stubs: function stubs after a header; lines: one "
+                        "sub-task per line) and fill them as one batch over one prefilled prefix")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

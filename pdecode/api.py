@@ -271,6 +271,27 @@ class GenerateOutput:
     stats: dict[str, Any]
 
 
+SHARED_PREFIX_ALIGN = 16
+
+
+def _shared_prefix(ids: list[list[int]], n: int) -> int:
+    """The shared-prefix length the compiled program uses: ``n`` checked (every prompt starts with the same ``n``
+    tokens and has at least one more), rounded down to `SHARED_PREFIX_ALIGN`."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+        raise InputError(f"shared_prefix must be an integer >= 0, got {n!r}")
+    if n == 0:
+        return 0
+    short = [i for i, x in enumerate(ids) if len(x) <= n]
+    if short:
+        raise InputError(f"shared_prefix={n} but prompt {short[0]} has only {len(ids[short[0]])} tokens; every prompt "
+                         "needs at least one token after the shared prefix")
+    head = ids[0][:n]
+    differ = [i for i, x in enumerate(ids) if x[:n] != head]
+    if differ:
+        raise InputError(f"shared_prefix={n} but prompt {differ[0]} does not start with the same {n} tokens as prompt 0")
+    return int(n) // SHARED_PREFIX_ALIGN * SHARED_PREFIX_ALIGN
+
+
 def _bucket(n: int, quantum: int = 32) -> int:
     return max(quantum, -(-n // quantum) * quantum)
 
@@ -334,7 +355,7 @@ def _parameters(fn) -> set:
 def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
              stop_at_eos: bool = True, max_len: int | None = None, cache_dtype: str | None = None,
-             **method_options) -> GenerateOutput:
+             shared_prefix: int = 0, stop_token_ids: Sequence[int] = (), **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -355,6 +376,12 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         cache_dtype: dtype of every KV cache (target, draft, EAGLE / MTP heads, diffusion prefix / dual caches):
             float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (default: the activations' dtype); a method
             that keeps no cache (dico) refuses it.
+        shared_prefix: every prompt starts with the same this many tokens (and is longer): the target prefills them
+            once, as one row, and gives that row's KV cache to every row (rounded down to a multiple of
+            `SHARED_PREFIX_ALIGN` tokens, so prefixes of nearby lengths share one compiled program); what
+            `pdecode.decompose` uses. Methods built on the autoregressive loops take it (ar, sd, lookup, tree, medusa,
+            eagle, mtp); a draft model prefills it once too.
+        stop_token_ids: more ids that end a row like EOS (kept in the output), e.g. every token holding a newline.
         **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
 
     Returns:
@@ -396,8 +423,13 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     for i, x in enumerate(ids):
         prompt[i, : len(x)] = x
     prompt_len = np.asarray(lens, np.int32)
+    n_shared = _shared_prefix(ids, shared_prefix)
     eos = tuple(sorted(set(m.cfg.eos_token_ids) | set(m.tokenizer.eos_ids if m.tokenizer else ()))) if stop_at_eos \
         else ()
+    bad = [t for t in stop_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < m.cfg.vocab_size]
+    if bad:
+        raise InputError(f"stop_token_ids must be token ids in [0, {m.cfg.vocab_size}), got {bad[0]!r}")
+    eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids}))
 
     prompt_j, len_j = jnp.asarray(prompt), jnp.asarray(prompt_len)
     if mesh is not None:
@@ -411,6 +443,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         static["cache_dtype"] = kv_dtype
     elif cache_dtype is not None:
         raise InputError(f"method {method!r} keeps no KV cache, so cache_dtype does nothing there: drop it")
+    if shared_prefix:
+        if "shared_prefix" not in _parameters(plan.fn):
+            raise InputError(f"method {method!r} does not share a prompt prefix (shared_prefix); drop it")
+        static["shared_prefix"] = n_shared
     exe, compile_s = compiled(plan.fn, static, *args)
     t0 = time.perf_counter()
     out, dev_stats = exe(*args)
@@ -434,6 +470,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         tokens_per_s=new_tokens / wall if wall > 0 else float("inf"),
         compile_s=compile_s,
         prompt_tokens=int(sum(lens)),
+        # tokens the target's prefill ran: a shared prefix once, then each row's own tokens
+        prefill_tokens=int(n_shared + sum(n - n_shared for n in lens)),
         cache_len=cache_len,
     )
     if plan.finish_stats:

@@ -33,13 +33,13 @@ class ARState:
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, max_new: int,
              max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, cache_dtype=jnp.float32,
-             phases: int = 4):
-    """Returns (Outputs, stats dict of device scalars)."""
+             phases: int = 4, shared_prefix: int = 0):
+    """Returns (Outputs, stats dict of device scalars). ``shared_prefix``: see `common.prefill`."""
     b, p = prompt_BP.shape
     params = decode_layout(params, cfg, fuse=mesh is None)
     lengths = common.phase_lengths(p, max_len, phases)
     cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(params)), mesh)
-    cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache)
+    cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache, shared_prefix=shared_prefix)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
     out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)

@@ -60,12 +60,18 @@ def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[i
 
 
 def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Array, cache: kvc.KVCache,
-            hidden_layers: tuple[int, ...] = ()):
+            hidden_layers: tuple[int, ...] = (), shared_prefix: int = 0):
     """Run the prompts (right-padded) into an empty cache.
 
-    Returns (cache with lengths = prompt lengths, last-position logits [B, V], forward output).
+    ``shared_prefix`` = P > 0 (static): every row's first P tokens are the same (the host guarantees it; every
+    prompt is longer than P), so they run once, as one row, and that row's keys and values are given to every row;
+    then each row runs only its own tokens after P (`pdecode.decompose` fills its points this way).
+
+    Returns (cache with lengths = prompt lengths, last-position logits [B, V], forward output over all p positions).
     """
     b, p = prompt_BP.shape
+    if shared_prefix:
+        return _prefill_shared(params, cfg, prompt_BP, prompt_len_B, cache, hidden_layers, shared_prefix)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zeros = jnp.zeros((b,), jnp.int32)
     fresh_valid = positions < prompt_len_B[:, None]
@@ -75,6 +81,33 @@ def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Ar
     last = jnp.take_along_axis(out.hidden, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = unembed(params, cfg, last)
     return kvc.set_lengths(out.cache, prompt_len_B), logits, out
+
+
+def _prefill_shared(params, cfg, prompt_BP, prompt_len_B, cache, hidden_layers, n: int):
+    b, p = prompt_BP.shape
+    one = kvc.init_cache(cfg, 1, cache.max_len, cache.dtype, per_layer=cache.per_layer)
+    pos1 = jnp.arange(n, dtype=jnp.int32)[None]
+    mask1 = attention.cache_mask(jnp.zeros((1,), jnp.int32), attention.causal_intra(n), cache.max_len,
+                                 window=cfg.sliding_window, query_pos_BT=pos1)
+    head = forward(params, cfg, prompt_BP[:1, :n], pos1, mask1, cache=one, write_at_B=jnp.zeros((1,), jnp.int32),
+                   hidden_layers=hidden_layers)
+    shared = kvc.broadcast_rows(kvc.set_lengths(head.cache, jnp.full((1,), n, jnp.int32)), b)
+    t = p - n
+    positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (b, t))
+    start = jnp.full((b,), n, jnp.int32)
+    mask = attention.cache_mask(start, attention.causal_intra(t), cache.max_len, positions < prompt_len_B[:, None],
+                                window=cfg.sliding_window, query_pos_BT=positions)
+    tail = forward(params, cfg, prompt_BP[:, n:], positions, mask, cache=shared, write_at_B=start,
+                   hidden_layers=hidden_layers)
+    last = jnp.take_along_axis(tail.hidden, (prompt_len_B - 1 - n)[:, None, None], axis=1)[:, 0]
+    logits = unembed(params, cfg, last)
+    # the forward output over all p positions, as an unshared prefill returns it (drafters read prompt states)
+    def cat(h1, h2, row_axis):
+        return jnp.concatenate([jnp.repeat(h1, b, axis=row_axis), h2], axis=row_axis + 1)
+
+    out = tail._replace(hidden=cat(head.hidden, tail.hidden, 0),
+                        layer_hidden=None if tail.layer_hidden is None else cat(head.layer_hidden, tail.layer_hidden, 1))
+    return kvc.set_lengths(tail.cache, prompt_len_B), logits, out
 
 
 PHASE_ALIGN = 16  # phase lengths (but the last, max_len) are multiples of this many slots

@@ -65,9 +65,9 @@ class ChainState:
     gamma: jax.Array  # [B] int32
 
 
-def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype):
+def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix: int = 0):
     cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len, cache_dtype, per_layer=unrolled(dparams))
-    cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache)
+    cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache, shared_prefix=shared_prefix)
     return cache
 
 
@@ -99,9 +99,11 @@ class DraftChain(_DraftModelDrafter):
 
     max_children = 1
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
         b = prompt_BP.shape[0]
-        return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype),
+        return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
+                                            shared_prefix),
                           gamma=jnp.full((b,), self.gamma, jnp.int32))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
@@ -159,8 +161,10 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     dcfg: ModelConfig
     tree: tree_lib.StaticTree
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
-        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype))
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
+                                            shared_prefix))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
@@ -222,8 +226,10 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
     depth: int
     total_tokens: int
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
-        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype))
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
+        return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
+                                            shared_prefix))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, self.depth + 1)

@@ -132,7 +132,7 @@ class SpecState:
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, drafter: Drafter,
              max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
-             cache_dtype=jnp.float32, phases: int = 4):
+             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0):
     tparams, dparams = params
     tparams = decode_layout(tparams, cfg, fuse=mesh is None)
     dparams = drafter.prepare(dparams, mesh)
@@ -140,7 +140,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     n_hid = drafter.hidden_layers
     lengths = common.phase_lengths(p, max_len, phases)  # the target cache grows between phases (see `ar`)
     cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(tparams)), mesh)
-    cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid)
+    cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid,
+                                        shared_prefix=shared_prefix)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
     out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
@@ -151,7 +152,10 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     root_layers = None if not n_hid else jax.vmap(lambda h: common.gather_rows(h, last_idx))(pre.layer_hidden)
     import inspect
 
-    kv = {"cache_dtype": cache_dtype} if "cache_dtype" in inspect.signature(drafter.init).parameters else {}
+    takes = inspect.signature(drafter.init).parameters
+    kv = {"cache_dtype": cache_dtype} if "cache_dtype" in takes else {}
+    if shared_prefix and "shared_prefix" in takes:  # a draft model prefills the shared prefix once too
+        kv["shared_prefix"] = shared_prefix
     dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
     d_max = drafter.max_depth
     state = SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,

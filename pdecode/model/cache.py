@@ -163,3 +163,11 @@ def where_rows(sel_B: jax.Array, a: KVCache, b: KVCache) -> KVCache:
     k = jax.tree.map(lambda x, y: pick(x, y, ax), a.k, b.k)
     v = jax.tree.map(lambda x, y: pick(x, y, ax), a.v, b.v)
     return KVCache(k=k, v=v, lengths=jnp.where(sel_B, a.lengths, b.lengths))
+
+
+def broadcast_rows(cache: KVCache, batch: int) -> KVCache:
+    """A one-row cache repeated to ``batch`` rows (a shared prefix prefilled once, then given to every row)."""
+    axis = 0 if cache.per_layer else 1
+    rep = lambda a: jnp.repeat(a, batch, axis=axis)  # noqa: E731
+    return KVCache(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
+                   lengths=jnp.broadcast_to(cache.lengths[:1], (batch,)))

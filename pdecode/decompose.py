@@ -1,0 +1,277 @@
+"""Decomposition-and-fill: split a task into independent points and fill them in parallel, as one batch over one
+prefilled prefix, with any decoding method inside.
+
+    out = pdecode.decompose(model, prompt, planner="stubs", method="ar", max_new_tokens=96)
+    out.prefix, out.points, out.fills, out.text, out.stats
+
+A planner turns the prompt into ``prefix`` (the text every point sees), ``points`` (each point's own text after the
+prefix) and a joiner (how the filled points make the answer). Every row of the fill batch is ``prefix + point``;
+the tokens the rows share are prefilled once, as one row, and that row's KV cache is given to every row
+(`pdecode.generate(..., shared_prefix=N)`); each row then runs only its own point and continues with the inner
+method. A per-point stop rule ends each fill (a function body at the first line back at column 0; a line at its
+newline, which also ends the row on the device); rows finish independently.
+
+Planners: ``"stubs"`` (a header, then independent function stubs: one point per stub, the header is the prefix),
+``"lines"`` (one sub-task per line of the prompt's last block of lines), or a callable ``prompt -> (prefix, points,
+joiner)``. The router (on by default) falls back when decomposing is not worth it or not sound: fewer than two
+points (plain generation), or stubs that refer to each other (filled one after another, each seeing the bodies
+before it); the decision and its reason are in ``stats["decision"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Callable, Sequence
+
+from pdecode.errors import InputError
+
+PLANNERS = ("stubs", "lines")
+
+_TOP = re.compile(r"^(async\s+def|def|class)\s+([A-Za-z_]\w*)")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a planner returns: the shared ``prefix``, the ``points`` (each point's text after the prefix), how the
+    fills are joined into the answer, and the stop rule of a fill (``"body"``, ``"line"`` or ``"none"``)."""
+
+    prefix: str
+    points: list[str]
+    joiner: Callable[[list[str], list[str]], str] | str = "\n"
+    stop: str = "none"
+    names: list[str] = dataclasses.field(default_factory=list)  # stubs: each point's function / class name
+
+
+@dataclasses.dataclass
+class DecomposeOutput:
+    prefix: str
+    points: list[str]
+    fills: list[str]
+    fill_tokens: list[list[int]]
+    text: str
+    stats: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------------ planners
+def plan_stubs(prompt: str) -> Plan:
+    """A header (imports, constants, helpers before the first stub) and top-level stubs: each stub is a ``def`` /
+    ``class`` line (with its decorators) and whatever follows it up to the next top-level line (a docstring; nested
+    defs stay inside their stub). The header is the prefix; each point is a stub up to its last character (the fill
+    then starts with the newline and indentation of the body, which is how a model continues a docstring); each
+    fill is the body; the answer is the header and the stubs with their bodies, in order."""
+    lines = prompt.splitlines(keepends=True)
+    starts, names = [], []
+    i = 0
+    while i < len(lines):
+        m = _TOP.match(lines[i])
+        if m:
+            j = i
+            while j > 0 and lines[j - 1].startswith("@"):  # decorators belong to their stub
+                j -= 1
+            starts.append(j)
+            names.append(m.group(2))
+        i += 1
+    if not starts:
+        return Plan(prompt, [], stop="body")
+    prefix = "".join(lines[: starts[0]])
+    points = []
+    for k, a in enumerate(starts):
+        b = starts[k + 1] if k + 1 < len(starts) else len(lines)
+        points.append("".join(lines[a:b]).rstrip())  # the fill starts on the stub's last line ("\n    ...")
+
+    def join(points, fills):
+        return prefix + "\n\n\n".join(p + f.rstrip() for p, f in zip(points, fills)) + "\n"
+
+    return Plan(prefix, points, join, stop="body", names=names)
+
+
+def plan_lines(prompt: str) -> Plan:
+    """One point per line of the prompt's last block of consecutive non-empty lines (e.g. ``assert f(2) == `` lines,
+    or a numbered list of questions); what comes before that block is the prefix. Each fill continues its line to
+    the end of the line."""
+    lines = prompt.splitlines(keepends=True)
+    end = len(lines)
+    while end and not lines[end - 1].strip():
+        end -= 1
+    start = end
+    while start and lines[start - 1].strip():
+        start -= 1
+    prefix = "".join(lines[:start])
+    points = [ln.rstrip("\n") for ln in lines[start:end]]
+
+    def join(points, fills):
+        return prefix + "".join(p + f.split("\n", 1)[0] + "\n" for p, f in zip(points, fills))
+
+    return Plan(prefix, points, join, stop="line")
+
+
+def _plan(planner, prompt: str) -> Plan:
+    if callable(planner):
+        got = planner(prompt)
+        if isinstance(got, Plan):
+            return got
+        try:
+            prefix, points, joiner = got
+        except (TypeError, ValueError):
+            raise InputError("a planner callable must return (prefix, points, joiner) or a decompose.Plan") from None
+        if not isinstance(prefix, str) or not all(isinstance(p, str) for p in points):
+            raise InputError("a planner callable must return a str prefix and a list of str points")
+        return Plan(prefix, list(points), joiner)
+    if planner == "stubs":
+        return plan_stubs(prompt)
+    if planner == "lines":
+        return plan_lines(prompt)
+    raise InputError(f"unknown planner {planner!r}: use one of {', '.join(PLANNERS)} or a callable "
+                     "prompt -> (prefix, points, joiner)")
+
+
+def _route(plan: Plan) -> tuple[str, str]:
+    """("parallel" | "plain" | "sequential", why)."""
+    if len(plan.points) < 2:
+        return "plain", f"{len(plan.points)} independent point(s): nothing to fill in parallel"
+    if plan.names:
+        for i, p in enumerate(plan.points):
+            refs = [n for j, n in enumerate(plan.names) if j != i and re.search(rf"\b{re.escape(n)}\b", p)]
+            if refs:
+                return "sequential", (f"point {i} ({plan.names[i]}) refers to {refs[0]}, another point: filled one "
+                                      "after another so each sees the bodies before it")
+    return "parallel", f"{len(plan.points)} independent points"
+
+
+# ------------------------------------------------------------------------------------------------ stop rules
+def cut_body(text: str) -> str:
+    """A function body continuing its stub's last line: up to the first later line that starts at column 0 with
+    something other than whitespace (the next top-level statement), trailing whitespace dropped."""
+    lines = text.splitlines(keepends=True)
+    out = lines[:1]  # the rest of the stub's own last line
+    for ln in lines[1:]:
+        if ln.strip() and not ln[0].isspace():
+            break
+        out.append(ln)
+    return "".join(out).rstrip()
+
+
+def cut_line(text: str) -> str:
+    return text.split("\n", 1)[0]
+
+
+def _cut(rule: str, text: str) -> str:
+    return cut_body(text) if rule == "body" else cut_line(text) if rule == "line" else text
+
+
+def newline_ids(tok) -> tuple[int, ...]:
+    """Ids of every token whose text holds a newline (cached on the tokenizer): a ``"line"`` fill stops at one."""
+    cached = getattr(tok, "_newline_ids", None)
+    if cached is None:
+        cached = tuple(i for i in range(tok.vocab_size) if "\n" in tok.decode([i], skip_special_tokens=True))
+        tok._newline_ids = cached
+    return cached
+
+
+def _tokens_for(tok, ids: list[int], text: str) -> list[int]:
+    """The shortest prefix of ``ids`` whose text covers ``text`` (a fill cut by a stop rule)."""
+    for k in range(len(ids) + 1):
+        if len(tok.decode(ids[:k])) >= len(text):
+            return ids[:k]
+    return ids
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    n = min(len(r) for r in rows)
+    for i in range(n):
+        t = rows[0][i]
+        if any(r[i] != t for r in rows):
+            return i
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ the API
+def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str = "ar", max_new_tokens: int = 64,
+              router: bool = True, **generate_options) -> DecomposeOutput:
+    """Plan ``prompt`` into points and fill them as one batch over one prefilled prefix.
+
+    Args:
+        model: the target (`pdecode.load`), with a tokenizer.
+        prompt: the task's text.
+        planner: "stubs", "lines" or a callable ``prompt -> (prefix, points, joiner)`` (joiner: a separator string
+            or ``(points, fills) -> text``).
+        method: the inner decoding method (ar, sd, lookup, tree, medusa, eagle, mtp); its options and every
+            `pdecode.generate` option (``draft=``, ``temperature=``, ...) pass through ``generate_options``.
+        max_new_tokens: the budget of each point's fill.
+        router: fall back to plain or sequential generation when decomposing is not worth it (see the module).
+
+    Returns:
+        `DecomposeOutput`: ``prefix``, ``points``, ``fills`` and ``fill_tokens`` (per point, after its stop rule),
+        ``text`` (the assembled answer) and ``stats`` (points, prefix_tokens, plan / fill forwards and seconds, the
+        inner method's stats, the router's decision and why).
+    """
+    from pdecode import api
+
+    if model.tokenizer is None:
+        raise InputError(f"model {model.name!r} has no tokenizer.json: decompose plans over text")
+    if not isinstance(prompt, str):
+        raise InputError("decompose takes one prompt text")
+    for k in ("shared_prefix", "stop_token_ids"):
+        if k in generate_options:
+            raise InputError(f"decompose sets {k} itself; drop it")
+    t0 = time.perf_counter()
+    plan = _plan(planner, prompt)
+    route, why = _route(plan) if router else ("parallel", "router off")
+    if not router and not plan.points:
+        raise InputError("the planner found no points in the prompt")
+    plan_s = time.perf_counter() - t0
+    tok = model.tokenizer
+    stop_ids = newline_ids(tok) if plan.stop == "line" else ()
+    stats: dict[str, Any] = {"points": len(plan.points), "planner": planner if isinstance(planner, str) else "callable",
+                             "decision": {"mode": route, "reason": why}, "plan_forwards": 0, "plan_s": plan_s}
+
+    def run(texts: list[str], shared: int):
+        ids = [tok.encode(t) for t in texts]
+        need = max(len(x) for x in ids) + max_new_tokens
+        if need > model.cfg.max_position_embeddings:
+            raise InputError(f"the planned rows are too long for the context: the prefix and the longest point take "
+                             f"{max(len(x) for x in ids)} tokens + max_new_tokens {max_new_tokens} > "
+                             f"{model.cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+        n = min(_common_prefix(ids), min(len(x) for x in ids) - 1) if shared else 0
+        out = api.generate(model, ids, method=method, max_new_tokens=max_new_tokens, shared_prefix=max(n, 0),
+                           stop_token_ids=stop_ids, **generate_options)
+        return out, n
+
+    t1 = time.perf_counter()
+    if route == "plain":
+        out, n = run([prompt], shared=False)
+        fills, fill_tokens = list(out.texts), [list(t) for t in out.tokens]
+        text = prompt + fills[0]
+        inner = [out.stats]
+    elif route == "sequential":
+        fills, fill_tokens, inner, done = [], [], [], plan.prefix
+        for p in plan.points:
+            out, n = run([done + p], shared=False)
+            f = _cut(plan.stop, out.texts[0])
+            fills.append(f)
+            fill_tokens.append(_tokens_for(tok, out.tokens[0], f))
+            inner.append(out.stats)
+            done = done + p + f.rstrip() + "\n\n\n"
+        text = _join(plan, fills)
+    else:
+        out, n = run([plan.prefix + p for p in plan.points], shared=True)
+        fills = [_cut(plan.stop, t) for t in out.texts]
+        fill_tokens = [_tokens_for(tok, ids, f) for ids, f in zip(out.tokens, fills)]
+        text = _join(plan, fills)
+        inner = [out.stats]
+    fill_s = time.perf_counter() - t1
+    stats.update(prefix_tokens=n if route == "parallel" else 0,
+                 fill_forwards=sum(s["target_forwards"] for s in inner),
+                 prefill_tokens=sum(s["prefill_tokens"] for s in inner), fill_s=fill_s,
+                 wall_s=plan_s + fill_s, new_tokens=sum(len(t) for t in fill_tokens),
+                 inner=inner[0] if len(inner) == 1 else inner)
+    return DecomposeOutput(prefix=plan.prefix, points=plan.points, fills=fills, fill_tokens=fill_tokens, text=text,
+                           stats=stats)
+
+
+def _join(plan: Plan, fills: Sequence[str]) -> str:
+    if callable(plan.joiner):
+        return plan.joiner(plan.points, list(fills))
+    return plan.prefix + plan.joiner.join(p + f for p, f in zip(plan.points, fills))

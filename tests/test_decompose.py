@@ -1,0 +1,136 @@
+"""Decomposition-and-fill: planners, the router, one shared prefix prefilled once, and fills equal to generating each
+point on its own (greedy), with ar, sd and a tree method inside."""
+
+import json
+
+import pytest
+
+import pdecode
+import importlib
+
+D = importlib.import_module("pdecode.decompose")  # the module (pdecode.decompose is also the function)
+
+HEADER = "import os\nimport sys\nimport re\nfrom collections import defaultdict\n\nLIMIT = 100\n\n\n"
+STUBS = HEADER + '''def read_lines(path):
+    """Return the lines of the file at path."""
+
+
+@staticmethod
+def count_words(text):
+    """Return a dict of word counts in text."""
+
+
+def is_empty(s):
+    def inner(x):
+        return x
+    """Whether s is empty."""
+
+
+def join_paths(a, b):
+'''
+
+
+@pytest.fixture(scope="module")
+def models():
+    return pdecode.load("code-target", dtype="float32"), pdecode.load("code-draft", dtype="float32")
+
+
+def test_stub_planner_parsing():
+    plan = D.plan_stubs(STUBS)
+    assert plan.prefix == HEADER and plan.names == ["read_lines", "count_words", "is_empty", "join_paths"]
+    assert plan.points[0] == 'def read_lines(path):\n    """Return the lines of the file at path."""'
+    assert plan.points[1].startswith("@staticmethod\ndef count_words(text):")  # decorators stay with their stub
+    assert "def inner(x)" in plan.points[2]  # a nested def is part of its stub
+    assert plan.points[3] == "def join_paths(a, b):"  # a stub without a docstring
+    assert D.plan_stubs("x = 1\n").points == []
+    text = D._join(plan, ["\n    return 1"] * 4)
+    assert text.startswith(HEADER) and text.count("return 1") == 4 and text.endswith("return 1\n")
+
+
+def test_line_planner_parsing():
+    prompt = "def sq(x):\n    return x * x\n\n\nassert sq(2) == \nassert sq(3) == \nassert sq(10) == \n\n"
+    plan = D.plan_lines(prompt)
+    assert plan.prefix == "def sq(x):\n    return x * x\n\n\n"
+    assert plan.points == ["assert sq(2) == ", "assert sq(3) == ", "assert sq(10) == "] and plan.stop == "line"
+    assert D._join(plan, ["4\nmore", "9", "100"]) == plan.prefix + "assert sq(2) == 4\nassert sq(3) == 9\n" \
+        "assert sq(10) == 100\n"
+    q = D.plan_lines("Answer each:\n1. What is 2+2?\n2. Name a colour.")
+    assert q.prefix == "" and q.points == ["Answer each:", "1. What is 2+2?", "2. Name a colour."]
+
+
+def test_stop_rules():
+    assert D.cut_body('\n    x = 1\n\n    return x\n\ndef g():\n    pass') == "\n    x = 1\n\n    return x"
+    assert D.cut_body("\n    return 1\n\n\nclass A:\n") == "\n    return 1"
+    assert D.cut_line("42\nassert") == "42"
+
+
+@pytest.mark.parametrize("method,opts", [("ar", {}), ("sd", {"gamma": 3}), ("tree", {})])
+def test_fills_equal_each_point_generated_alone(models, method, opts):
+    m, d = models
+    kw = dict(opts, draft=d) if method != "ar" else opts
+    out = pdecode.decompose(m, STUBS, method=method, max_new_tokens=24, **kw)
+    s = out.stats
+    assert s["decision"]["mode"] == "parallel" and s["points"] == 4 and out.prefix == HEADER
+    # the prefix is prefilled once: the target's prefill ran it once, then each row's own tokens
+    rows = [m.tokenizer.encode(out.prefix + p) for p in out.points]
+    shared = s["prefix_tokens"] // 16 * 16
+    assert s["prefix_tokens"] >= 16 and s["prefill_tokens"] == shared + sum(len(r) - shared for r in rows)
+    assert s["prefill_tokens"] < sum(len(r) for r in rows)
+    for p, f, ft in zip(out.points, out.fills, out.fill_tokens):
+        ref = pdecode.generate(m, [out.prefix + p], max_new_tokens=24)
+        assert ref.tokens[0][: len(ft)] == ft  # a prefix of it: the stop rule cut the rest
+        assert ref.texts[0].startswith(f)
+    assert out.text.startswith(HEADER) and all(p in out.text for p in out.points)
+
+
+def test_line_fills_stop_on_the_device(models):
+    m, _ = models
+    prompt = "def sq(x):\n    return x * x\n\n\nassert sq(2) == \nassert sq(3) == \nassert sq(4) == "
+    out = pdecode.decompose(m, prompt, planner="lines", max_new_tokens=32)
+    assert all("\n" not in f for f in out.fills)
+    # a newline token ends each row inside the loop: far fewer forwards than the budget
+    assert out.stats["fill_forwards"] < 32
+
+
+def test_router_falls_back(models):
+    m, _ = models
+    one = pdecode.decompose(m, HEADER + "def f(x):\n    \"\"\"Double x.\"\"\"", max_new_tokens=8)
+    assert one.stats["decision"]["mode"] == "plain" and "nothing to fill in parallel" in one.stats["decision"]["reason"]
+    dep = HEADER + 'def f(x):\n    """Double x."""\n\n\ndef g(x):\n    """Call f twice."""\n'
+    out = pdecode.decompose(m, dep, max_new_tokens=8)
+    assert out.stats["decision"]["mode"] == "sequential" and "refers to f" in out.stats["decision"]["reason"]
+    assert len(out.fills) == 2 and isinstance(out.stats["inner"], list)
+
+
+def test_callable_planner_and_errors(models):
+    m, _ = models
+    out = pdecode.decompose(m, "ignored", planner=lambda p: ("x = [", ["1, 2", "3, 4"], " | "), max_new_tokens=4)
+    assert out.points == ["1, 2", "3, 4"] and out.text.startswith("x = [1, 2") and " | 3, 4" in out.text
+    with pytest.raises(pdecode.InputError, match="unknown planner 'outline'"):
+        pdecode.decompose(m, STUBS, planner="outline")
+    with pytest.raises(pdecode.InputError, match="too long for the context"):
+        pdecode.decompose(m, STUBS, max_new_tokens=m.cfg.max_position_embeddings)
+    with pytest.raises(pdecode.InputError, match="decompose sets shared_prefix itself"):
+        pdecode.decompose(m, STUBS, shared_prefix=4)
+    with pytest.raises(pdecode.InputError, match="must return"):
+        pdecode.decompose(m, STUBS, planner=lambda p: 3)
+
+
+def test_generate_shared_prefix_checks_its_input(models):
+    m, _ = models
+    with pytest.raises(pdecode.InputError, match="does not start with the same 3 tokens"):
+        pdecode.generate(m, [[5, 6, 7, 8], [5, 6, 9, 8]], shared_prefix=3)
+    with pytest.raises(pdecode.InputError, match="needs at least one token after the shared prefix"):
+        pdecode.generate(m, [[5, 6, 7], [5, 6, 7, 8]], shared_prefix=3)
+    with pytest.raises(pdecode.InputError, match="does not share a prompt prefix"):
+        pdecode.generate(pdecode.load("code-dllm", dtype="float32"), [[5, 6, 7, 8]], method="diffusion",
+                         shared_prefix=2, max_new_tokens=8)
+
+
+def test_cli_decompose(capsys):
+    from infer import cli
+
+    rc = cli.main(["generate", "--decompose", "stubs", "--prompt", STUBS, "--max-new-tokens", "8", "--json",
+                   "--dtype", "float32"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and rec["stats"]["points"] == 4 and len(rec["fills"]) == 4 and rec["prefix"] == HEADER
