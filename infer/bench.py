@@ -337,18 +337,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--suite", choices=["decode", "diffusion"], default="decode",
+    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose"], default="decode",
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
-                         "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py)")
+                         "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
+                         "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
-    ap.add_argument("--methods", nargs="+", default=["ar"], help="method[:key=value,...] ...")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="method[:key=value,...] ... (default: ar; decompose suite: ar sd lookup)")
+    ap.add_argument("--points", nargs="+", type=int, default=None,
+                    help="decompose suite: stubs per prompt (default 2 4 8)")
     ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-bf16",
                                                               "transformers-assisted", "transformers-lookup"],
                     help="peer rows on the same weights (transformers-bf16: torch in bfloat16)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--temperature", nargs="+", type=float, default=[0.0])
-    ap.add_argument("--prompts", type=int, default=8, help="number of prompts (validation files)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="number of prompts (validation files; default 8, decompose suite 4)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -414,6 +419,12 @@ def run_from_args(args) -> int:
 
         args.model = args.model or "code-dllm"
         return diffusion_bench.run(args)
+    if args.suite == "decompose":
+        from infer import decompose_bench
+
+        args.model, args.prompts = args.model or "code-target", args.prompts or 4
+        return decompose_bench.run(args)
+    args.methods, args.prompts = args.methods or ["ar"], args.prompts or 8
     args.model = args.model or "code-target"
     model = pdecode.load(args.model, dtype=args.dtype)
     if args.recompute_verify_cost:

@@ -303,9 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     g.add_argument("--prompts-jsonl", help="one JSON string (or {\"prompt\": ...}) per line")
-    g.add_argument("--decompose", default=None, metavar="PLANNER", choices=["stubs", "lines"],
+    g.add_argument("--decompose", default=None, metavar="PLANNER", choices=["stubs", "lines", "skeleton"],
                    help="plan the prompt into independent points (stubs: function stubs after a header; lines: one "
-                        "sub-task per line) and fill them as one batch over one prefilled prefix")
+                        "sub-task per line; skeleton: the model outlines signatures first) and fill them as one "
+                        "batch over one prefilled prefix")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

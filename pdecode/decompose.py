@@ -12,8 +12,9 @@ method. A per-point stop rule ends each fill (a function body at the first line 
 newline, which also ends the row on the device); rows finish independently.
 
 Planners: ``"stubs"`` (a header, then independent function stubs: one point per stub, the header is the prefix),
-``"lines"`` (one sub-task per line of the prompt's last block of lines), or a callable ``prompt -> (prefix, points,
-joiner)``. The router (on by default) falls back when decomposing is not worth it or not sound: fewer than two
+``"lines"`` (one sub-task per line of the prompt's last block of lines), ``"skeleton"`` (the model writes an outline
+of signature lines with one-line docstrings first, then every stub is filled; code models), or a callable
+``prompt -> (prefix, points, joiner)``. The router (on by default) falls back when decomposing is not worth it or not sound: fewer than two
 points (plain generation), or stubs that refer to each other (filled one after another, each seeing the bodies
 before it); the decision and its reason are in ``stats["decision"]``.
 """
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from pdecode.errors import InputError
 
-PLANNERS = ("stubs", "lines")
+PLANNERS = ("stubs", "lines", "skeleton")
 
 _TOP = re.compile(r"^(async\s+def|def|class)\s+([A-Za-z_]\w*)")
 
@@ -105,6 +106,43 @@ def plan_lines(prompt: str) -> Plan:
         return prefix + "".join(p + f.split("\n", 1)[0] + "\n" for p, f in zip(points, fills))
 
     return Plan(prefix, points, join, stop="line")
+
+
+def cut_outline(text: str) -> str:
+    """The outline a code model wrote: top-level ``def`` / ``class`` lines, each with at most a one-line docstring
+    under it, and blank lines; cut at the first other line (the first body line)."""
+    out, after_sig = [], False
+    for ln in text.splitlines(keepends=True):
+        s = ln.strip()
+        if not s:
+            out.append(ln)
+            continue
+        if _TOP.match(ln) and s.endswith(":"):
+            out.append(ln)
+            after_sig = True
+            continue
+        one_line_doc = ln[:1].isspace() and len(s) >= 6 and s[:3] in ('"""', "'''") and s.endswith(s[:3])
+        if after_sig and one_line_doc:
+            out.append(ln)
+            after_sig = False
+            continue
+        break
+    return "".join(out)
+
+
+def plan_skeleton(model, prompt: str, outline_tokens: int = 128, **generate_options) -> tuple[Plan, dict]:
+    """Answer-structure planning for code models: the model first continues ``prompt`` with an outline (greedy, up to
+    ``outline_tokens``), cut at its first body line (`cut_outline`); the outline's stubs are the points, ``prompt``
+    the prefix. Returns (plan, the outline generation's stats)."""
+    from pdecode import api
+
+    opts = {k: v for k, v in generate_options.items() if k in ("mesh", "cache_dtype")}
+    out = api.generate(model, [prompt], max_new_tokens=outline_tokens, **opts)
+    outline = cut_outline(out.texts[0])
+    stubs = plan_stubs(outline)
+    plan = Plan(prompt, stubs.points, lambda points, fills: prompt + "\n\n\n".join(
+        p + f.rstrip() for p, f in zip(points, fills)) + "\n", stop="body", names=stubs.names)
+    return plan, {"outline": outline, "forwards": out.stats["target_forwards"], "s": out.stats["wall_s"]}
 
 
 def _plan(planner, prompt: str) -> Plan:
@@ -217,7 +255,11 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
         if k in generate_options:
             raise InputError(f"decompose sets {k} itself; drop it")
     t0 = time.perf_counter()
-    plan = _plan(planner, prompt)
+    planned = {}
+    if planner == "skeleton":
+        plan, planned = plan_skeleton(model, prompt, **generate_options)
+    else:
+        plan = _plan(planner, prompt)
     route, why = _route(plan) if router else ("parallel", "router off")
     if not router and not plan.points:
         raise InputError("the planner found no points in the prompt")
@@ -225,7 +267,10 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
     tok = model.tokenizer
     stop_ids = newline_ids(tok) if plan.stop == "line" else ()
     stats: dict[str, Any] = {"points": len(plan.points), "planner": planner if isinstance(planner, str) else "callable",
-                             "decision": {"mode": route, "reason": why}, "plan_forwards": 0, "plan_s": plan_s}
+                             "decision": {"mode": route, "reason": why}, "plan_forwards": planned.get("forwards", 0),
+                             "plan_s": plan_s}
+    if planned:
+        stats["outline"] = planned["outline"]
 
     def run(texts: list[str], shared: int):
         ids = [tok.encode(t) for t in texts]

@@ -134,3 +134,15 @@ def test_cli_decompose(capsys):
                    "--dtype", "float32"])
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and rec["stats"]["points"] == 4 and len(rec["fills"]) == 4 and rec["prefix"] == HEADER
+
+
+def test_outline_cut_and_skeleton_planner(models):
+    outline = D.cut_outline('\ndef a(x):\n    """Do a."""\n\ndef b(y):\n    """Do b."""\n    return y\n')
+    assert outline == '\ndef a(x):\n    """Do a."""\n\ndef b(y):\n    """Do b."""\n'  # cut at the first body line
+    assert D.cut_outline("x = 1\ndef a():\n") == ""
+    m, _ = models
+    out = pdecode.decompose(m, HEADER, planner="skeleton", max_new_tokens=8)
+    s = out.stats
+    assert s["plan_forwards"] > 0 and isinstance(s["outline"], str)
+    assert out.points == D.plan_stubs(s["outline"]).points and out.prefix == HEADER
+    assert s["decision"]["mode"] == ("parallel" if len(out.points) >= 2 else "plain")
