@@ -225,19 +225,39 @@ def to_markdown(rows, long_rows, meta) -> str:
 
 
 def plot(rows, path: Path) -> None:
+    """Seconds per prompt against the number of points: decompose (solid) and one by one (dashed), one colour per
+    inner method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in sorted({r["method"] for r in rows}):
-        rs = [r for r in rows if r["method"] == method]
-        ax.plot([r["points"] for r in rs], [r["decompose_s"] for r in rs], "o-", label=f"decompose ({method})")
-        ax.plot([r["points"] for r in rs], [r["one_by_one_s"] for r in rs], "x--", label=f"one by one ({method})")
-    ax.set_xlabel("points (function stubs)")
+    for c, method in enumerate(sorted({r["method"] for r in rows})):
+        rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["points"])
+        col = f"C{c}"
+        ax.plot([r["points"] for r in rs], [r["decompose_s"] for r in rs], "o-", color=col,
+                label=f"decompose ({method} inside)")
+        ax.plot([r["points"] for r in rs], [r["one_by_one_s"] for r in rs], "x--", color=col,
+                label=f"one by one ({method})")
+    ax.set_xlabel("points (function stubs per prompt)")
     ax.set_ylabel("seconds per prompt (median)")
     ax.set_title("Filling N stubs: one batch over one prefix vs one after another")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def merged_plot(out: Path = Path("docs/bench/decompose")) -> Path:
+    """The recorded plot: the main run's rows, its 8-point rows replaced by the router-off run in ``out/points8``."""
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    p8 = out / "points8" / "results.json"
+    if p8.exists():
+        eight = json.loads(p8.read_text())["rows"]
+        rows = [r for r in rows if r["points"] not in {e["points"] for e in eight}] + eight
+    plot(rows, out / "latency.png")
+    return out / "latency.png"
+
+
+if __name__ == "__main__":
+    print(merged_plot())
