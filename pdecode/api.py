@@ -199,9 +199,18 @@ def attach_heads(m: Model, path: str | os.PathLike) -> Model:
 
 
 def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
-    """Write the model in HF format (config.json, model.safetensors, tokenizer files) for `transformers`."""
+    """Write the model in HF format (config.json, model.safetensors, tokenizer files) for `transformers`; a model
+    placed on a mesh with its kv heads repeated is written with the checkpoint's own kv heads."""
     dtype = dtype or str(jnp.dtype(m.dtype).name)
-    return hf_ckpt.save_hf(m.cfg, m.params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+    cfg, params = m.cfg, m.params
+    src = m._source_cfg
+    if src is not None and src.num_kv_heads != cfg.num_kv_heads:  # undo `kv_repeat`: every r-th kv head
+        r = cfg.num_kv_heads // src.num_kv_heads
+        take = lambda a, s: jax.lax.slice_in_dim(a, 0, a.shape[s.axes.index("kv_heads")], r,  # noqa: E731
+                                                 axis=s.axes.index("kv_heads")) if "kv_heads" in s.axes else a
+        params = jax.tree.map(take, params, param_specs(cfg))
+        cfg = cfg.replace(num_kv_heads=src.num_kv_heads)
+    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
 
 
 # ------------------------------------------------------------------------------------------------ compile cache

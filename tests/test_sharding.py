@@ -113,3 +113,14 @@ def test_kv_heads_repeated_to_the_model_axis():
     single = pdecode.attach_heads(m, "code-target-eagle")
     assert pdecode.generate(with_heads, prompts, method="eagle", max_new_tokens=16, mesh=mesh).tokens == \
         pdecode.generate(single, prompts, method="eagle", max_new_tokens=16).tokens
+
+
+def test_saving_a_placed_model_writes_its_own_kv_heads(tmp_path):
+    mesh = make_mesh(1, 4)
+    m = pdecode.load("code-target", dtype="float32")
+    placed = m.on_mesh(mesh)
+    assert placed.cfg.num_kv_heads == 4
+    back = pdecode.load(pdecode.save_hf(placed, tmp_path / "saved"))
+    assert back.cfg.num_kv_heads == 2
+    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
