@@ -79,8 +79,6 @@ def _time(fn, repeats: int) -> float:
 
 def judge_ppl(judge, prefix_points_fills: list[tuple[str, str]]) -> float:
     """code-target's perplexity of the fills given their contexts (token-weighted over all fills)."""
-    import jax.numpy as jnp
-
     import pdecode
 
     nll, n = 0.0, 0
@@ -96,7 +94,6 @@ def judge_ppl(judge, prefix_points_fills: list[tuple[str, str]]) -> float:
         tgt = np.asarray(b[len(a):])
         nll -= float(lp[np.arange(len(a) - 1, len(b) - 1), tgt].sum())
         n += len(tgt)
-    del jnp
     return float(np.exp(nll / max(n, 1)))
 
 
@@ -124,9 +121,7 @@ def run(args) -> int:
             router = [D._route(D.plan_stubs(p))[0] for p in prompts]  # what the router would have done
             for prompt in prompts:
                 plan = D.plan_stubs(prompt)
-                texts = [plan.prefix + p for p in plan.points]
-                ids = [m.tokenizer.encode(t) for t in texts]
-                shared = D._common_prefix(ids)
+                ids = [m.tokenizer.encode(plan.prefix + p) for p in plan.points]
 
                 def dec():  # the router off: these files' functions may call each other; fill them in parallel anyway
                     return pdecode.decompose(m, prompt, method=method, max_new_tokens=budget, router=False, **kw)
@@ -158,7 +153,6 @@ def run(args) -> int:
                 ppl_ctx["one_by_one"] += [(plan.prefix + p, D.cut_body(o.texts[0])) for p, o in zip(plan.points, s)]
                 forwards["decompose"].append(d.stats["fill_forwards"])
                 forwards["one_by_one"].append(sum(o.stats["target_forwards"] for o in s))
-                del shared
             row = {"points": n_points, "method": method, "prompts": len(prompts), "new_tokens_per_point": budget,
                    "router_would": router,
                    **{f"{k}_s": float(np.median(v)) for k, v in res.items()},
