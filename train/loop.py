@@ -215,7 +215,8 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
     import orbax.checkpoint as ocp
 
     opt = make_optimizer(tc)
-    _check_accum(tc, batch_fn(0))
+    first = batch_fn(0)  # a batch's shape: the accumulation check and the tokens per step
+    _check_accum(tc, first)
     if tc.compute_dtype is not None:
         params = _cast(params, jnp.float32)  # the master weights
     if mesh_plan is not None:
@@ -244,7 +245,7 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
     place_batch = mesh_plan.place_batch if mesh_plan is not None else (lambda b: jax.tree.map(jnp.asarray, b))
 
     hist: dict[str, list] = {"step": [], "loss": [], "eval": []}
-    tokens = tokens_per_step or int(np.prod(np.shape(jax.tree.leaves(batch_fn(0))[0])[:2]))
+    tokens = tokens_per_step or int(np.prod(np.shape(jax.tree.leaves(first)[0])[:2]))
     prog = Progress(tc.steps, desc, tc.log_every)
     t0 = time.perf_counter()
     key = jax.random.PRNGKey(tc.seed)
