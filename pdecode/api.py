@@ -22,7 +22,7 @@ import numpy as np
 from pdecode import sampling
 from pdecode.checkpoint import hf as hf_ckpt
 from pdecode.config import DTYPES, ModelConfig
-from pdecode.decode import registry
+from pdecode.decode import common, registry
 from pdecode.errors import CheckpointError, ConfigError, InputError
 from pdecode.model import attention
 from pdecode.model.transformer import forward, param_specs, unembed
@@ -361,10 +361,24 @@ def _parameters(fn) -> set:
     return set(inspect.signature(fn).parameters)
 
 
+def line_start_table(m: Model) -> np.ndarray:
+    """The [V] `common.line_start_table` of ``m``'s tokenizer (computed once per tokenizer; ids past the
+    tokenizer's vocabulary are 0)."""
+    tok = m.tokenizer
+    cached = getattr(tok, "_line_start", None)
+    if cached is None or cached.shape[0] != m.cfg.vocab_size:
+        n = min(tok.vocab_size, m.cfg.vocab_size)
+        cached = np.zeros((m.cfg.vocab_size,), np.int8)
+        cached[:n] = common.line_start_table(lambda i: tok.decode([i], skip_special_tokens=True), n)
+        tok._line_start = cached
+    return cached
+
+
 def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
              stop_at_eos: bool = True, max_len: int | None = None, cache_dtype: str | None = None,
-             shared_prefix: int = 0, stop_token_ids: Sequence[int] = (), **method_options) -> GenerateOutput:
+             shared_prefix: int = 0, stop_token_ids: Sequence[int] = (), stop_at_dedent: bool = False,
+             **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -373,7 +387,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         m: the target model (`pdecode.load`).
         prompts: a text, a list of texts, or a list of token-id lists (a batch; rows may differ in length).
         method: a registered decoding method (`pdecode.methods()`; see docs/methods.md).
-        max_new_tokens: new tokens per row (a diffusion method's canvas length).
+        max_new_tokens: new tokens per row (a diffusion method's canvas length), or one budget per prompt (methods
+            built on the autoregressive loops); a row stops at its own budget.
         temperature: 0 is greedy; otherwise the sampling temperature.
         top_k: sample among the k most likely tokens (0: all).
         top_p: nucleus sampling, the smallest set with this much probability (1.0: all).
@@ -391,6 +406,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
             `pdecode.decompose` uses. Methods built on the autoregressive loops take it (ar, sd, lookup, tree, medusa,
             eagle, mtp); a draft model prefills it once too.
         stop_token_ids: more ids that end a row like EOS (kept in the output), e.g. every token holding a newline.
+        stop_at_dedent: end a row at the first token that starts a later line at column 0 with something other than
+            whitespace (the end of a function body; the token is kept, as EOS is); needs the tokenizer.
         **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
 
     Returns:
@@ -400,8 +417,16 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     meth = registry.get(method)
     own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))
     opts = registry.resolve_options(meth, method_options, near=own)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    budgets = None
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        budgets = list(max_new_tokens)
+        if not budgets or any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1 for x in budgets):
+            raise InputError(f"max_new_tokens must be an integer >= 1 or one such integer per prompt, got "
+                             f"{max_new_tokens!r}")
+        max_new_tokens = int(max(budgets))
+    elif not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
     kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
@@ -440,6 +465,15 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         raise InputError(f"stop_token_ids must be token ids in [0, {m.cfg.vocab_size}), got {bad[0]!r}")
     eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids}))
 
+    takes_stops = "stops" in _parameters(plan.fn)
+    if budgets is not None and len(budgets) != len(ids):
+        raise InputError(f"max_new_tokens has {len(budgets)} budgets for {len(ids)} prompts; give one per prompt")
+    if not takes_stops and (budgets is not None or stop_at_dedent):
+        what = "per-row budgets (a list of max_new_tokens)" if budgets is not None else "stop_at_dedent"
+        raise InputError(f"method {method!r} does not take {what}: give one max_new_tokens and drop stop_at_dedent")
+    if stop_at_dedent and m.tokenizer is None:
+        raise InputError(f"stop_at_dedent needs the model's tokenizer (tokenizer.json); {m.name!r} has none")
+
     prompt_j, len_j = jnp.asarray(prompt), jnp.asarray(prompt_len)
     if mesh is not None:
         from pdecode.sharding import batch_sharding
@@ -447,6 +481,13 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         prompt_j = jax.device_put(prompt_j, batch_sharding(mesh, prompt.shape))
         len_j = jax.device_put(len_j, batch_sharding(mesh, prompt_len.shape))
     args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
+    if takes_stops:
+        limit = np.asarray(budgets if budgets is not None else [max_new_tokens] * len(ids), np.int32)
+        table = jnp.asarray(line_start_table(m)) if stop_at_dedent else None
+        limit_j = jnp.asarray(limit)
+        if mesh is not None:
+            limit_j = jax.device_put(limit_j, batch_sharding(mesh, limit.shape))
+        args = args + (common.Stops(limit=limit_j, line_start=table),)
     static = dict(plan.static, max_new=max_new_tokens, max_len=cache_len, eos_ids=eos, samp=samp, mesh=mesh)
     if "cache_dtype" in _parameters(plan.fn):
         static["cache_dtype"] = kv_dtype

@@ -237,7 +237,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
             or ``(points, fills) -> text``).
         method: the inner decoding method (ar, sd, lookup, tree, medusa, eagle, mtp); its options and every
             `pdecode.generate` option (``draft=``, ``temperature=``, ...) pass through ``generate_options``.
-        max_new_tokens: the budget of each point's fill.
+        max_new_tokens: the budget of each point's fill, or one budget per point (a list as long as the points).
         router: fall back to plain or sequential generation when decomposing is not worth it (see the module).
 
     Returns:
@@ -251,7 +251,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
         raise InputError(f"model {model.name!r} has no tokenizer.json: decompose plans over text")
     if not isinstance(prompt, str):
         raise InputError("decompose takes one prompt text")
-    for k in ("shared_prefix", "stop_token_ids"):
+    for k in ("shared_prefix", "stop_token_ids", "stop_at_dedent"):
         if k in generate_options:
             raise InputError(f"decompose sets {k} itself; drop it")
     t0 = time.perf_counter()
@@ -265,35 +265,44 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
         raise InputError("the planner found no points in the prompt")
     plan_s = time.perf_counter() - t0
     tok = model.tokenizer
-    stop_ids = newline_ids(tok) if plan.stop == "line" else ()
+    stop_ids = newline_ids(tok) if plan.stop == "line" and route != "plain" else ()
     stats: dict[str, Any] = {"points": len(plan.points), "planner": planner if isinstance(planner, str) else "callable",
                              "decision": {"mode": route, "reason": why}, "plan_forwards": planned.get("forwards", 0),
                              "plan_s": plan_s}
     if planned:
         stats["outline"] = planned["outline"]
 
-    def run(texts: list[str], shared: int):
+    if isinstance(max_new_tokens, (list, tuple)):
+        if route == "plain" or len(max_new_tokens) != len(plan.points):
+            raise InputError(f"max_new_tokens has {len(max_new_tokens)} budgets but the plan has "
+                             f"{len(plan.points)} points ({why}); give one integer or one budget per point")
+        budgets = list(max_new_tokens)
+    else:
+        budgets = [max_new_tokens] * max(len(plan.points), 1)
+
+    def run(texts: list[str], shared: int, budget):
         ids = [tok.encode(t) for t in texts]
-        need = max(len(x) for x in ids) + max_new_tokens
-        if need > model.cfg.max_position_embeddings:
-            raise InputError(f"the planned rows are too long for the context: the prefix and the longest point take "
-                             f"{max(len(x) for x in ids)} tokens + max_new_tokens {max_new_tokens} > "
-                             f"{model.cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+        longest = max(len(x) + n for x, n in zip(ids, budget))
+        if longest > model.cfg.max_position_embeddings:
+            raise InputError(f"the planned rows are too long for the context: a row's prefix and point with its "
+                             f"max_new_tokens take {longest} tokens > {model.cfg.max_position_embeddings}; shorten "
+                             f"the prompt or lower max_new_tokens")
         n = min(_common_prefix(ids), min(len(x) for x in ids) - 1) if shared else 0
-        out = api.generate(model, ids, method=method, max_new_tokens=max_new_tokens, shared_prefix=max(n, 0),
-                           stop_token_ids=stop_ids, **generate_options)
+        out = api.generate(model, ids, method=method, max_new_tokens=budget if len(set(budget)) > 1 else budget[0],
+                           shared_prefix=max(n, 0), stop_token_ids=stop_ids, stop_at_dedent=plan.stop == "body" and route != "plain",
+                           **generate_options)
         return out, n
 
     t1 = time.perf_counter()
     if route == "plain":
-        out, n = run([prompt], shared=False)
+        out, n = run([prompt], shared=False, budget=budgets[:1])
         fills, fill_tokens = list(out.texts), [list(t) for t in out.tokens]
         text = prompt + fills[0]
         inner = [out.stats]
     elif route == "sequential":
         fills, fill_tokens, inner, done = [], [], [], plan.prefix
-        for p in plan.points:
-            out, n = run([done + p], shared=False)
+        for p, budget in zip(plan.points, budgets):
+            out, n = run([done + p], shared=False, budget=[budget])
             f = _cut(plan.stop, out.texts[0])
             fills.append(f)
             fill_tokens.append(_tokens_for(tok, out.tokens[0], f))
@@ -301,7 +310,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
             done = done + p + f.rstrip() + "\n\n\n"
         text = _join(plan, fills)
     else:
-        out, n = run([plan.prefix + p for p in plan.points], shared=True)
+        out, n = run([plan.prefix + p for p in plan.points], shared=True, budget=budgets)
         fills = [_cut(plan.stop, t) for t in out.texts]
         fill_tokens = [_tokens_for(tok, ids, f) for ids, f in zip(out.tokens, fills)]
         text = _join(plan, fills)

@@ -83,6 +83,20 @@ def test_fills_equal_each_point_generated_alone(models, method, opts):
     assert out.text.startswith(HEADER) and all(p in out.text for p in out.points)
 
 
+def test_body_fills_stop_on_the_device_with_per_point_budgets(models):
+    m, _ = models
+    budgets = [40, 12, 40, 20]
+    out = pdecode.decompose(m, STUBS, max_new_tokens=budgets)
+    inner = out.stats["inner"]
+    for p, ft, n in zip(out.points, out.fill_tokens, budgets):
+        ref = pdecode.generate(m, [out.prefix + p], max_new_tokens=n)
+        assert ref.tokens[0][: len(ft)] == ft
+    # rows ended at their own budgets or at the end of their body: fewer tokens than the budgets allow
+    assert inner["new_tokens"] < sum(budgets) and all(len(t) <= n for t, n in zip(out.fill_tokens, budgets))
+    with pytest.raises(pdecode.InputError, match="budgets but the plan has 4 points"):
+        pdecode.decompose(m, STUBS, max_new_tokens=[8, 8])
+
+
 def test_line_fills_stop_on_the_device(models):
     m, _ = models
     prompt = "def sq(x):\n    return x * x\n\n\nassert sq(2) == \nassert sq(3) == \nassert sq(4) == "

@@ -31,10 +31,11 @@ class ARState:
     forwards: jax.Array  # scalar int32
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, max_new: int,
-             max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, cache_dtype=jnp.float32,
-             phases: int = 4, shared_prefix: int = 0):
-    """Returns (Outputs, stats dict of device scalars). ``shared_prefix``: see `common.prefill`."""
+def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, cfg: ModelConfig,
+             max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
+             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0):
+    """Returns (Outputs, stats dict of device scalars). ``shared_prefix``: see `common.prefill`; ``stops``: per-row
+    budgets and the line-start rule (`common.Stops`)."""
     b, p = prompt_BP.shape
     params = decode_layout(params, cfg, fuse=mesh is None)
     lengths = common.phase_lengths(p, max_len, phases)
@@ -42,7 +43,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache, shared_prefix=shared_prefix)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
-    out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
+    out, _ = common.append(common.Outputs.empty(b, max_new, stops), first[:, None], jnp.ones((b,), jnp.int32),
+                           eos_ids)
     state = ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1))
     one = jnp.ones((1, 1), bool)
 

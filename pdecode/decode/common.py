@@ -18,6 +18,38 @@ from pdecode.sharding import constrain_cache
 
 
 @struct.dataclass
+class Stops:
+    """Per-call stop controls, passed to a method as a jit argument (new values reuse the compiled program).
+
+    ``limit``: [B] int32, each row's budget of new tokens (at most the buffer's size, the call's largest budget).
+    ``line_start``: None, or a [V] int8 table of `line_start_table` bits: a row then ends at the first token that
+    starts a line at column 0 with something other than whitespace (a line after the first new one), the end of a
+    function body; the token is kept, as EOS is."""
+
+    limit: jax.Array
+    line_start: jax.Array | None = None
+
+
+NL_END, STARTS_TEXT, NL_TEXT = 1, 2, 4  # line_start_table bits
+
+
+def line_start_table(decode_one, vocab_size: int):
+    """[V] int8 (numpy): per token id, NL_END if its text ends with a newline, STARTS_TEXT if it starts with a
+    non-whitespace character, NL_TEXT if it holds a newline followed by a non-whitespace character.
+    ``decode_one(i)``: the text of token i (special tokens: empty)."""
+    import numpy as np
+
+    t = np.zeros((vocab_size,), np.int8)
+    for i in range(vocab_size):
+        s = decode_one(i)
+        if not s:
+            continue
+        t[i] = (NL_END * s.endswith("\n") + STARTS_TEXT * (not s[0].isspace())
+                + NL_TEXT * any(not c.isspace() for c in (a[:1] for a in s.split("\n")[1:]) if c))
+    return t
+
+
+@struct.dataclass
 class Outputs:
     """New tokens per row. ``tokens[b, :count[b]]`` are final (EOS kept, nothing after it)."""
 
@@ -25,11 +57,17 @@ class Outputs:
     count: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
     row_forwards: jax.Array  # [B] int32: target forwards while the row was active
+    limit: jax.Array | None = None  # [B] int32 per-row budgets (None: N for every row)
+    line_start: jax.Array | None = None  # [V] int8 (`Stops.line_start`)
+    prev: jax.Array | None = None  # [B] int32 the last token taken (-1: none yet); kept with line_start
 
     @staticmethod
-    def empty(batch: int, max_new: int) -> "Outputs":
-        return Outputs(tokens=jnp.zeros((batch, max_new), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
-                       done=jnp.zeros((batch,), bool), row_forwards=jnp.zeros((batch,), jnp.int32))
+    def empty(batch: int, max_new: int, stops: Stops | None = None) -> "Outputs":
+        z = jnp.zeros((batch,), jnp.int32)
+        ls = None if stops is None else stops.line_start
+        return Outputs(tokens=jnp.zeros((batch, max_new), jnp.int32), count=z, done=jnp.zeros((batch,), bool),
+                       row_forwards=z, limit=None if stops is None else jnp.minimum(stops.limit, max_new),
+                       line_start=ls, prev=None if ls is None else jnp.full((batch,), -1, jnp.int32))
 
 
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -38,25 +76,44 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
 
 
+def _line_starts(out: Outputs, new_BK: jax.Array) -> jax.Array:
+    """[B, K] bool: new token k starts a line at column 0 (see `Stops`), its predecessor being new token k - 1 or,
+    for k = 0, the row's last taken token."""
+    prev = jnp.concatenate([out.prev[:, None], new_BK[:, :-1]], axis=1)
+    bits = jnp.take(out.line_start, new_BK, mode="clip").astype(jnp.int32)
+    pbits = jnp.where(prev >= 0, jnp.take(out.line_start, jnp.maximum(prev, 0), mode="clip"), 0).astype(jnp.int32)
+    return ((bits & NL_TEXT) != 0) | (((pbits & NL_END) != 0) & ((bits & STARTS_TEXT) != 0))
+
+
 def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[int, ...]) -> tuple[Outputs, jax.Array]:
-    """Append the first ``n_new[b]`` tokens of ``new[b]`` to each active row, cut after the first EOS and at the
-    buffer size. Counts one target forward for every active row. Returns (outputs, tokens taken per row)."""
+    """Append the first ``n_new[b]`` tokens of ``new[b]`` to each active row, cut after the first stop (EOS, or a
+    line start when ``out.line_start`` is set) and at the row's budget. Counts one target forward for every active
+    row. Returns (outputs, tokens taken per row)."""
     b, k = new_BK.shape
     max_new = out.tokens.shape[1]
+    cap = max_new if out.limit is None else out.limit
     idx = jnp.arange(k)[None, :]
-    eos_hit = is_eos(new_BK, eos_ids) & (idx < n_new_B[:, None])
+    stop = is_eos(new_BK, eos_ids)
+    if out.line_start is not None:
+        stop = stop | _line_starts(out, new_BK)
+    eos_hit = stop & (idx < n_new_B[:, None])
     any_eos = jnp.any(eos_hit, axis=1)
     first_eos = jnp.argmax(eos_hit, axis=1)
     n_take = jnp.where(any_eos, first_eos + 1, n_new_B)
-    n_take = jnp.minimum(n_take, max_new - out.count)
+    n_take = jnp.minimum(n_take, cap - out.count)
     active = ~out.done
-    n_take = jnp.where(active, n_take, 0).astype(jnp.int32)
+    n_take = jnp.maximum(jnp.where(active, n_take, 0), 0).astype(jnp.int32)
     pos = jnp.where(idx < n_take[:, None], out.count[:, None] + idx, max_new)
     tokens = out.tokens.at[jnp.arange(b)[:, None], pos].set(new_BK.astype(jnp.int32), mode="drop")
     count = out.count + n_take
     hit_eos_taken = any_eos & (first_eos < n_take)
-    done = out.done | (active & (hit_eos_taken | (count >= max_new)))
-    return Outputs(tokens, count, done, out.row_forwards + active.astype(jnp.int32)), n_take
+    done = out.done | (active & (hit_eos_taken | (count >= cap)))
+    prev = out.prev
+    if prev is not None:
+        last = jnp.take_along_axis(new_BK, jnp.maximum(n_take - 1, 0)[:, None], axis=1)[:, 0].astype(jnp.int32)
+        prev = jnp.where(n_take > 0, last, prev)
+    return out.replace(tokens=tokens, count=count, done=done, row_forwards=out.row_forwards + active.astype(jnp.int32),
+                       prev=prev), n_take
 
 
 def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Array, cache: kvc.KVCache,

@@ -130,8 +130,8 @@ class SpecState:
     acc_hist: jax.Array  # [D+1] histogram of accepted draft tokens per (row, step)
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, drafter: Drafter,
-             max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
+def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, cfg: ModelConfig,
+             drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
              cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0):
     tparams, dparams = params
     tparams = decode_layout(tparams, cfg, fuse=mesh is None)
@@ -144,7 +144,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
                                         shared_prefix=shared_prefix)
     key, sub = jax.random.split(key)
     first = sampling.sample(sub, logits, samp, temperature, top_p)
-    out, _ = common.append(common.Outputs.empty(b, max_new), first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
+    out, _ = common.append(common.Outputs.empty(b, max_new, stops), first[:, None], jnp.ones((b,), jnp.int32),
+                           eos_ids)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
     seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
     last_idx = prompt_len_B - 1
