@@ -12,9 +12,11 @@ method. A per-point stop rule ends each fill (a function body at the first line 
 newline, which also ends the row on the device); rows finish independently.
 
 Planners: ``"stubs"`` (a header, then independent function stubs: one point per stub, the header is the prefix),
-``"lines"`` (one sub-task per line of the prompt's last block of lines), ``"skeleton"`` (the model writes an outline
-of signature lines with one-line docstrings first, then every stub is filled; code models), or a callable
-``prompt -> (prefix, points, joiner)``. The router (on by default) falls back when decomposing is not worth it or not sound: fewer than two
+``"lines"`` (one sub-task per line of the prompt's last block of lines), ``"skeleton"`` (the model writes a skeleton
+first, then every point is filled: a chat model, one whose tokenizer has a chat template, writes numbered short
+points through it (Skeleton-of-Thought, our own instructions `SKELETON_INSTRUCTION` / `POINT_INSTRUCTION`); a code
+model writes an outline of signature lines with one-line docstrings), or a callable ``prompt -> (prefix, points,
+joiner)``. The router (on by default) falls back when decomposing is not worth it or not sound: fewer than two
 points (plain generation), or stubs that refer to each other (filled one after another, each seeing the bodies
 before it); the decision and its reason are in ``stats["decision"]``.
 """
@@ -43,6 +45,8 @@ class Plan:
     joiner: Callable[[list[str], list[str]], str] | str = "\n"
     stop: str = "none"
     names: list[str] = dataclasses.field(default_factory=list)  # stubs: each point's function / class name
+    plain: str | None = None  # the text plain generation runs (the router's fallback), if not the prompt
+    special_tokens: bool = True  # rows are encoded with the tokenizer's special tokens (not for rendered chat text)
 
 
 @dataclasses.dataclass
@@ -131,18 +135,90 @@ def cut_outline(text: str) -> str:
 
 
 def plan_skeleton(model, prompt: str, outline_tokens: int = 128, **generate_options) -> tuple[Plan, dict]:
-    """Answer-structure planning for code models: the model first continues ``prompt`` with an outline (greedy, up to
-    ``outline_tokens``), cut at its first body line (`cut_outline`); the outline's stubs are the points, ``prompt``
-    the prefix. Returns (plan, the outline generation's stats)."""
+    """Answer-structure planning: the model writes a skeleton first (greedy, up to ``outline_tokens``), then every
+    point is filled. A tokenizer with a chat template gets the chat skeleton (`plan_chat_skeleton`); a code model
+    continues ``prompt`` with an outline, cut at its first body line (`cut_outline`), whose stubs are the points and
+    ``prompt`` the prefix. Returns (plan, the skeleton generation's stats)."""
     from pdecode import api
 
+    if getattr(model.tokenizer, "chat_template", None):
+        return plan_chat_skeleton(model, prompt, outline_tokens, **generate_options)
     opts = {k: v for k, v in generate_options.items() if k in ("mesh", "cache_dtype")}
     out = api.generate(model, [prompt], max_new_tokens=outline_tokens, **opts)
     outline = cut_outline(out.texts[0])
     stubs = plan_stubs(outline)
     plan = Plan(prompt, stubs.points, lambda points, fills: prompt + "\n\n\n".join(
         p + f.rstrip() for p, f in zip(points, fills)) + "\n", stop="body", names=stubs.names)
-    return plan, {"outline": outline, "forwards": out.stats["target_forwards"], "s": out.stats["wall_s"]}
+    return plan, {"outline": outline, "skeleton": "code", "forwards": out.stats["target_forwards"],
+                  "s": out.stats["wall_s"]}
+
+
+# the chat skeleton's two prompts (ours): the skeleton request, then one expansion request per point whose
+# point-specific part comes last, so the rows share the conversation up to it
+SKELETON_INSTRUCTION = (
+    "You are planning an answer, not writing it. Give only the skeleton of the answer to the question below: a "
+    "numbered list of 3 to 8 points, one per line, each point 3 to 7 words. No details and no other text.\n\n"
+    "Question: {question}")
+POINT_INSTRUCTION = (
+    "Question: {question}\n\nThe skeleton of the answer:\n{skeleton}\n\nWrite point {i} of the answer in one "
+    "or two sentences, continuing from its words, and only that point.")
+_NUMBERED = re.compile(r"^\s*(\d+)\s*[.)]\s*(.*?)\s*$")
+
+
+def parse_points(text: str, max_points: int = 16) -> list[str]:
+    """The numbered points of a skeleton (``1. ...`` or ``1) ...``, one per line), in order: lines before the first
+    point are skipped; the list ends at a number out of sequence (a repeated number: the model started over), an
+    empty or repeated point, a non-numbered line after the points, or ``max_points``."""
+    points: list[str] = []
+    for ln in text.splitlines():
+        m = _NUMBERED.match(ln)
+        if not m:
+            if points and ln.strip():
+                break
+            continue
+        n, body = int(m.group(1)), m.group(2)
+        if n != len(points) + 1 or not body or body in points or len(points) == max_points:
+            break
+        points.append(body)
+    return points
+
+
+def chat_points_plan(tok, question: str, points: Sequence[str]) -> Plan:
+    """The fill plan of a chat skeleton: one expansion request per point, rendered through the chat template, each
+    answer started with the point's own words (``i. point``); the answer is the points with their expansions."""
+    from pdecode import chat
+
+    skeleton = "\n".join(f"{i}. {p}" for i, p in enumerate(points, 1))
+    rows = [chat.render(tok, [{"role": "user", "content": POINT_INSTRUCTION.format(
+        question=question, skeleton=skeleton, i=i)}]) + f"{i}. {p}" for i, p in enumerate(points, 1)]
+    n = len(rows[0])
+    for r in rows[1:]:
+        n = next((j for j, (a, b) in enumerate(zip(rows[0][:n], r)) if a != b), min(n, len(r)))
+    prefix = rows[0][:n]
+
+    def join(pts, fills):
+        return "\n".join(f"{i}. {p}{cut_line(f).rstrip()}" for i, (p, f) in enumerate(zip(points, fills), 1))
+
+    plain = chat.render(tok, [{"role": "user", "content": question}])
+    return Plan(prefix, [r[n:] for r in rows], join, stop="line", plain=plain, special_tokens=False)
+
+
+def plan_chat_skeleton(model, question: str, outline_tokens: int = 128, **generate_options) -> tuple[Plan, dict]:
+    """Skeleton-of-Thought for chat models: the skeleton request (`SKELETON_INSTRUCTION`) through the tokenizer's
+    chat template, the answer started with ``1.``; its numbered points (`parse_points`) are filled in parallel
+    (`chat_points_plan`). Returns (plan, the skeleton generation's stats)."""
+    from pdecode import api, chat
+
+    tok = model.tokenizer
+    opts = {k: v for k, v in generate_options.items() if k in ("mesh", "cache_dtype")}
+    text = chat.render(tok, [{"role": "user", "content": SKELETON_INSTRUCTION.format(question=question)}]) + "1."
+    out = api.generate(model, [chat.encode_chat(tok, text)], max_new_tokens=outline_tokens, **opts)
+    skeleton = "1." + out.texts[0]
+    points = parse_points(skeleton)
+    plan = chat_points_plan(tok, question, points) if points else Plan(
+        question, [], plain=chat.render(tok, [{"role": "user", "content": question}]), special_tokens=False)
+    return plan, {"outline": skeleton, "skeleton": "chat", "skeleton_prompt": text,
+                  "forwards": out.stats["target_forwards"], "s": out.stats["wall_s"]}
 
 
 def _plan(planner, prompt: str) -> Plan:
@@ -227,7 +303,7 @@ def _common_prefix(rows: list[list[int]]) -> int:
 
 # ------------------------------------------------------------------------------------------------ the API
 def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str = "ar", max_new_tokens: int = 64,
-              router: bool = True, **generate_options) -> DecomposeOutput:
+              router: bool = True, outline_tokens: int = 128, **generate_options) -> DecomposeOutput:
     """Plan ``prompt`` into points and fill them as one batch over one prefilled prefix.
 
     Args:
@@ -239,6 +315,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
             `pdecode.generate` option (``draft=``, ``temperature=``, ...) pass through ``generate_options``.
         max_new_tokens: the budget of each point's fill, or one budget per point (a list as long as the points).
         router: fall back to plain or sequential generation when decomposing is not worth it (see the module).
+        outline_tokens: the skeleton planner's budget for the skeleton itself.
 
     Returns:
         `DecomposeOutput`: ``prefix``, ``points``, ``fills`` and ``fill_tokens`` (per point, after its stop rule),
@@ -257,7 +334,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
     t0 = time.perf_counter()
     planned = {}
     if planner == "skeleton":
-        plan, planned = plan_skeleton(model, prompt, **generate_options)
+        plan, planned = plan_skeleton(model, prompt, outline_tokens, **generate_options)
     else:
         plan = _plan(planner, prompt)
     route, why = _route(plan) if router else ("parallel", "router off")
@@ -270,7 +347,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
                              "decision": {"mode": route, "reason": why}, "plan_forwards": planned.get("forwards", 0),
                              "plan_s": plan_s}
     if planned:
-        stats["outline"] = planned["outline"]
+        stats.update(outline=planned["outline"], skeleton=planned["skeleton"])
 
     if isinstance(max_new_tokens, (list, tuple)):
         if route == "plain" or len(max_new_tokens) != len(plan.points):
@@ -280,24 +357,35 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
     else:
         budgets = [max_new_tokens] * max(len(plan.points), 1)
 
+    # masked-diffusion methods decode a canvas per row: the points are filled as one batch of canvases, without a
+    # shared prefix cache (every canvas position attends to the whole row) or in-loop stops
+    from pdecode.decode import registry
+
+    masked = registry.get(method).wants_max_new
+    if masked and isinstance(max_new_tokens, (list, tuple)):
+        raise InputError(f"method {method!r} decodes one canvas length for every row: give one max_new_tokens")
+
     def run(texts: list[str], shared: int, budget):
-        ids = [tok.encode(t) for t in texts]
+        ids = [tok.encode(t, add_special_tokens=plan.special_tokens) for t in texts]
         longest = max(len(x) + n for x, n in zip(ids, budget))
         if longest > model.cfg.max_position_embeddings:
             raise InputError(f"the planned rows are too long for the context: a row's prefix and point with its "
                              f"max_new_tokens take {longest} tokens > {model.cfg.max_position_embeddings}; shorten "
                              f"the prompt or lower max_new_tokens")
+        if masked:  # a canvas per row, one budget for all; stop rules cut on the host
+            out = api.generate(model, ids, method=method, max_new_tokens=max(budget), **generate_options)
+            return out, 0
         n = min(_common_prefix(ids), min(len(x) for x in ids) - 1) if shared else 0
         out = api.generate(model, ids, method=method, max_new_tokens=budget if len(set(budget)) > 1 else budget[0],
-                           shared_prefix=max(n, 0), stop_token_ids=stop_ids, stop_at_dedent=plan.stop == "body" and route != "plain",
-                           **generate_options)
+                           shared_prefix=max(n, 0), stop_token_ids=stop_ids,
+                           stop_at_dedent=plan.stop == "body" and route != "plain", **generate_options)
         return out, n
 
     t1 = time.perf_counter()
     if route == "plain":
-        out, n = run([prompt], shared=False, budget=budgets[:1])
+        out, n = run([plan.plain or prompt], shared=False, budget=budgets[:1])
         fills, fill_tokens = list(out.texts), [list(t) for t in out.tokens]
-        text = prompt + fills[0]
+        text = fills[0] if plan.plain else prompt + fills[0]
         inner = [out.stats]
     elif route == "sequential":
         fills, fill_tokens, inner, done = [], [], [], plan.prefix

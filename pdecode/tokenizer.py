@@ -11,8 +11,11 @@ from pdecode.errors import CheckpointError
 class Tokenizer:
     """Encode/decode text; ``bos_id``, ``eos_ids``, ``pad_id``, ``mask_id`` come from the checkpoint files."""
 
-    def __init__(self, tok, bos_id=None, eos_ids=(), pad_id=None, mask_id=None):
+    def __init__(self, tok, bos_id=None, eos_ids=(), pad_id=None, mask_id=None, chat_template=None,
+                 special_tokens=None):
         self._tok = tok
+        self.chat_template = chat_template  # Jinja2 source (`pdecode.chat`), or None
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
@@ -62,10 +65,17 @@ class Tokenizer:
                 t = t.get("content")
             return tok.token_to_id(t) if isinstance(t, str) else None
 
+        specials = {}
+        for k, v in tcfg.items():
+            if k.endswith("_token") and isinstance(v, dict):
+                v = v.get("content")
+            if k.endswith("_token") and isinstance(v, str):
+                specials[k] = v
         eos = tid("eos_token_id", "eos_token")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(tok, bos_id=tid("bos_token_id", "bos_token"), eos_ids=eos_ids,
-                   pad_id=tid("pad_token_id", "pad_token"), mask_id=tid("mask_token_id", "mask_token"))
+                   pad_id=tid("pad_token_id", "pad_token"), mask_id=tid("mask_token_id", "mask_token"),
+                   chat_template=_chat_template(path, tcfg), special_tokens=specials)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -80,3 +90,16 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(path / "tokenizer.json"))
+
+
+def _chat_template(path: Path, tcfg: dict) -> str | None:
+    """The default chat template: chat_template.jinja beside the tokenizer, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named templates: the one named "default", else the first)."""
+    f = path / "chat_template.jinja"
+    if f.exists():
+        return f.read_text()
+    t = tcfg.get("chat_template")
+    if isinstance(t, list):
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default", next(iter(named.values()), None))
+    return t if isinstance(t, str) and t else None

@@ -160,3 +160,106 @@ def test_outline_cut_and_skeleton_planner(models):
     assert s["plan_forwards"] > 0 and isinstance(s["outline"], str)
     assert out.points == D.plan_stubs(s["outline"]).points and out.prefix == HEADER
     assert s["decision"]["mode"] == ("parallel" if len(out.points) >= 2 else "plain")
+
+
+def test_masked_diffusion_fills_points_as_one_batch_of_canvases():
+    dllm = pdecode.load("code-dllm", dtype="float32")
+    out = pdecode.decompose(dllm, STUBS, method="diffusion", max_new_tokens=16)
+    assert out.stats["decision"]["mode"] == "parallel" and out.stats["prefix_tokens"] == 0
+    for p, f in zip(out.points, out.fills):
+        ref = pdecode.generate(dllm, [out.prefix + p], method="diffusion", max_new_tokens=16)
+        assert D.cut_body(ref.texts[0]) == f
+    with pytest.raises(pdecode.InputError, match="one canvas length"):
+        pdecode.decompose(dllm, STUBS, method="diffusion", max_new_tokens=[16, 16, 16, 16])
+
+
+# ------------------------------------------------------------------------------------------------ chat skeleton
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random Qwen2 chat model: the zoo tokenizer with ChatML's two special tokens and a ChatML template."""
+    from tokenizers import Tokenizer
+
+    from tests.helpers import make_hf_model
+
+    d = tmp_path_factory.mktemp("chat")
+    tok = Tokenizer.from_file(str(pdecode.zoo_dir() / "code-target" / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(d / "tokenizer.json"))
+    end = tok.token_to_id("<|im_end|>")
+    make_hf_model("qwen2", d, vocab_size=tok.get_vocab_size(), eos_token_id=end, max_position_embeddings=1024)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    return pdecode.load(d, dtype="float32")
+
+
+def test_chat_render_template_plain_format_and_errors(chat_model, monkeypatch):
+    from pdecode import chat
+
+    tok = chat_model.tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat.render(tok, msgs) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                                      "<|im_start|>assistant\n")
+    assert chat.render(tok, msgs, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
+    # the template's special tokens are tokens, and encoding adds no others
+    ids = chat.encode_chat(tok, chat.render(tok, msgs))
+    assert ids.count(tok.backend.token_to_id("<|im_start|>")) == 3
+    plain = pdecode.load("code-target").tokenizer
+    assert chat.render(plain, msgs) == "system: Be brief.\n\nuser: Hi\n\nassistant:"
+    with pytest.raises(pdecode.InputError, match="role must be one of"):
+        chat.render(tok, [{"role": "robot", "content": "x"}])
+    with pytest.raises(pdecode.InputError, match="content must be a string"):
+        chat.render(tok, [{"role": "user", "content": 3}])
+    monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('no system role') }}")
+    with pytest.raises(pdecode.InputError, match="refused the conversation: no system role"):
+        chat.render(tok, msgs)
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}")
+    with pytest.raises(pdecode.InputError, match="does not parse"):
+        chat.render(tok, msgs)
+    monkeypatch.setattr(tok, "chat_template", CHATML + " ")
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    with pytest.raises(pdecode.InputError, match="pdecode\\[chat\\]"):
+        chat.render(tok, msgs)
+
+
+def test_skeleton_point_parsing():
+    assert D.parse_points("Sure, here it is:\n1. Warm up first\n2) Learn to float\n\n3. Kick") == [
+        "Warm up first", "Learn to float", "Kick"]
+    assert D.parse_points("1. a\n2. b\n2. b\n3. c") == ["a", "b"]  # a repeated number: the model started over
+    assert D.parse_points("1. a\n2. b\n1. a\n2. b") == ["a", "b"]
+    assert D.parse_points("1. a\n3. c") == ["a"]
+    assert D.parse_points("1. a\n2. a") == ["a"]
+    assert D.parse_points("1. a\nsome prose\n2. b") == ["a"]
+    assert D.parse_points("no list here") == [] and D.parse_points("1.\n2. x") == []
+
+
+def test_chat_skeleton_fills_equal_each_point_generated_alone(chat_model):
+    from pdecode import chat
+
+    m, tok = chat_model, chat_model.tokenizer
+    q = "How do I learn to swim as an adult?"
+    points = ["Warm up in shallow water", "Learn to float", "Practice kicking"]
+    plan = D.chat_points_plan(tok, q, points)
+    assert plan.prefix.startswith("<|im_start|>user\nQuestion: " + q) and plan.prefix.endswith("Write point ")
+    rows = [plan.prefix + p for p in plan.points]
+    assert rows[1].endswith("<|im_start|>assistant\n2. Learn to float")
+    out = pdecode.decompose(m, q, planner=lambda _: plan, max_new_tokens=12)
+    assert out.stats["decision"]["mode"] == "parallel" and out.stats["prefix_tokens"] >= 16
+    for r, ft, f in zip(rows, out.fill_tokens, out.fills):
+        ref = pdecode.generate(m, [chat.encode_chat(tok, r)], max_new_tokens=12)
+        assert ref.tokens[0][: len(ft)] == ft and "\n" not in f
+    assert out.text.startswith("1. Warm up in shallow water") and "\n3. Practice kicking" in out.text
+
+
+def test_chat_skeleton_planner_end_to_end(chat_model):
+    q = "How do I learn to swim as an adult?"
+    out = pdecode.decompose(chat_model, q, planner="skeleton", max_new_tokens=6, outline_tokens=24)
+    s = out.stats
+    assert s["skeleton"] == "chat" and s["outline"].startswith("1.") and s["plan_forwards"] >= 1
+    n = len(D.parse_points(s["outline"]))
+    assert s["points"] == n and s["decision"]["mode"] == ("parallel" if n >= 2 else "plain")
+    assert len(out.fills) == max(n, 1)
