@@ -126,11 +126,13 @@ def run(args) -> int:
                 def dec():  # the router off: these files' functions may call each other; fill them in parallel anyway
                     return pdecode.decompose(m, prompt, method=method, max_new_tokens=budget, router=False, **kw)
 
+                # the baselines end each body as decompose does (on the device, at its first line back at column 0)
                 def nosh():
-                    return pdecode.generate(m, ids, method=method, max_new_tokens=budget, **kw)
+                    return pdecode.generate(m, ids, method=method, max_new_tokens=budget, stop_at_dedent=True, **kw)
 
                 def seq():
-                    return [pdecode.generate(m, [x], method=method, max_new_tokens=budget, **kw) for x in ids]
+                    return [pdecode.generate(m, [x], method=method, max_new_tokens=budget, stop_at_dedent=True, **kw)
+                            for x in ids]
 
                 def one():
                     return pdecode.generate(m, [m.tokenizer.encode(prompt)], method=method,
@@ -183,12 +185,14 @@ def run(args) -> int:
         pdecode.clear_compile_cache()
         long_rows.append({"prefix_tokens": D._common_prefix(ids), "decompose_s": statistics.median(td),
                           "no_sharing_s": statistics.median(tn), "speedup": statistics.median(tn) / statistics.median(td)})
+    skel_rows = skeleton_rows(m, stub_prompts(2, args.prompts), budget, args.repeats)
     out = Path(args.out or "docs/bench/decompose")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "pdecode " + " ".join(sys.argv[1:]), "model": args.model,
             "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "long_prefix": long_rows}, indent=1))
-    md = to_markdown(rows, long_rows, meta)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "long_prefix": long_rows,
+                                                        "skeleton": skel_rows}, indent=1))
+    md = to_markdown(rows, long_rows, meta, skel_rows)
     (out / "results.md").write_text(md)
     try:
         plot(rows, out / "latency.png")
@@ -198,7 +202,31 @@ def run(args) -> int:
     return 0
 
 
-def to_markdown(rows, long_rows, meta) -> str:
+def skeleton_rows(m, prompts, budget: int, repeats: int) -> list[dict]:
+    """The skeleton planner end to end on each file's header (code-target writes an outline of stubs, then fills
+    them), against one AR call writing as many new tokens as outline and bodies together."""
+    import pdecode
+
+    rows = []
+    for _, header, _ in prompts:
+        dec = lambda h=header: pdecode.decompose(m, h, planner="skeleton", max_new_tokens=budget)  # noqa: E731
+        d = dec()
+        total = len(m.tokenizer.encode(d.stats["outline"], add_special_tokens=False)) + d.stats["new_tokens"]
+        one = lambda h=header, n=total: pdecode.generate(m, [h], max_new_tokens=n, stop_at_eos=False)  # noqa: E731
+        one()
+        td, to = [], []
+        for _ in range(repeats):  # interleaved
+            td.append(_time(dec, 1))
+            to.append(_time(one, 1))
+        pdecode.clear_compile_cache()
+        rows.append({"points": len(d.points), "mode": d.stats["decision"]["mode"], "outline_forwards": d.stats["plan_forwards"],
+                     "fill_forwards": d.stats["fill_forwards"], "new_tokens": total,
+                     "skeleton_s": statistics.median(td), "one_ar_call_s": statistics.median(to),
+                     "speedup": statistics.median(to) / statistics.median(td)})
+    return rows
+
+
+def to_markdown(rows, long_rows, meta, skel_rows=()) -> str:
     lines = [f"# Decomposition-and-fill ({meta['date']})", "", f"`{meta['command']}`; model {meta['model']}, medians of "
              f"{meta['repeats']} interleaved repeats per prompt, then the median over prompts.", "",
              "| points | method | decompose s | one by one s | one AR call s | no sharing s | × vs one by one | "
@@ -215,6 +243,14 @@ def to_markdown(rows, long_rows, meta) -> str:
         for r in long_rows:
             lines.append(f"| {r['prefix_tokens']} | {r['decompose_s']:.3f} | {r['no_sharing_s']:.3f} | "
                          f"{r['speedup']:.2f} |")
+    if skel_rows:
+        lines += ["", "Skeleton planner end to end (a file's header; the model writes an outline, then the bodies; "
+                  "router on), against one AR call of as many new tokens:", "",
+                  "| points | router | outline forwards | fill forwards | new tokens | skeleton s | one AR call s | × |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in skel_rows:
+            lines.append(f"| {r['points']} | {r['mode']} | {r['outline_forwards']} | {r['fill_forwards']} | {r['new_tokens']} | "
+                         f"{r['skeleton_s']:.3f} | {r['one_ar_call_s']:.3f} | {r['speedup']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -144,13 +144,23 @@ def plan_skeleton(model, prompt: str, outline_tokens: int = 128, **generate_opti
     if getattr(model.tokenizer, "chat_template", None):
         return plan_chat_skeleton(model, prompt, outline_tokens, **generate_options)
     opts = {k: v for k, v in generate_options.items() if k in ("mesh", "cache_dtype")}
-    out = api.generate(model, [prompt], max_new_tokens=outline_tokens, **opts)
-    outline = cut_outline(out.texts[0])
+    # in chunks: the outline ends at its first body line, usually long before outline_tokens
+    text, forwards, wall, left = "", 0, 0.0, outline_tokens
+    while left > 0:
+        n = min(OUTLINE_CHUNK, left)
+        out = api.generate(model, [prompt + text], max_new_tokens=n, **opts)
+        text += out.texts[0]
+        forwards, wall, left = forwards + out.stats["target_forwards"], wall + out.stats["wall_s"], left - n
+        if len(cut_outline(text)) < len(text.rstrip()) or len(out.tokens[0]) < n:
+            break  # a body line (or EOS) came
+    outline = cut_outline(text)
     stubs = plan_stubs(outline)
     plan = Plan(prompt, stubs.points, lambda points, fills: prompt + "\n\n\n".join(
         p + f.rstrip() for p, f in zip(points, fills)) + "\n", stop="body", names=stubs.names)
-    return plan, {"outline": outline, "skeleton": "code", "forwards": out.stats["target_forwards"],
-                  "s": out.stats["wall_s"]}
+    return plan, {"outline": outline, "skeleton": "code", "forwards": forwards, "s": wall}
+
+
+OUTLINE_CHUNK = 32  # new tokens per outline call
 
 
 # the chat skeleton's two prompts (ours): the skeleton request, then one expansion request per point whose
