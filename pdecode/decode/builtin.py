@@ -95,6 +95,37 @@ register(Method("lookup", _prepare_lookup,
                         "extra model"))
 
 
+
+def _prepare_jacobi(model, draft, opts, samp):
+    from pdecode.decode.jacobi import JacobiDrafter
+
+    return _spec_plan(model, None, JacobiDrafter(block=_int_opt(opts, "block")), opts)
+
+
+def _prepare_lookahead(model, draft, opts, samp):
+    from pdecode.decode.lookahead import LookaheadDrafter
+
+    w, n, g = (_int_opt(opts, k) for k in ("window", "ngram", "guesses"))
+    if n < 2:
+        raise ConfigError(f"ngram must be >= 2 (a key token and at least one continuation token), got {n}")
+    return _spec_plan(model, None, LookaheadDrafter(window=w, ngram=n, guesses=g, seed_prompt=bool(opts["seed_prompt"]),
+                                                    vocab_size=model.cfg.vocab_size), opts)
+
+
+register(Method("jacobi", _prepare_jacobi,
+                options={"block": Option(8, "int", "guessed tokens iterated toward the fixed point per step"),
+                         **PHASES},
+                summary="Jacobi decoding: the target refines a block of guesses in parallel each forward and keeps "
+                        "the converged prefix; no extra model"))
+register(Method("lookahead", _prepare_lookahead,
+                options={"window": Option(7, "int", "W: lookahead columns, each extended by one token per step"),
+                         "ngram": Option(5, "int", "N: n-gram length kept in the pool (candidates of N-1 tokens)"),
+                         "guesses": Option(7, "int", "G: pool candidates verified per step (and kept per key)"),
+                         "seed_prompt": Option(True, "bool", "seed the n-gram pool with the prompt's n-grams"),
+                         **PHASES},
+                summary="lookahead decoding: a 2-D Jacobi window and an n-gram pool; the lookahead and verification "
+                        "branches share one target forward; no extra model"))
+
 def _heads(model, kind: str):
     from pdecode.errors import InputError
 

@@ -39,15 +39,24 @@ class Context(NamedTuple):
     root_layers: jax.Array | None  # [n, B, D] requested target layer outputs there (EAGLE-3), or None
     active: jax.Array  # [B] rows still generating
     target: Any = None  # the target's params (decode layout): heads read its embedding and LM head
+    logits: jax.Array | None = None  # [B, N, V] the verify forward's logits at the step's nodes (`update` only)
 
 
 class Proposal(NamedTuple):
+    """What a drafter asks the target to run and verify. A tree by default: node i sits at position root + depth(i)
+    and attends to its ancestors, and ``valid`` nodes are both fed and verified. The three optional fields describe
+    anything else in the same forward (lookahead's 2-D window next to its candidates): explicit ``positions``, an
+    explicit ``intra`` mask, and ``visible`` nodes that are fed but, unless also ``valid``, never verified."""
+
     tokens: jax.Array  # [B, N]; node 0 is the root token
-    parents: Any  # a StaticTree, or [B, N] int (dynamic trees)
-    valid: jax.Array  # [B, N]
+    parents: Any  # a StaticTree, or [B, N] int (dynamic trees): the verification tree over the valid nodes
+    valid: jax.Array  # [B, N] the verification candidates (node 0 always)
     q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (sampled rules) or None
     draft_forwards: jax.Array  # scalar int32
     rule: Rule  # how `verify` tests the nodes (static; `verify.rule_for(samp, ...)`)
+    positions: jax.Array | None = None  # [N] or [B, N] position offsets from the root (default: tree depth)
+    intra: jax.Array | None = None  # [N, N] or [B, N, N] bool: node i attends to fresh node j (default: ancestors)
+    visible: jax.Array | None = None  # [B, N] nodes the target runs (default: valid); must include every valid node
 
 
 class Drafter:
@@ -181,8 +190,12 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             parents_BN = prop.parents
             intra = attention.tree_intra(parents_BN)
             depth = depths_of(parents_BN, d_max)
+        if prop.intra is not None:
+            intra = prop.intra
+        if prop.positions is not None:
+            depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
-        mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid)
+        mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid if prop.visible is None else prop.visible)
         fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
         logits = unembed(tparams, cfg, fo.hidden)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
@@ -204,7 +217,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
         if n_hid:
             new_layers = jax.vmap(lambda h: common.gather_rows(h, last_node))(fo.layer_hidden)
             root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
-        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams)
+        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams, logits)
         dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
         hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,

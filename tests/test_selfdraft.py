@@ -1,0 +1,217 @@
+"""Self-drafting without extra weights: Jacobi and lookahead decoding. Greedy identical to AR, lossless sampling
+against exact AR marginals (and a wrong rule the same test rejects), the lookahead window mask, n-gram pool and
+candidate trie against brute-force references."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+import pdecode
+from pdecode import sampling
+from pdecode.decode import lookahead as la
+from pdecode.decode.speculative import Context
+from pdecode.decode.verify import Rule
+from tests.test_speculative import PROMPTS, _exact_marginals, models, small_vocab  # noqa: F401 (fixtures)
+
+METHODS = [("jacobi", dict(block=4)), ("jacobi", dict(block=1)), ("lookahead", dict()),
+           ("lookahead", dict(window=3, ngram=3, guesses=2)), ("lookahead", dict(window=4, ngram=4, seed_prompt=False))]
+
+
+@pytest.mark.parametrize("method,opts", METHODS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(METHODS)])
+def test_greedy_identical_to_ar(models, method, opts):  # noqa: F811
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=40, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=40, stop_at_eos=False, **opts)
+    assert out.tokens == ref.tokens
+    assert out.stats["target_forwards"] <= 40 and out.stats["draft_forwards"] == 0
+
+
+@pytest.mark.parametrize("method,opts", [METHODS[0], METHODS[3]], ids=["jacobi", "lookahead"])
+def test_greedy_with_eos_rows_stop_independently(models, method, opts):  # noqa: F811
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
+    eos = free[1][5]
+    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(eos,)), params=t.params)
+    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
+    out = pdecode.generate(te, PROMPTS[:4], method=method, max_new_tokens=20, **opts)
+    assert out.tokens == ar.tokens and out.tokens[1][-1] == eos
+
+
+def test_lookahead_accepts_on_repetitive_code():
+    """On the zoo's code model the pool's candidates really get accepted (far fewer forwards than tokens)."""
+    m = pdecode.load("code-target", dtype="float32")
+    prompt = "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x + 2\n\n\ndef h(x):\n"
+    ref = pdecode.generate(m, [prompt], max_new_tokens=48, stop_at_eos=False)
+    out = pdecode.generate(m, [prompt], method="lookahead", max_new_tokens=48, stop_at_eos=False)
+    assert out.tokens == ref.tokens and out.stats["tokens_per_forward"] > 1.5
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+LA_SMALL = dict(window=3, ngram=3, guesses=3)
+
+
+@pytest.mark.parametrize("method,opts", [("jacobi", dict(block=3)), ("lookahead", LA_SMALL)],
+                         ids=["jacobi", "lookahead"])
+def test_sampling_matches_ar_distribution(small_vocab, method, opts):  # noqa: F811
+    target, _ = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    out = pdecode.generate(target, [prompt] * n, method=method, max_new_tokens=3, temperature=1.0, seed=2,
+                           stop_at_eos=False, **opts)
+    toks = np.array(out.tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    for i in range(3):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    assert out.stats["tokens_per_forward"] > 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _OverAccepting:
+    """Wraps a deterministic drafter but verifies it as if its candidates were drawn from a uniform q: accepting
+    x with min(1, p(x) / q(x)) over-accepts every candidate (a wrong rule)."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def init(self, *a, **k):
+        return self.inner.init(*a, **k)
+
+    def update(self, *a):
+        return self.inner.update(*a)
+
+    def propose(self, dparams, st, ctx, key, samp, temperature, top_p):
+        prop, st = self.inner.propose(dparams, st, ctx, key, samp, temperature, top_p)
+        b, n = prop.tokens.shape
+        return prop._replace(rule=Rule.TREE_MULTI, q=jnp.full((b, n, 16), 1.0 / 16)), st
+
+
+def test_over_accepting_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+
+    target, _ = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    drafter = _OverAccepting(la.LookaheadDrafter(**LA_SMALL, vocab_size=16))
+    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
+    plen = jnp.full((n,), len(prompt), jnp.int32)
+    args = ((target.params, None), prompt_a, plen, jax.random.PRNGKey(2), jnp.float32(1.0), jnp.float32(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    toks = np.asarray(exe(*args)[0].tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
+             for i in range(3)]
+    assert min(pvals) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+@pytest.mark.parametrize("n,w", [(2, 1), (3, 4), (5, 7)])
+def test_window_layout_gives_every_node_a_contiguous_context(n, w):
+    pos, intra = la.window_layout(n, w)
+    for l in range(n - 1):
+        for c in range(w):
+            i = l * w + c
+            seen = sorted(pos[j] for j in np.flatnonzero(intra[i]))
+            assert pos[i] == l + c + 1 and seen == list(range(1, pos[i] + 1))  # the root (0) is added by propose
+            # its own column's lower levels, and level 0's earlier columns: nothing else
+            want = {l2 * w + c for l2 in range(l + 1)} | set(range(c))
+            assert set(np.flatnonzero(intra[i]).tolist()) == want
+
+
+def _reference_pool(inserts, g):
+    """Per key: an LRU list of (continuation, age) with capacity g (a brute-force reference of `insert`)."""
+    pool = {}
+    for key, cont, age in inserts:
+        slots = pool.setdefault(key, [])
+        hit = [s for s in slots if s[0] == cont]
+        if hit:
+            slots[slots.index(hit[0])] = (cont, age)
+        elif len(slots) < g:
+            slots.append((cont, age))
+        else:
+            slots[min(range(g), key=lambda j: slots[j][1])] = (cont, age)
+    return pool
+
+
+def test_pool_insert_is_an_lru_per_key():
+    rng = np.random.default_rng(0)
+    b, v, g, m = 3, 6, 3, 2
+    pool = jnp.full((b, v, g, m + 1), -1, jnp.int32)
+    age = jnp.full((b, v, g), la.EMPTY, jnp.int32)
+    log = [[] for _ in range(b)]
+    for t in range(200):
+        key = rng.integers(0, 3, b)
+        cont = rng.integers(0, 2, (b, m))  # few distinct n-grams: many refreshes and evictions
+        ok = rng.random(b) < 0.8
+        pool, age = la.insert(pool, age, jnp.asarray(key), jnp.asarray(cont), jnp.asarray(ok), t)
+        for r in range(b):
+            if ok[r]:
+                log[r].append((int(key[r]), tuple(cont[r].tolist()), t))
+    pool, age = np.asarray(pool), np.asarray(age)
+    for r in range(b):
+        ref = _reference_pool(log[r], g)
+        for key in range(v):
+            got = {(tuple(pool[r, key, j, 1:].tolist()), int(age[r, key, j])) for j in range(g)
+                   if age[r, key, j] > la.EMPTY}
+            assert got == set(ref.get(key, [])), (r, key)
+            assert all(pool[r, key, j, 0] == key for j in range(g) if age[r, key, j] > la.EMPTY)
+
+
+def test_candidates_merge_into_a_trie():
+    """Verification nodes: one per distinct candidate prefix, each with its parent prefix's node as parent, seen
+    by exactly its ancestors; the window does not see them and they do not see the window."""
+    d = la.LookaheadDrafter(window=2, ngram=4, guesses=4, vocab_size=10)
+    m, g = 3, 4
+    cands = [(1, 2, 3), (1, 2, 4), (5, 6, 7)]  # the first two share a two-token prefix
+    pool = np.full((1, 10, g, m + 1), -1, np.int32)
+    age = np.full((1, 10, g), la.EMPTY, np.int32)
+    for j, c in enumerate(cands):
+        pool[0, 9, j] = (9,) + c
+        age[0, 9, j] = 10 - j  # most recent first: the order above
+    st = la.LookaheadState(levels=jnp.zeros((1, m, 2), jnp.int32), filled=jnp.int32(3), pool=jnp.asarray(pool),
+                           age=jnp.asarray(age), clock=jnp.int32(10))
+    seq = jnp.asarray([[9] + [0] * 15], jnp.int32)
+    ctx = Context(seq, jnp.asarray([1]), None, None, jnp.ones((1,), bool))
+    prop, _ = d.propose(None, st, ctx, jax.random.PRNGKey(0), sampling.Sampling(), 1.0, 1.0)
+    tok, par, val = (np.asarray(x[0]) for x in (prop.tokens, prop.parents, prop.valid))
+    vis, intra = np.asarray(prop.visible[0]), np.asarray(prop.intra[0])
+    n_ver = 1 + g * m
+
+    def path(i):
+        out = []
+        while i > 0:
+            out.append(int(tok[i]))
+            i = int(par[i])
+        return tuple(reversed(out))
+
+    valid_paths = sorted(path(i) for i in range(1, n_ver) if val[i])
+    want = sorted({c[:k] for c in cands for k in range(1, m + 1)})
+    assert valid_paths == want  # every distinct prefix once
+    assert not val[n_ver:].any() and vis[n_ver:].all() and (vis[:n_ver] == val[:n_ver]).all()
+    for i in range(1, n_ver):
+        if val[i]:
+            anc = {0}
+            j = i
+            while j > 0:
+                anc.add(j)
+                j = int(par[j])
+            assert set(np.flatnonzero(intra[i]).tolist()) == anc
+    assert not intra[n_ver:, 1:n_ver].any() and not intra[1:n_ver, n_ver:].any() and intra[:, 0].all()
+    pos = np.asarray(prop.positions)
+    assert all(pos[i] == len(path(i)) for i in range(1, n_ver) if val[i])
+
+
+def test_bad_options(models):  # noqa: F811
+    t = models["target"]
+    with pytest.raises(pdecode.PdecodeError, match="ngram must be >= 2"):
+        pdecode.generate(t, PROMPTS[:1], method="lookahead", ngram=1)
+    with pytest.raises(pdecode.PdecodeError, match="block must be an integer >= 1"):
+        pdecode.generate(t, PROMPTS[:1], method="jacobi", block=0)
