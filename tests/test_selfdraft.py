@@ -215,3 +215,140 @@ def test_bad_options(models):  # noqa: F811
         pdecode.generate(t, PROMPTS[:1], method="lookahead", ngram=1)
     with pytest.raises(pdecode.PdecodeError, match="block must be an integer >= 1"):
         pdecode.generate(t, PROMPTS[:1], method="jacobi", block=0)
+
+
+# ------------------------------------------------------------------------------------------------ layer skip
+LS = [dict(exit_layer=1, threshold=0.0), dict(exit_layer=2, gamma=3), dict(exit_layer=3, skip=[1], threshold=0.0),
+      dict(exit_layer=2, threshold=0.3, adaptive=False)]
+
+
+@pytest.mark.parametrize("opts", LS, ids=[f"ls-{i}" for i in range(len(LS))])
+def test_layerskip_greedy_identical_to_ar(models, opts):  # noqa: F811
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=40, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method="layerskip", max_new_tokens=40, stop_at_eos=False, **opts)
+    assert out.tokens == ref.tokens
+    assert out.stats["target_forwards"] <= 40 and out.stats["draft_forwards"] > 0
+
+
+def test_layerskip_greedy_with_eos(models):  # noqa: F811
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
+    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(free[1][5],)), params=t.params)
+    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
+    assert pdecode.generate(te, PROMPTS[:4], method="layerskip", max_new_tokens=20, exit_layer=1).tokens == ar.tokens
+
+
+@pytest.mark.parametrize("opts", [dict(exit_layer=1, threshold=0.0), dict(exit_layer=1, threshold=0.1)],
+                         ids=["fixed", "adaptive"])
+def test_layerskip_sampling_matches_ar_distribution(small_vocab, opts):  # noqa: F811
+    target, _ = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    out = pdecode.generate(target, [prompt] * n, method="layerskip", max_new_tokens=3, temperature=1.0, seed=3,
+                           stop_at_eos=False, gamma=3, **opts)
+    toks = np.array(out.tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    for i in range(3):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    assert out.stats["tokens_per_forward"] > 1.0
+
+
+def test_layerskip_with_a_wrong_q_fails_the_distribution_test(small_vocab):  # noqa: F811
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+    from pdecode.decode.layerskip import LayerSkipDrafter
+    from tests.test_speculative import _LyingChain
+
+    target, _ = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    drafter = _LyingChain(LayerSkipDrafter(target.cfg, (0,), gamma=3, threshold=0.0))
+    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
+    plen = jnp.full((n,), len(prompt), jnp.int32)
+    args = ((target.params, None), prompt_a, plen, jax.random.PRNGKey(3), jnp.float32(1.0), jnp.float32(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    toks = np.asarray(exe(*args)[0].tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
+             for i in range(3)]
+    assert min(pvals) < 1e-6
+
+
+@pytest.mark.parametrize("layers", [(0,), (0, 1), (0, 2)], ids=["exit1", "exit2", "skip1"])
+def test_layerskip_reused_kv_equals_a_full_recompute(models, layers):  # noqa: F811
+    """One draft + verify step by hand: the KV cache after the verify pass (the draft's blocks below r kept, the
+    rest written by the verify) and the verify logits equal a plain forward over prompt + drafted tokens."""
+    from pdecode.decode import common
+    from pdecode.decode.layerskip import LayerSkipDrafter
+    from pdecode.model import attention
+    from pdecode.model import cache as kvc
+    from pdecode.model.transformer import decode_layout, forward_layers, unembed, unrolled
+
+    t = models["target"]
+    cfg = t.cfg
+    tp = decode_layout(t.params, cfg)
+    prompt = PROMPTS[2][:20]
+    p = len(prompt)
+    cache = kvc.init_cache(cfg, 1, 64, jnp.float32, per_layer=unrolled(tp))
+    cache, logits, _ = common.prefill(tp, cfg, jnp.asarray([prompt]), jnp.asarray([p]), cache)
+    first = int(jnp.argmax(logits[0]))
+    seq = jnp.zeros((1, 64), jnp.int32).at[0, :p].set(jnp.asarray(prompt)).at[0, p].set(first)
+    d = LayerSkipDrafter(cfg, layers, gamma=4, threshold=0.0)
+    ctx = Context(seq, jnp.asarray([p + 1]), None, None, jnp.ones((1,), bool), tp, cache=cache)
+    prop, _ = d.propose(None, d.init(None, tp, jnp.asarray([prompt]), jnp.asarray([p]), None, 64), ctx, jax.random.PRNGKey(0),
+                        sampling.Sampling(), 1.0, 1.0)
+    assert prop.from_layer == d.reuse == (1 if layers == (0, 2) else len(layers))
+    n = 5
+    positions = cache.lengths[:, None] + jnp.arange(n)[None]
+    mask = common.step_mask(cfg, cache, attention.causal_intra(n), positions, prop.valid)
+    fo, _ = forward_layers(tp, cfg, positions, mask, prop.cache, cache.lengths,
+                           tuple(range(prop.from_layer, cfg.num_layers)), x_in_BTD=prop.hidden_in)
+    full = prompt + np.asarray(prop.tokens[0]).tolist()
+    ref_cache = kvc.init_cache(cfg, 1, 64, jnp.float32, per_layer=unrolled(tp))
+    ref_cache, _, ref_out = common.prefill(tp, cfg, jnp.asarray([full]), jnp.asarray([len(full)]), ref_cache)
+    for i in range(cfg.num_layers):
+        (k, v), (rk, rv) = fo.cache.layer(i), ref_cache.layer(i)
+        np.testing.assert_allclose(np.asarray(k[..., p:p + n]), np.asarray(rk[..., p:p + n]), atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(v[:, :, p:p + n]), np.asarray(rv[:, :, p:p + n]), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(unembed(tp, cfg, fo.hidden)),
+                               np.asarray(unembed(tp, cfg, ref_out.hidden[:, p:p + n])), atol=1e-4, rtol=1e-4)
+
+
+def test_layerskip_bad_options(models):  # noqa: F811
+    t = models["target"]
+    with pytest.raises(pdecode.PdecodeError, match="exit_layer must be an integer in 1..3"):
+        pdecode.generate(t, PROMPTS[:1], method="layerskip", exit_layer=4)
+    with pytest.raises(pdecode.PdecodeError, match="some but not all"):
+        pdecode.generate(t, PROMPTS[:1], method="layerskip", exit_layer=3)
+    with pytest.raises(pdecode.PdecodeError, match="skip must list"):
+        pdecode.generate(t, PROMPTS[:1], method="layerskip", skip=[7])
+
+
+def test_skip_search_picks_the_least_harmful_layer(models):  # noqa: F811
+    from pdecode.api import compiled
+    from pdecode.decode import layerskip
+
+    t = models["target"]
+    texts = [p for p in PROMPTS if len(p) > 2]
+    skip, hist = layerskip.search_skip(t, texts, 1)
+    assert len(skip) == 1 and len(hist) == 1
+    ids = [list(p) for p in texts]
+    tt = max(map(len, ids))
+    tok = jnp.asarray([x + [0] * (tt - len(x)) for x in ids], jnp.int32)
+    lens = jnp.asarray([len(x) for x in ids], jnp.int32)
+
+    def agree(layers):
+        exe, _ = compiled(layerskip._agreement, {"cfg": t.cfg, "ids": layers}, t.params, tok, lens)
+        return float(exe(t.params, tok, lens))
+
+    assert agree((0, 1, 2)) == 1.0
+    brute = {c: agree(tuple(i for i in range(3) if i != c)) for c in range(3)}
+    assert hist[0] == max(brute.values()) and brute[skip[0]] == hist[0]
+    two, hist2 = layerskip.search_skip(t, texts, 2)
+    assert len(two) == 2 and hist2[0] == hist[0] and skip[0] in two
+    out = pdecode.generate(t, PROMPTS, method="layerskip", exit_layer=3, skip=list(skip), max_new_tokens=16,
+                           stop_at_eos=False)
+    assert out.tokens == pdecode.generate(t, PROMPTS, max_new_tokens=16, stop_at_eos=False).tokens

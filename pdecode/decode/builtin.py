@@ -126,6 +126,41 @@ register(Method("lookahead", _prepare_lookahead,
                 summary="lookahead decoding: a 2-D Jacobi window and an n-gram pool; the lookahead and verification "
                         "branches share one target forward; no extra model"))
 
+
+def _prepare_layerskip(model, draft, opts, samp):
+    from pdecode.decode.layerskip import LayerSkipDrafter
+
+    n_layers = model.cfg.num_layers
+    exit_layer = opts["exit_layer"] if opts["exit_layer"] is not None else max(1, n_layers // 2)
+    if not isinstance(exit_layer, int) or not 1 <= exit_layer <= n_layers:
+        raise ConfigError(f"exit_layer must be an integer in 1..{n_layers} (the model's layers), got {exit_layer!r}")
+    skip = tuple(sorted(set(opts["skip"] or ())))
+    if any(not isinstance(i, int) or not 0 <= i < n_layers for i in skip):
+        raise ConfigError(f"skip must list layer indices in 0..{n_layers - 1}, got {list(opts['skip'])!r}")
+    layers = tuple(i for i in range(exit_layer) if i not in skip)
+    if not layers or layers == tuple(range(n_layers)):
+        raise ConfigError(f"the draft must run some but not all of the {n_layers} layers: exit_layer={exit_layer}, "
+                          f"skip={list(skip)} leaves {len(layers)}")
+    thr = opts["threshold"]
+    if not 0.0 <= thr < 1.0:
+        raise ConfigError(f"threshold must be in [0, 1), got {thr}")
+    d = LayerSkipDrafter(model.cfg, layers, gamma=_int_opt(opts, "gamma"), threshold=float(thr),
+                         adaptive=bool(opts["adaptive"]))
+    return _spec_plan(model, None, d, opts)
+
+
+register(Method("layerskip", _prepare_layerskip,
+                options={"exit_layer": Option(None, "int", "the draft runs the target's layers below this one "
+                                                           "(default: half of them), then its final norm and head"),
+                         "skip": Option(None, "list", "layers below exit_layer the draft also skips (Draft & Verify)"),
+                         "gamma": Option(6, "int", "most tokens drafted per step"),
+                         "threshold": Option(0.5, "float", "stop drafting when the draft's top-1 probability falls "
+                                                           "below this (0: always draft gamma tokens)"),
+                         "adaptive": Option(True, "bool", "adapt the threshold to the acceptance rate"),
+                         **PHASES},
+                summary="layer-skip self-speculation: the target's own first layers draft, the rest verify, reusing "
+                        "the shared layers' KV; no extra weights"))
+
 def _heads(model, kind: str):
     from pdecode.errors import InputError
 

@@ -26,7 +26,7 @@ from pdecode.decode.tree import StaticTree, depths_of
 from pdecode.decode.verify import Rule, Verified, verify
 from pdecode.model import attention
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
+from pdecode.model.transformer import decode_layout, forward, forward_layers, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
 
@@ -40,6 +40,7 @@ class Context(NamedTuple):
     active: jax.Array  # [B] rows still generating
     target: Any = None  # the target's params (decode layout): heads read its embedding and LM head
     logits: jax.Array | None = None  # [B, N, V] the verify forward's logits at the step's nodes (`update` only)
+    cache: Any = None  # the target's KV cache (`propose` only): self-speculative drafters run the target's layers
 
 
 class Proposal(NamedTuple):
@@ -57,6 +58,12 @@ class Proposal(NamedTuple):
     positions: jax.Array | None = None  # [N] or [B, N] position offsets from the root (default: tree depth)
     intra: jax.Array | None = None  # [N, N] or [B, N, N] bool: node i attends to fresh node j (default: ancestors)
     visible: jax.Array | None = None  # [B, N] nodes the target runs (default: valid); must include every valid node
+    # self-speculation (layer skip): the drafter already ran the target's blocks below ``from_layer`` on the nodes,
+    # writing their keys and values into the target cache it returns (``cache``); the verify forward runs only the
+    # blocks from ``from_layer`` on, from ``hidden_in`` [B, N, D] (the hidden states entering that block)
+    from_layer: int = 0
+    hidden_in: jax.Array | None = None
+    cache: Any = None
 
 
 class Drafter:
@@ -179,7 +186,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
     def body(s: SpecState):
         key, k_draft, k_ver = jax.random.split(s.key, 3)
         active = ~s.out.done
-        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams)
+        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache)
         prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, temperature, top_p)
         n = prop.tokens.shape[1]
         if isinstance(prop.parents, StaticTree):  # mask and depths are constants
@@ -196,7 +203,11 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
         mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid if prop.visible is None else prop.visible)
-        fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
+        if prop.from_layer:
+            fo, _ = forward_layers(tparams, cfg, positions, mask, prop.cache, s.cache.lengths,
+                                   tuple(range(prop.from_layer, cfg.num_layers)), x_in_BTD=prop.hidden_in)
+        else:
+            fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
         logits = unembed(tparams, cfg, fo.hidden)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,

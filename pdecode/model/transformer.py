@@ -347,6 +347,53 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
 
 
+def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
+                  cache: kvc.KVCache | None, write_at_B: jax.Array | None, ids: tuple[int, ...],
+                  capture: int | None = None, rope_table=None):
+    """Run only the blocks ``ids`` (static, increasing) of a stack, each writing its own layer of ``cache``.
+    Returns (x, cache, the hidden state entering block ``capture``, i.e. after the ids below it; None unless asked).
+    Self-speculation drafts with a subset of the target's layers and verifies with the rest through this."""
+    rope = rope_tables(cfg, positions_BT, rope_table)
+    groups = [tuple(i for i in ids if capture is None or i < capture)]
+    if capture is not None:
+        groups.append(tuple(i for i in ids if i >= capture))
+    captured = None
+    for g, group in enumerate(groups):
+        if g == 1:
+            captured = x_BTD
+        if not group:
+            continue
+        if isinstance(layers, DecodeLayers):
+            for i in group:
+                x_BTD, cache = _block(cfg, layers[i], x_BTD, rope, mask_BTS, cache, i, write_at_B, layers.fused)
+            continue
+        idx = jnp.asarray(group, jnp.int32)
+        sub = jax.tree.map(lambda a: a[idx], layers)
+
+        def body(carry, xs):
+            x, c = carry
+            lp, i = xs
+            x, c = _block(cfg, lp, x, rope, mask_BTS, c, i, write_at_B)
+            return (x, c), None
+
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=len(group) if len(group) <= 8 else 1)
+    return x_BTD, cache, captured
+
+
+def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, mask_BTS: jax.Array,
+                   cache: kvc.KVCache | None, write_at_B: jax.Array | None, ids: tuple[int, ...],
+                   tokens_BT: jax.Array | None = None, x_in_BTD: jax.Array | None = None,
+                   capture: int | None = None) -> tuple[ForwardOut, jax.Array | None]:
+    """`forward` through the blocks ``ids`` only, from tokens or from hidden states ``x_in`` (the input of the
+    first of them), then the final norm. Returns (ForwardOut, the hidden entering block ``capture`` or None)."""
+    x = embed(params, tokens_BT, cfg) if x_in_BTD is None else x_in_BTD
+    if cache is not None and write_at_B is None:
+        write_at_B = cache.lengths
+    x, cache, cap = run_layer_ids(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, ids, capture,
+                                  params.get("rope_table"))
+    return ForwardOut(hidden=rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache=cache, layer_hidden=None), cap
+
+
 UNROLL_MAX_LAYERS = 16
 
 
