@@ -263,3 +263,23 @@ def test_training_step_takes_frozen_params_as_arguments():
     assert "1024x1024" in text.split("func.func public @main(")[1].split("{")[0]  # the base is an argument
     p2, *_ = step(params, frozen, opt.init(params), jnp.ones((2, 1024)), jax.random.PRNGKey(0))
     assert not np.allclose(np.asarray(p2["w"]), np.asarray(params["w"]))
+
+
+def test_layerskip_objective_trains_the_early_exit():
+    """LayerSkip's loss: with no dropout and no exit weight it is the plain LM loss; training with it lowers the
+    early exit's loss (the layer-1 hidden state through the shared head), which plain LM training leaves high."""
+    from train.objectives import layerskip_loss
+
+    cfg = CFG.replace(num_layers=3)
+    batches = data.TokenBatches(_stream(), 16, 8)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    batch = jnp.asarray(batches.batch(999))
+    plain = float(lm_loss(cfg)(params, None, batch, None)[0])
+    same = float(layerskip_loss(cfg, 1, dropout_max=0.0, exit_weight=0.0)(params, None, batch, jax.random.PRNGKey(0))[0])
+    assert abs(plain - same) < 1e-4
+    obj = layerskip_loss(cfg, 1, dropout_max=0.2)
+    tc = TrainConfig(steps=60, lr=1e-2, warmup=5, log_every=10, eval_every=1000, ckpt_every=1000)
+    trained, _ = train(obj, params, None, batches.batch, tc)
+    lm_trained, _ = train(lm_loss(cfg), params, None, batches.batch, tc)
+    exit_ce = lambda p: float(layerskip_loss(cfg, 1, 0.0)(p, None, batch, jax.random.PRNGKey(1))[1]["exit_ce"])  # noqa
+    assert exit_ce(trained) < 0.7 * exit_ce(params) and exit_ce(trained) < exit_ce(lm_trained)

@@ -53,6 +53,44 @@ def lm_loss(cfg: ModelConfig):
     return loss
 
 
+def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, exit_weight: float = 1.0):
+    """LayerSkip's recipe (continual training of a full model): layer dropout rising linearly with depth (layer i of
+    L skipped per sequence with probability ``dropout_max * i / (L - 1)``, a residual block skipped is the identity),
+    and an early-exit loss through the shared final norm and LM head after every layer up to ``exit_layer`` (weights
+    rising with depth, normalised), added to the last layer's next-token loss with ``exit_weight``. Trains the early
+    exit that `method="layerskip"` drafts with."""
+    from pdecode.model.transformer import _block, embed, rms_norm, rope_tables
+
+    n = cfg.num_layers
+    if not 1 <= exit_layer < n:
+        raise ValueError(f"exit_layer must be in 1..{n - 1}, got {exit_layer}")
+    weights = jnp.arange(1, exit_layer + 1, dtype=jnp.float32)
+    weights = weights / weights.sum()
+
+    def loss(params, frozen, batch, rng):
+        del frozen
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        b, t = tokens.shape
+        p = training_layout(params, cfg)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True, window=cfg.sliding_window)
+        rope = rope_tables(cfg, pos, p.get("rope_table"))
+        drop_p = dropout_max * jnp.arange(n, dtype=jnp.float32) / max(n - 1, 1)
+        keep = jax.random.uniform(rng, (n, b)) >= drop_p[:, None]
+        x = embed(p, tokens, cfg)
+        exit_ce = jnp.float32(0.0)
+        for i, lp in enumerate(p["layers"]):
+            y, _ = _block(cfg, lp, x, rope, mask, None, i, None, fused=True)
+            x = jnp.where(keep[i][:, None, None], y, x)
+            if i < exit_layer:
+                h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+                exit_ce = exit_ce + weights[i] * cross_entropy(unembed(p, cfg, h), targets)
+        ce = cross_entropy(unembed(p, cfg, rms_norm(x, p["final_norm"], cfg.rms_norm_eps)), targets)
+        return ce + exit_weight * exit_ce, {"ce": ce, "exit_ce": exit_ce}
+
+    return loss
+
+
 def soft_cross_entropy(logits: jax.Array, target_probs: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """Mean over tokens of -sum_v p_target(v) log p(v) (float32), optionally weighted."""
     ce = -jnp.sum(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)

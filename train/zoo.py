@@ -50,6 +50,8 @@ class Recipe:
     batch_size: int
     teacher: str | None = None  # distil from this zoo model instead of plain next-token training
     self_distill: int = 0  # train on this many tokens the teacher generated itself (half the batches)
+    init_from: str | None = None  # continual training: start from this zoo model's weights
+    exit_layer: int = 0  # > 0: the LayerSkip objective (layer dropout + early-exit loss up to this layer)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -64,6 +66,12 @@ RECIPES: dict[str, Recipe] = {
         _cfg(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64),
         TrainConfig(steps=480, lr=3e-3, warmup=30, eval_every=120, ckpt_every=60, log_every=10, seed=1),
         seq_len=512, batch_size=16, teacher="code-target", self_distill=1_500_000),
+    # code-target trained on with LayerSkip's recipe (layer dropout rising to 0.1, early-exit losses up to layer 3):
+    # its first 3 layers + the shared head become the `layerskip` draft; no extra parameters.
+    "code-target-layerskip": Recipe(
+        _cfg(hidden_size=256, intermediate_size=512, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64),
+        TrainConfig(steps=300, lr=5e-4, warmup=20, eval_every=150, ckpt_every=50, log_every=10, seed=2),
+        seq_len=512, batch_size=8, init_from="code-target", exit_layer=3),
 }
 
 
@@ -120,6 +128,10 @@ def make_eval(cfg: ModelConfig, val_windows: np.ndarray, batch: int = 8):
 
 def _objective(r: Recipe, zoo: Path):
     """(objective, frozen) of a recipe: plain LM, or distillation from the teacher's shipped weights."""
+    if r.exit_layer:
+        from train.objectives import layerskip_loss
+
+        return layerskip_loss(r.cfg, r.exit_layer), None
     if not r.teacher:
         return lm_loss(r.cfg), None
     from pdecode.checkpoint.hf import load_hf
@@ -200,12 +212,21 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     gen = data.self_distilled(zoo, work, r.teacher, tr, r.self_distill) if r.self_distill else None
     objective, frozen = _objective(r, zoo)
     # checkpoints are keyed by the recipe, so a changed recipe never resumes from another one's state
-    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher, r.self_distill)).encode()).hexdigest()[:10]
+    sig = hashlib.sha1(repr((r.cfg, tc, r.seq_len, r.batch_size, r.teacher, r.self_distill, r.init_from,
+                             r.exit_layer)).encode()).hexdigest()[:10]
+    params = None
+    if r.init_from:  # continual training from a shipped model (its bf16 weights, trained on in float32)
+        from pdecode.checkpoint.hf import load_hf
+
+        _, p0 = load_hf(zoo / r.init_from)
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p0)
     extra = {"corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
-             "teacher": r.teacher, "self_distill_tokens": r.self_distill}
+             "teacher": r.teacher, "self_distill_tokens": r.self_distill, "init_from": r.init_from,
+             "exit_layer": r.exit_layer}
     return fit_and_save_lm(r.cfg, tc, r.seq_len, r.batch_size, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}",
                            objective, frozen, tokenizer_dir(zoo), f"python -m train.zoo --only {name}",
-                           name + (f" (distilled from {r.teacher})" if r.teacher else ""), gen=gen, info_extra=extra)
+                           name + (f" (distilled from {r.teacher})" if r.teacher else ""), gen=gen, info_extra=extra,
+                           params=params)
 
 
 def main(argv=None):
