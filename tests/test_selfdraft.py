@@ -352,3 +352,61 @@ def test_skip_search_picks_the_least_harmful_layer(models):  # noqa: F811
     out = pdecode.generate(t, PROMPTS, method="layerskip", exit_layer=3, skip=list(skip), max_new_tokens=16,
                            stop_at_eos=False)
     assert out.tokens == pdecode.generate(t, PROMPTS, max_new_tokens=16, stop_at_eos=False).tokens
+
+
+# ------------------------------------------------------------------------------------------------ PEARL
+@pytest.mark.parametrize("draft,opts", [("small", dict(gamma=3)), ("self", dict(gamma=4)), ("small", dict(gamma=1))],
+                         ids=["small-3", "self-4", "small-1"])
+def test_pearl_greedy_identical_to_ar(models, draft, opts):  # noqa: F811
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=40, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method="pearl", draft=models[draft], max_new_tokens=40, stop_at_eos=False,
+                           **opts)
+    assert out.tokens == ref.tokens
+    if draft == "self":  # the target drafting for itself: every window passes, post-verify all the way
+        assert out.stats["tokens_per_forward"] > 3.0
+
+
+def test_pearl_greedy_with_eos(models):  # noqa: F811
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
+    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(free[1][5],)), params=t.params)
+    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
+    assert pdecode.generate(te, PROMPTS[:4], method="pearl", draft=models["small"], max_new_tokens=20).tokens == \
+        ar.tokens
+
+
+def test_pearl_sampling_matches_ar_distribution(small_vocab):  # noqa: F811
+    target, draft = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    out = pdecode.generate(target, [prompt] * n, method="pearl", draft=draft, max_new_tokens=4, temperature=1.0,
+                           seed=4, stop_at_eos=False, gamma=2)
+    toks = np.array(out.tokens)
+    margs = _exact_marginals(target, prompt, 4)
+    for i in range(4):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    assert out.stats["tokens_per_forward"] > 1.0
+
+
+def test_pearl_with_a_wrong_q_fails_the_distribution_test(small_vocab):  # noqa: F811
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+    from pdecode.decode.pearl import PearlDrafter
+    from tests.test_speculative import _LyingChain
+
+    target, draft = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    drafter = _LyingChain(PearlDrafter(draft.cfg, gamma=2))
+    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
+    plen = jnp.full((n,), len(prompt), jnp.int32)
+    args = ((target.params, draft.params), prompt_a, plen, jax.random.PRNGKey(4), jnp.float32(1.0), jnp.float32(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    toks = np.asarray(exe(*args)[0].tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
+             for i in range(3)]
+    assert min(pvals) < 1e-6

@@ -161,6 +161,21 @@ register(Method("layerskip", _prepare_layerskip,
                 summary="layer-skip self-speculation: the target's own first layers draft, the rest verify, reusing "
                         "the shared layers' KV; no extra weights"))
 
+
+def _prepare_pearl(model, draft, opts, samp):
+    from pdecode.decode.pearl import PearlDrafter
+
+    check_same_vocab(model.cfg, draft.cfg)
+    return _spec_plan(model, draft.params, PearlDrafter(draft.cfg, gamma=_int_opt(opts, "gamma")), opts)
+
+
+register(Method("pearl", _prepare_pearl, needs_draft=True, needs="draft model",
+                options={"gamma": Option(4, "int", "tokens the draft writes past the window each step (the next "
+                                                   "window's length)"),
+                         **PHASES},
+                summary="PEARL: the draft writes the next window while the target verifies the current one (pre- "
+                        "and post-verify); a rejection costs one target token, not a wasted window"))
+
 def _heads(model, kind: str):
     from pdecode.errors import InputError
 
