@@ -282,6 +282,16 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
             acc = [reached[d] / reached[d - 1] if reached[d - 1] else None for d in range(1, len(hist))]
             lines.append(f"- T={r['temperature']:g} batch {r['batch']} {r['method']}: acceptance per depth "
                          + ", ".join("-" if a is None else f"{a:.2f}" for a in acc))
+    cps = [r for r in rows if r.get("critical_path_s")]
+    if cps:
+        lines += ["", "Critical path (the sequential chain of draft and target calls, each at its measured cost, a "
+                      "PEARL step's two halves overlapped as on separate devices):", "",
+                  "| T | batch | method | target forwards | critical path s | x shorter than sd (same gamma) |",
+                  "|---|---|---|---|---|---|"]
+        for r in cps:
+            vs = f"{r['critical_path_vs_sd']:.2f}" if r.get("critical_path_vs_sd") else "-"
+            lines.append(f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r['target_forwards']:.0f} | "
+                         f"{r['critical_path_s']:.3f} | {vs} |")
     if meta.get("verify_cost"):
         lines += ["", "Cost of one target forward over k tokens relative to k = 1 (cache of "
                       f"{meta['verify_cost_context']} tokens):", "",
@@ -381,7 +391,39 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="reuse --out/results.json: only (re)measure the verify cost and the projections")
 
 
-def add_verify_cost(model, rows: list[dict], meta: dict, batches, ctx: int, label: str) -> None:
+def critical_paths(rows: list[dict], vc_target: list[dict], vc_draft: list[dict]) -> None:
+    """Add to sd and pearl rows the critical path of their steps: the sequential chain of draft and target calls,
+    each weighted by its measured cost (one forward over k tokens, `verify_cost`), as if the two halves of a PEARL
+    step ran at once on separate devices. Per step, sd: draft catch-up over gamma + 1 tokens, gamma - 1 one-token
+    draft forwards, then the target over gamma + 1; pearl: draft catch-up over 2 gamma + 1 tokens, then the longer of
+    the target over gamma + 2 and gamma + 1 one-token draft forwards. Pearl rows also get the ratio to the sd row of
+    the same gamma, batch and temperature."""
+    def cost(vc, b, k):
+        ks = sorted(r["k"] for r in vc if r["batch"] == b)
+        kk = min((x for x in ks if x >= k), default=ks[-1])
+        return next(r["seconds"] for r in vc if r["batch"] == b and r["k"] == kk)
+
+    for r in rows:
+        name, opts = parse_method(r["method"])
+        if name not in ("sd", "pearl") or not r.get("target_forwards") or opts.get("adaptive"):
+            continue
+        g, b = int(opts.get("gamma", 4)), r["batch"]
+        if name == "sd":
+            step = cost(vc_draft, b, g + 1) + (g - 1) * cost(vc_draft, b, 1) + cost(vc_target, b, g + 1)
+        else:
+            step = cost(vc_draft, b, 2 * g + 1) + max(cost(vc_target, b, g + 2), (g + 1) * cost(vc_draft, b, 1))
+        r["critical_path_s"] = step * r["target_forwards"]
+        r["gamma"] = g
+    for r in rows:
+        if parse_method(r["method"])[0] == "pearl" and "critical_path_s" in r:
+            sd = next((x for x in rows if parse_method(x["method"])[0] == "sd" and x.get("gamma") == r["gamma"]
+                       and x["batch"] == r["batch"] and x["temperature"] == r["temperature"]
+                       and "critical_path_s" in x), None)
+            if sd:
+                r["critical_path_vs_sd"] = sd["critical_path_s"] / r["critical_path_s"]
+
+
+def add_verify_cost(model, rows: list[dict], meta: dict, batches, ctx: int, label: str, draft=None) -> None:
     import jax
 
     from pdecode.config import ModelConfig
@@ -396,6 +438,15 @@ def add_verify_cost(model, rows: list[dict], meta: dict, batches, ctx: int, labe
     del big_params
     meta.update(verify_cost=vc, verify_cost_ks=[1, 2, 4, 8, 16, 32, 64], verify_cost_context=ctx)
     projections(rows, [r for r in vc if r["model"] == label])
+    if draft is not None and any(parse_method(r["method"])[0] == "pearl" for r in rows):
+        gs = {int(parse_method(r["method"])[1].get("gamma", 4)) for r in rows
+              if parse_method(r["method"])[0] in ("sd", "pearl")}
+        ks_d = sorted({1} | {g + 1 for g in gs} | {2 * g + 1 for g in gs})
+        vd = verify_cost(draft.cfg, draft.params, ks_d, tuple(batches), ctx, label="draft")
+        ks_t = sorted({1} | {g + 1 for g in gs} | {g + 2 for g in gs})
+        vt = verify_cost(model.cfg, model.params, ks_t, tuple(batches), ctx, label=label + " (pearl ks)")
+        meta["draft_verify_cost"] = vd
+        critical_paths(rows, vt, vd)
 
 
 def write_results(out: Path, rows: list[dict], meta: dict) -> str:
@@ -493,7 +544,8 @@ def run_from_args(args) -> int:
     if not args.no_limit:
         meta["limit"] = cpu_limit(model, rows, args.prompt_tokens + args.new_tokens // 2)
     if args.verify_cost:
-        add_verify_cost(model, rows, meta, args.batch, args.prompt_tokens + args.new_tokens // 2, args.model)
+        add_verify_cost(model, rows, meta, args.batch, args.prompt_tokens + args.new_tokens // 2, args.model,
+                        draft=draft)
     md = write_results(args.out, rows, meta)
     print(md)
     print(f"wrote {args.out}/results.json, results.md, tokens_per_s.png", file=sys.stderr)
