@@ -41,7 +41,7 @@ def test_whole_zoo_stays_under_its_budget():
     assert {f.parent.name for f in files if f.name.endswith(".safetensors")} == {"code-target", "code-draft"}
     assert {f.parent.name for f in files if f.name.endswith(".safetensors.xz")} == {
         "code-dllm", "code-target-mtp", "code-target-mtp-posthoc", "code-target-medusa", "code-target-eagle",
-        "code-target-eagle3"}
+        "code-target-eagle3", "code-target-layerskip"}
 
 
 def test_shared_tokenizer(target, draft):
@@ -120,6 +120,35 @@ def test_native_mtp_model():
     out = pdecode.generate(m, ["def main():\n"], method="mtp", max_new_tokens=16)
     ref = pdecode.generate(m, ["def main():\n"], max_new_tokens=16)
     assert out.tokens == ref.tokens
+
+
+def test_layerskip_model_has_a_trained_early_exit(target):
+    """code-target-layerskip: its first 3 layers + the shared head agree with its full model far more often than
+    code-target's own first 3 layers do with code-target (what the early-exit training is for), and layer-skip
+    decoding on it is greedy-identical to its AR."""
+    import jax.numpy as jnp
+
+    from pdecode.api import compiled
+    from pdecode.decode import layerskip
+
+    m = pdecode.load("code-target-layerskip", dtype="float32")
+    info = json.loads((ZOO / "code-target-layerskip" / "train_info.json").read_text())
+    assert info["init_from"] == "code-target" and info["exit_layer"] == 3 and info["val_loss"] < 4.0
+    texts = ["import os\n\n\ndef list_files(path):\n    \"\"\"Return the files under path.\"\"\"\n",
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"]
+    ids = [m.tokenizer.encode(t) for t in texts]
+    n = max(map(len, ids))
+    tok = jnp.asarray([x + [0] * (n - len(x)) for x in ids], jnp.int32)
+    lens = jnp.asarray([len(x) for x in ids], jnp.int32)
+
+    def agree(model):
+        exe, _ = compiled(layerskip._agreement, {"cfg": model.cfg, "ids": (0, 1, 2)}, model.params, tok, lens)
+        return float(exe(model.params, tok, lens))
+
+    assert agree(m) > agree(target) + 0.1
+    ref = pdecode.generate(m, texts, max_new_tokens=32)
+    out = pdecode.generate(m, texts, method="layerskip", exit_layer=3, max_new_tokens=32)
+    assert out.tokens == ref.tokens and out.stats["tokens_per_forward"] > 1.3
 
 
 # measured on the shipped model (position accuracy 0.381 on these 16 items, perplexity 15.3 on these 4 prompts; a

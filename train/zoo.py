@@ -223,10 +223,25 @@ def train_model(name: str, zoo: Path, work: Path, steps: int | None = None) -> d
     extra = {"corpus": "Python stdlib sources (tests excluded), validation = files with sha1(path) % 100 < 4",
              "teacher": r.teacher, "self_distill_tokens": r.self_distill, "init_from": r.init_from,
              "exit_layer": r.exit_layer}
-    return fit_and_save_lm(r.cfg, tc, r.seq_len, r.batch_size, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}",
+    info = fit_and_save_lm(r.cfg, tc, r.seq_len, r.batch_size, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}",
                            objective, frozen, tokenizer_dir(zoo), f"python -m train.zoo --only {name}",
                            name + (f" (distilled from {r.teacher})" if r.teacher else ""), gen=gen, info_extra=extra,
                            params=params)
+    if name not in PLAIN:
+        compress_weights(zoo / name)
+    return info
+
+
+PLAIN = ("code-target", "code-draft")  # the HF pair stays plain safetensors; later models are stored xz-compressed
+
+
+def compress_weights(model_dir: Path) -> None:
+    """model.safetensors -> model.safetensors.xz (stdlib lzma; pdecode reads either)."""
+    import lzma
+
+    f = model_dir / "model.safetensors"
+    (model_dir / "model.safetensors.xz").write_bytes(lzma.compress(f.read_bytes(), preset=9))
+    f.unlink()
 
 
 def main(argv=None):

@@ -154,7 +154,7 @@ register(Method("layerskip", _prepare_layerskip,
                                                            "(default: half of them), then its final norm and head"),
                          "skip": Option(None, "list", "layers below exit_layer the draft also skips (Draft & Verify)"),
                          "gamma": Option(6, "int", "most tokens drafted per step"),
-                         "threshold": Option(0.5, "float", "stop drafting when the draft's top-1 probability falls "
+                         "threshold": Option(0.0, "float", "stop drafting when the draft's top-1 probability falls "
                                                            "below this (0: always draft gamma tokens)"),
                          "adaptive": Option(True, "bool", "adapt the threshold to the acceptance rate"),
                          **PHASES},
