@@ -30,17 +30,6 @@ def test_greedy_identical_to_ar(models, method, opts):  # noqa: F811
     assert out.stats["target_forwards"] <= 40 and out.stats["draft_forwards"] == 0
 
 
-@pytest.mark.parametrize("method,opts", [METHODS[0], METHODS[3]], ids=["jacobi", "lookahead"])
-def test_greedy_with_eos_rows_stop_independently(models, method, opts):  # noqa: F811
-    t = models["target"]
-    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
-    eos = free[1][5]
-    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(eos,)), params=t.params)
-    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
-    out = pdecode.generate(te, PROMPTS[:4], method=method, max_new_tokens=20, **opts)
-    assert out.tokens == ar.tokens and out.tokens[1][-1] == eos
-
-
 def test_lookahead_accepts_on_repetitive_code():
     """On the zoo's code model the pool's candidates really get accepted (far fewer forwards than tokens)."""
     m = pdecode.load("code-target", dtype="float32")
@@ -52,21 +41,28 @@ def test_lookahead_accepts_on_repetitive_code():
 
 # ------------------------------------------------------------------------------------------------ sampling
 LA_SMALL = dict(window=3, ngram=3, guesses=3)
+PROMPT = [3, 7, 3, 7, 3]
+N_SAMPLES = 12000
 
 
-@pytest.mark.parametrize("method,opts", [("jacobi", dict(block=3)), ("lookahead", LA_SMALL)],
-                         ids=["jacobi", "lookahead"])
+def _pvalues(target, toks, n_tok):
+    """Chi-square p-values of each of the first n_tok sampled tokens against the exact AR marginals."""
+    margs = _exact_marginals(target, PROMPT, n_tok)
+    return [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * len(toks)).pvalue
+            for i in range(n_tok)]
+
+
+SAMPLED = [("jacobi", dict(block=3)), ("lookahead", LA_SMALL), ("layerskip", dict(exit_layer=1, threshold=0.0)),
+           ("layerskip", dict(exit_layer=1, threshold=0.1)), ("pearl", dict(gamma=2))]
+
+
+@pytest.mark.parametrize("method,opts", SAMPLED, ids=["jacobi", "lookahead", "layerskip", "layerskip-thr", "pearl"])
 def test_sampling_matches_ar_distribution(small_vocab, method, opts):  # noqa: F811
-    target, _ = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    out = pdecode.generate(target, [prompt] * n, method=method, max_new_tokens=3, temperature=1.0, seed=2,
-                           stop_at_eos=False, **opts)
-    toks = np.array(out.tokens)
-    margs = _exact_marginals(target, prompt, 3)
-    for i in range(3):
-        counts = np.bincount(toks[:, i], minlength=16)
-        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    target, draft = small_vocab
+    n_tok = 4 if method == "pearl" else 3  # pearl: past its first window
+    out = pdecode.generate(target, [PROMPT] * N_SAMPLES, method=method, draft=draft if method == "pearl" else None,
+                           max_new_tokens=n_tok, temperature=1.0, seed=2, stop_at_eos=False, **opts)
+    assert min(_pvalues(target, np.array(out.tokens), n_tok)) > 1e-4
     assert out.stats["tokens_per_forward"] > 1.0
 
 
@@ -92,24 +88,42 @@ class _OverAccepting:
         return prop._replace(rule=Rule.TREE_MULTI, q=jnp.full((b, n, 16), 1.0 / 16)), st
 
 
-def test_over_accepting_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
+@pytest.mark.parametrize("kind", ["lookahead", "layerskip", "pearl"])
+def test_a_wrong_rule_fails_the_distribution_test(small_vocab, kind):  # noqa: F811
+    """The same test rejects each drafter verified by a wrong rule: lookahead's deterministic candidates as if
+    sampled from a uniform q, layer skip's and PEARL's sampled drafts against a uniform q instead of their own."""
     from pdecode.api import compiled
     from pdecode.decode import speculative
+    from pdecode.decode.layerskip import LayerSkipDrafter
+    from pdecode.decode.pearl import PearlDrafter
+    from tests.test_speculative import _LyingChain
 
-    target, _ = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    drafter = _OverAccepting(la.LookaheadDrafter(**LA_SMALL, vocab_size=16))
-    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
-    plen = jnp.full((n,), len(prompt), jnp.int32)
-    args = ((target.params, None), prompt_a, plen, jax.random.PRNGKey(2), jnp.float32(1.0), jnp.float32(1.0))
+    target, draft = small_vocab
+    drafter, dparams = {
+        "lookahead": (_OverAccepting(la.LookaheadDrafter(**LA_SMALL, vocab_size=16)), None),
+        "layerskip": (_LyingChain(LayerSkipDrafter(target.cfg, (0,), gamma=3, threshold=0.0)), None),
+        "pearl": (_LyingChain(PearlDrafter(draft.cfg, gamma=2)), draft.params)}[kind]
+    prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
+    plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
+    args = ((target.params, dparams), prompt_a, plen, jax.random.PRNGKey(2), jnp.float32(1.0), jnp.float32(1.0))
     exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
                                                  samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    toks = np.asarray(exe(*args)[0].tokens)
-    margs = _exact_marginals(target, prompt, 3)
-    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
-             for i in range(3)]
-    assert min(pvals) < 1e-6
+    assert min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3)) < 1e-6
+
+
+EOS_CASES = [("jacobi", dict(block=4), None), ("lookahead", dict(window=3, ngram=3, guesses=2), None),
+             ("layerskip", dict(exit_layer=1), None), ("pearl", dict(gamma=3), "small")]
+
+
+@pytest.mark.parametrize("method,opts,draft", EOS_CASES, ids=[c[0] for c in EOS_CASES])
+def test_greedy_with_eos_rows_stop_independently(models, method, opts, draft):  # noqa: F811
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
+    eos = free[1][5]
+    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(eos,)), params=t.params)
+    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
+    out = pdecode.generate(te, PROMPTS[:4], method=method, draft=models[draft], max_new_tokens=20, **opts)
+    assert out.tokens == ar.tokens and out.tokens[1][-1] == eos
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -231,52 +245,6 @@ def test_layerskip_greedy_identical_to_ar(models, opts):  # noqa: F811
     assert out.stats["target_forwards"] <= 40 and out.stats["draft_forwards"] > 0
 
 
-def test_layerskip_greedy_with_eos(models):  # noqa: F811
-    t = models["target"]
-    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
-    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(free[1][5],)), params=t.params)
-    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
-    assert pdecode.generate(te, PROMPTS[:4], method="layerskip", max_new_tokens=20, exit_layer=1).tokens == ar.tokens
-
-
-@pytest.mark.parametrize("opts", [dict(exit_layer=1, threshold=0.0), dict(exit_layer=1, threshold=0.1)],
-                         ids=["fixed", "adaptive"])
-def test_layerskip_sampling_matches_ar_distribution(small_vocab, opts):  # noqa: F811
-    target, _ = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    out = pdecode.generate(target, [prompt] * n, method="layerskip", max_new_tokens=3, temperature=1.0, seed=3,
-                           stop_at_eos=False, gamma=3, **opts)
-    toks = np.array(out.tokens)
-    margs = _exact_marginals(target, prompt, 3)
-    for i in range(3):
-        counts = np.bincount(toks[:, i], minlength=16)
-        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
-    assert out.stats["tokens_per_forward"] > 1.0
-
-
-def test_layerskip_with_a_wrong_q_fails_the_distribution_test(small_vocab):  # noqa: F811
-    from pdecode.api import compiled
-    from pdecode.decode import speculative
-    from pdecode.decode.layerskip import LayerSkipDrafter
-    from tests.test_speculative import _LyingChain
-
-    target, _ = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    drafter = _LyingChain(LayerSkipDrafter(target.cfg, (0,), gamma=3, threshold=0.0))
-    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
-    plen = jnp.full((n,), len(prompt), jnp.int32)
-    args = ((target.params, None), prompt_a, plen, jax.random.PRNGKey(3), jnp.float32(1.0), jnp.float32(1.0))
-    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
-                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    toks = np.asarray(exe(*args)[0].tokens)
-    margs = _exact_marginals(target, prompt, 3)
-    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
-             for i in range(3)]
-    assert min(pvals) < 1e-6
-
-
 @pytest.mark.parametrize("layers", [(0,), (0, 1), (0, 2)], ids=["exit1", "exit2", "skip1"])
 def test_layerskip_reused_kv_equals_a_full_recompute(models, layers):  # noqa: F811
     """One draft + verify step by hand: the KV cache after the verify pass (the draft's blocks below r kept, the
@@ -365,48 +333,3 @@ def test_pearl_greedy_identical_to_ar(models, draft, opts):  # noqa: F811
     assert out.tokens == ref.tokens
     if draft == "self":  # the target drafting for itself: every window passes, post-verify all the way
         assert out.stats["tokens_per_forward"] > 3.0
-
-
-def test_pearl_greedy_with_eos(models):  # noqa: F811
-    t = models["target"]
-    free = pdecode.generate(t, PROMPTS[:4], max_new_tokens=20, stop_at_eos=False).tokens
-    te = pdecode.Model(cfg=t.cfg.replace(eos_token_ids=(free[1][5],)), params=t.params)
-    ar = pdecode.generate(te, PROMPTS[:4], max_new_tokens=20)
-    assert pdecode.generate(te, PROMPTS[:4], method="pearl", draft=models["small"], max_new_tokens=20).tokens == \
-        ar.tokens
-
-
-def test_pearl_sampling_matches_ar_distribution(small_vocab):  # noqa: F811
-    target, draft = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    out = pdecode.generate(target, [prompt] * n, method="pearl", draft=draft, max_new_tokens=4, temperature=1.0,
-                           seed=4, stop_at_eos=False, gamma=2)
-    toks = np.array(out.tokens)
-    margs = _exact_marginals(target, prompt, 4)
-    for i in range(4):
-        counts = np.bincount(toks[:, i], minlength=16)
-        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
-    assert out.stats["tokens_per_forward"] > 1.0
-
-
-def test_pearl_with_a_wrong_q_fails_the_distribution_test(small_vocab):  # noqa: F811
-    from pdecode.api import compiled
-    from pdecode.decode import speculative
-    from pdecode.decode.pearl import PearlDrafter
-    from tests.test_speculative import _LyingChain
-
-    target, draft = small_vocab
-    prompt = [3, 7, 3, 7, 3]
-    n = 12000
-    drafter = _LyingChain(PearlDrafter(draft.cfg, gamma=2))
-    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
-    plen = jnp.full((n,), len(prompt), jnp.int32)
-    args = ((target.params, draft.params), prompt_a, plen, jax.random.PRNGKey(4), jnp.float32(1.0), jnp.float32(1.0))
-    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
-                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    toks = np.asarray(exe(*args)[0].tokens)
-    margs = _exact_marginals(target, prompt, 3)
-    pvals = [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
-             for i in range(3)]
-    assert min(pvals) < 1e-6
