@@ -131,16 +131,28 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
         return st.replace(threshold=jnp.clip(thr, 0.05, 0.95), rate=ema)
 
 
-def _agreement(params, tokens_BT, lengths_B, *, cfg: ModelConfig, ids: tuple[int, ...]):
-    """Fraction of positions where the draft through blocks ``ids`` picks the full model's argmax (teacher forced)."""
+def _greedy_choices(params, tokens_BT, lengths_B, *, cfg: ModelConfig, ids: tuple[int, ...]):
+    """[B, T] the greedy next token at every position through blocks ``ids`` (teacher forced)."""
     b, t = tokens_BT.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = attention.padded_self_mask(lengths_B, t, causal=True, window=cfg.sliding_window)
-    full, _ = forward_layers(params, cfg, pos, mask, None, None, tuple(range(cfg.num_layers)), tokens_BT=tokens_BT)
-    part, _ = forward_layers(params, cfg, pos, mask, None, None, ids, tokens_BT=tokens_BT)
-    same = sampling.argmax(unembed(params, cfg, part.hidden)) == sampling.argmax(unembed(params, cfg, full.hidden))
-    valid = jnp.arange(t)[None, :] < lengths_B[:, None]
-    return jnp.sum(same & valid) / jnp.maximum(jnp.sum(valid), 1)
+    out, _ = forward_layers(params, cfg, pos, mask, None, None, ids, tokens_BT=tokens_BT)
+    return sampling.argmax(unembed(params, cfg, out.hidden))
+
+
+def agreement(model, tokens_BT, lengths_B, ids: tuple[int, ...], full_BT=None) -> float:
+    """Fraction of valid positions where the draft through blocks ``ids`` picks the full model's greedy token
+    (``full_BT``: those tokens, when already computed)."""
+    from pdecode.api import compiled
+
+    def choices(layers):
+        exe, _ = compiled(_greedy_choices, {"cfg": model.cfg, "ids": layers}, model.params, tokens_BT, lengths_B)
+        return exe(model.params, tokens_BT, lengths_B)
+
+    if full_BT is None:
+        full_BT = choices(tuple(range(model.cfg.num_layers)))
+    valid = jnp.arange(tokens_BT.shape[1])[None, :] < lengths_B[:, None]
+    return float(jnp.sum((choices(ids) == full_BT) & valid) / jnp.maximum(jnp.sum(valid), 1))
 
 
 def search_skip(model, texts, n_skip: int, exit_layer: int | None = None, max_tokens: int = 256):
@@ -159,6 +171,8 @@ def search_skip(model, texts, n_skip: int, exit_layer: int | None = None, max_to
     t = max(len(x) for x in ids)
     tok = jnp.asarray([x + [0] * (t - len(x)) for x in ids], jnp.int32)
     lens = jnp.asarray([len(x) for x in ids], jnp.int32)
+    exe, _ = compiled(_greedy_choices, {"cfg": cfg, "ids": tuple(range(cfg.num_layers))}, model.params, tok, lens)
+    full = exe(model.params, tok, lens)  # the full model's choices, once for every candidate
     skip: list[int] = []
     history = []
     for _ in range(n_skip):
@@ -167,8 +181,7 @@ def search_skip(model, texts, n_skip: int, exit_layer: int | None = None, max_to
             if cand in skip:
                 continue
             layers = tuple(i for i in range(e) if i not in skip + [cand])
-            exe, _ = compiled(_agreement, {"cfg": cfg, "ids": layers}, model.params, tok, lens)
-            a = float(exe(model.params, tok, lens))
+            a = agreement(model, tok, lens, layers, full_BT=full)
             if best is None or a > best[1]:
                 best = (cand, a)
         skip.append(best[0])

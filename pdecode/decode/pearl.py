@@ -46,7 +46,6 @@ class PearlState:
     n_window: jax.Array  # [B] int32: 0 = pre-verify
     ahead: jax.Array  # [B, gamma + 1] the draft's tokens written during this step's verification
     ahead_q: jax.Array  # [B, gamma + 1, V] their draft distributions
-    pre_steps: jax.Array  # scalar int32: steps in which some row was in pre-verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +74,7 @@ class PearlDrafter(_DraftModelDrafter):
         return PearlState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix),
                           window=jnp.zeros((b, g), jnp.int32), window_q=jnp.zeros((b, g, v), jnp.float32),
                           n_window=jnp.zeros((b,), jnp.int32), ahead=jnp.zeros((b, g + 1), jnp.int32),
-                          ahead_q=jnp.zeros((b, g + 1, v), jnp.float32), pre_steps=jnp.int32(0))
+                          ahead_q=jnp.zeros((b, g + 1, v), jnp.float32))
 
     def _catch_up(self, dparams, st: PearlState, ctx: Context, key, samp, temperature, top_p):
         """The draft's serial part: feed the committed tokens it has not seen and the window, and draw ``first``,
@@ -124,7 +123,7 @@ class PearlDrafter(_DraftModelDrafter):
         k1, k2 = jax.random.split(key)
         cache, first, q_first, end = self._catch_up(dparams, st, ctx, k1, samp, temperature, top_p)
         # while the target verifies [root, window, first], the draft writes the next gamma + 1 tokens past first
-        cache, ahead, aq = self._write_ahead(dparams, cache, first, end + 0, k2, samp, temperature, top_p, st.ahead_q)
+        cache, ahead, aq = self._write_ahead(dparams, cache, first, end, k2, samp, temperature, top_p, st.ahead_q)
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         idx = jnp.arange(g + 1)[None, :]
         nw = st.n_window[:, None]
@@ -137,8 +136,7 @@ class PearlDrafter(_DraftModelDrafter):
             q = jnp.where((jnp.arange(g + 2) == nw)[:, :, None], q_first[:, None, :], wq)
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g + 1), valid=valid, q=q,
                         draft_forwards=jnp.int32(g + 2), rule=rule_for(samp, Rule.CHAIN_SAMPLING))
-        pre = jnp.any((st.n_window == 0) & ctx.active).astype(jnp.int32)
-        return prop, st.replace(cache=cache, ahead=ahead, ahead_q=aq, pre_steps=st.pre_steps + pre)
+        return prop, st.replace(cache=cache, ahead=ahead, ahead_q=aq)
 
     def update(self, dparams, st: PearlState, ctx: Context, ver: Verified, hidden, layers):
         g = self.gamma
