@@ -387,6 +387,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--code-prompts", type=int, default=8, help="diffusion suite: free-code prompts (0: none)")
     ap.add_argument("--tune-dico", action="store_true",
                     help="diffusion suite: only choose DiCo's knobs on the tuning slice (dico_tuning.json)")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="force this many CPU devices before JAX starts (e.g. 2 for pearl:placement=split)")
     ap.add_argument("--recompute-verify-cost", action="store_true",
                     help="reuse --out/results.json: only (re)measure the verify cost and the projections")
 
@@ -657,4 +659,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from infer.plan import force_devices
+
+    force_devices(sys.argv)
     sys.exit(main())

@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:
+    if argv[:1] in (["plan"], ["bench"]):
         from infer.plan import force_devices
 
         force_devices(argv)  # before JAX starts its CPU backend

@@ -53,10 +53,12 @@ def _pvalues(target, toks, n_tok):
 
 
 SAMPLED = [("jacobi", dict(block=3)), ("lookahead", LA_SMALL), ("layerskip", dict(exit_layer=1, threshold=0.0)),
-           ("layerskip", dict(exit_layer=1, threshold=0.1)), ("pearl", dict(gamma=2))]
+           ("layerskip", dict(exit_layer=1, threshold=0.1)), ("pearl", dict(gamma=2)),
+           ("pearl", dict(gamma=2, placement="split"))]
 
 
-@pytest.mark.parametrize("method,opts", SAMPLED, ids=["jacobi", "lookahead", "layerskip", "layerskip-thr", "pearl"])
+@pytest.mark.parametrize("method,opts", SAMPLED, ids=["jacobi", "lookahead", "layerskip", "layerskip-thr", "pearl",
+                                                      "pearl-split"])
 def test_sampling_matches_ar_distribution(small_vocab, method, opts):  # noqa: F811
     target, draft = small_vocab
     n_tok = 4 if method == "pearl" else 3  # pearl: past its first window
@@ -321,8 +323,9 @@ def test_skip_search_picks_the_least_harmful_layer(models):  # noqa: F811
 
 
 # ------------------------------------------------------------------------------------------------ PEARL
-@pytest.mark.parametrize("draft,opts", [("small", dict(gamma=3)), ("self", dict(gamma=4)), ("small", dict(gamma=1))],
-                         ids=["small-3", "self-4", "small-1"])
+@pytest.mark.parametrize("draft,opts", [("small", dict(gamma=3)), ("self", dict(gamma=4)), ("small", dict(gamma=1)),
+                                        ("small", dict(gamma=3, placement="split"))],
+                         ids=["small-3", "self-4", "small-1", "small-3-split"])
 def test_pearl_greedy_identical_to_ar(models, draft, opts):  # noqa: F811
     t = models["target"]
     ref = pdecode.generate(t, PROMPTS, max_new_tokens=40, stop_at_eos=False)
@@ -331,3 +334,30 @@ def test_pearl_greedy_identical_to_ar(models, draft, opts):  # noqa: F811
     assert out.tokens == ref.tokens
     if draft == "self":  # the target drafting for itself: every window passes, post-verify all the way
         assert out.stats["tokens_per_forward"] > 3.0
+
+
+def test_pearl_split_placement_equals_the_same_device_run(models):  # noqa: F811
+    """Target on device 0, draft on device 1, the halves of each step at once: the same tokens and counts as the
+    one-device run under sampling (the exchange between the devices loses nothing), batch 8, mixed lengths."""
+    t, d = models["target"], models["small"]
+    kw = dict(method="pearl", draft=d, max_new_tokens=24, temperature=1.0, seed=5, gamma=3)
+    same = pdecode.generate(t, PROMPTS, **kw)
+    split = pdecode.generate(t, PROMPTS, placement="split", **kw)
+    assert split.tokens == same.tokens
+    assert split.stats["target_forwards"] == same.stats["target_forwards"]
+    assert split.stats["draft_forwards"] == same.stats["draft_forwards"]
+
+
+def test_pearl_split_placement_errors(models, monkeypatch):  # noqa: F811
+    from pdecode.errors import InputError
+    from pdecode.sharding import make_mesh
+
+    t, d = models["target"], models["small"]
+    with pytest.raises(InputError, match="drop mesh="):
+        pdecode.generate(t, PROMPTS[:2], method="pearl", draft=d, placement="split", mesh=make_mesh(data=2, model=1),
+                         max_new_tokens=4)
+    with pytest.raises(InputError, match="must be one of same, split"):
+        pdecode.generate(t, PROMPTS[:2], method="pearl", draft=d, placement="other", max_new_tokens=4)
+    monkeypatch.setattr(jax, "devices", lambda *a: [jax.local_devices()[0]])
+    with pytest.raises(InputError, match="needs 2 devices"):
+        pdecode.generate(t, PROMPTS[:2], method="pearl", draft=d, placement="split", max_new_tokens=4)

@@ -166,12 +166,54 @@ def _prepare_pearl(model, draft, opts, samp):
     from pdecode.decode.pearl import PearlDrafter
 
     check_same_vocab(model.cfg, draft.cfg)
-    return _spec_plan(model, draft.params, PearlDrafter(draft.cfg, gamma=_int_opt(opts, "gamma")), opts)
+    drafter = PearlDrafter(draft.cfg, gamma=_int_opt(opts, "gamma"))
+    if opts["placement"] != "split":
+        return _spec_plan(model, draft.params, drafter, opts)
+    devices = _pipe_devices(model, draft)
+    plan = speculative.make_plan(model, drafter, _replicated(draft, devices), _int_opt(opts, "cache_phases"),
+                                 pipe_devices=devices)
+    plan.params = (_replicated(model, devices), plan.params[1])
+    return plan
+
+
+def _replicated(m, devices):
+    """``m``'s params with a copy on each of ``devices`` (kept on the model: placed once)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    key = ("replicated", devices)
+    if key not in m._sharded:
+        by_id = {d.id: d for d in jax.devices()}
+        mesh = Mesh(np.asarray([by_id[i] for i in devices]), (speculative.PIPE,))
+        m._sharded[key] = jax.device_put(m.params, NamedSharding(mesh, PartitionSpec()))
+    return m._sharded[key]
+
+
+def _pipe_devices(model, draft) -> tuple[int, int]:
+    """The two devices of a pipeline placement: the first two of the default backend."""
+    import jax
+
+    from pdecode.errors import InputError
+
+    devs = jax.devices()
+    if len(devs) < 2:
+        raise InputError(f"placement='split' runs the draft on a device of its own and needs 2 devices; this "
+                         f"{devs[0].platform} backend has {len(devs)} (on CPU: XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count=2)")
+    if model._placed is not None or draft._placed is not None:
+        raise InputError("placement='split' places the target and the draft itself (device 0 and device 1): "
+                         "drop mesh=")
+    return devs[0].id, devs[1].id
 
 
 register(Method("pearl", _prepare_pearl, needs_draft=True, needs="draft model",
                 options={"gamma": Option(4, "int", "tokens the draft writes past the window each step (the next "
                                                    "window's length)"),
+                         "placement": Option("same", "str", "same: both models on the same devices, one half of a "
+                                                            "step after the other; split: the target on device 0 and "
+                                                            "the draft on device 1, the halves at once in one program",
+                                             choices=("same", "split")),
                          **PHASES},
                 summary="PEARL: the draft writes the next window while the target verifies the current one (pre- "
                         "and post-verify); a rejection costs one target token, not a wasted window"))

@@ -44,8 +44,6 @@ class PearlState:
     window: jax.Array  # [B, gamma] drafted tokens the next step verifies (the first n_window valid)
     window_q: jax.Array  # [B, gamma, V] q each window token was drawn from (sampled decoding; zeros when greedy)
     n_window: jax.Array  # [B] int32: 0 = pre-verify
-    ahead: jax.Array  # [B, gamma + 1] the draft's tokens written during this step's verification
-    ahead_q: jax.Array  # [B, gamma + 1, V] their draft distributions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +71,7 @@ class PearlDrafter(_DraftModelDrafter):
         v = self.dcfg.vocab_size
         return PearlState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix),
                           window=jnp.zeros((b, g), jnp.int32), window_q=jnp.zeros((b, g, v), jnp.float32),
-                          n_window=jnp.zeros((b,), jnp.int32), ahead=jnp.zeros((b, g + 1), jnp.int32),
-                          ahead_q=jnp.zeros((b, g + 1, v), jnp.float32))
+                          n_window=jnp.zeros((b,), jnp.int32))
 
     def _catch_up(self, dparams, st: PearlState, ctx: Context, key, samp, temperature, top_p):
         """The draft's serial part: feed the committed tokens it has not seen and the window, and draw ``first``,
@@ -96,8 +93,9 @@ class PearlDrafter(_DraftModelDrafter):
         q = None if samp.greedy else sampling.probs(lg, samp, temperature, top_p)
         return kvc.set_lengths(fo.cache, ctx.seq_len), first, q, end
 
-    def _write_ahead(self, dparams, cache, first, end, key, samp, temperature, top_p, q_like):
-        """The draft's parallel part: ``gamma + 1`` tokens after ``first`` (at position ``end``)."""
+    def _write_ahead(self, dparams, cache, first, end, key, samp, temperature, top_p):
+        """The draft's parallel part: ``gamma + 1`` tokens after ``first`` (at position ``end``) and their draft
+        distributions (zeros when greedy)."""
         b, g = first.shape[0], self.gamma
         max_len = cache.max_len
 
@@ -114,16 +112,19 @@ class PearlDrafter(_DraftModelDrafter):
                                                         axis=1)
             return o.cache.replace(lengths=cch.lengths), nxt, toks, q
 
-        init = (cache, first, jnp.zeros((b, g + 1), jnp.int32), q_like)
-        cache, _, ahead, aq = jax.lax.fori_loop(0, g + 1, body, init)
-        return cache, ahead, aq
+        q0 = jnp.zeros((b, g + 1, self.dcfg.vocab_size), jnp.float32)
+        _, _, ahead, aq = jax.lax.fori_loop(0, g + 1, body, (cache, first, jnp.zeros((b, g + 1), jnp.int32), q0))
+        return ahead, aq
 
     def propose(self, dparams, st: PearlState, ctx: Context, key, samp, temperature, top_p):
         b, g = ctx.seq.shape[0], self.gamma
         k1, k2 = jax.random.split(key)
         cache, first, q_first, end = self._catch_up(dparams, st, ctx, k1, samp, temperature, top_p)
-        # while the target verifies [root, window, first], the draft writes the next gamma + 1 tokens past first
-        cache, ahead, aq = self._write_ahead(dparams, cache, first, end, k2, samp, temperature, top_p, st.ahead_q)
+
+        def side():  # while the target verifies [root, window, first], the draft writes gamma + 1 tokens past first
+            # (its cache writes are scratch: the next catch-up rewrites every slot past the committed tokens)
+            return self._write_ahead(dparams, cache, first, end, k2, samp, temperature, top_p)
+
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         idx = jnp.arange(g + 1)[None, :]
         nw = st.n_window[:, None]
@@ -135,15 +136,16 @@ class PearlDrafter(_DraftModelDrafter):
             wq = jnp.pad(st.window_q, ((0, 0), (0, 2), (0, 0)))  # node j's child = window[j] (j < n_window)
             q = jnp.where((jnp.arange(g + 2) == nw)[:, :, None], q_first[:, None, :], wq)
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g + 1), valid=valid, q=q,
-                        draft_forwards=jnp.int32(g + 2), rule=rule_for(samp, Rule.CHAIN_SAMPLING))
-        return prop, st.replace(cache=cache, ahead=ahead, ahead_q=aq)
+                        draft_forwards=jnp.int32(g + 2), rule=rule_for(samp, Rule.CHAIN_SAMPLING), side=side)
+        return prop, st.replace(cache=cache)
 
     def update(self, dparams, st: PearlState, ctx: Context, ver: Verified, hidden, layers):
         g = self.gamma
+        ahead, ahead_q = ctx.side  # the draft's gamma + 1 tokens past `first`, written during the verify forward
         # post-verify continues when the window and `first` all passed and the target's next token is the draft's
         # first token past them; else pre-verify (no window)
-        keep = (ver.n_accepted == st.n_window + 1) & (ver.bonus == st.ahead[:, 0]) & ctx.active
-        window = jnp.where(keep[:, None], st.ahead[:, 1:], st.window)
-        window_q = jnp.where(keep[:, None, None], st.ahead_q[:, 1:], st.window_q)
+        keep = (ver.n_accepted == st.n_window + 1) & (ver.bonus == ahead[:, 0]) & ctx.active
+        window = jnp.where(keep[:, None], ahead[:, 1:], st.window)
+        window_q = jnp.where(keep[:, None, None], ahead_q[:, 1:], st.window_q)
         n_window = jnp.where(keep, g, 0)
         return st.replace(window=window, window_q=window_q, n_window=jnp.where(ctx.active, n_window, st.n_window))

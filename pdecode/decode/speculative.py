@@ -26,7 +26,7 @@ from pdecode.decode.tree import StaticTree, depths_of
 from pdecode.decode.verify import Rule, Verified, verify
 from pdecode.model import attention
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import decode_layout, forward, forward_layers, unembed, unrolled
+from pdecode.model.transformer import ForwardOut, decode_layout, forward, forward_layers, unembed, unrolled
 from pdecode.sharding import constrain_cache
 
 
@@ -41,6 +41,7 @@ class Context(NamedTuple):
     target: Any = None  # the target's params (decode layout): heads read its embedding and LM head
     logits: jax.Array | None = None  # [B, N, V] the verify forward's logits at the step's nodes (`update` only)
     cache: Any = None  # the target's KV cache (`propose` only): self-speculative drafters run the target's layers
+    side: Any = None  # what the proposal's ``side`` work returned (`update` only; None without side work)
 
 
 class Proposal(NamedTuple):
@@ -64,6 +65,10 @@ class Proposal(NamedTuple):
     from_layer: int = 0
     hidden_in: jax.Array | None = None
     cache: Any = None
+    # work of the drafter's that needs nothing from this step's verify forward (PEARL: drafting the next window):
+    # a thunk returning a pytree of arrays, run beside the verify forward and handed to `update` as ``ctx.side``.
+    # On a pipeline placement (``pipe``) it runs on the draft's device while the target verifies on its own.
+    side: Any = None
 
 
 class Drafter:
@@ -148,7 +153,10 @@ class SpecState:
 
 def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, cfg: ModelConfig,
              drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
-             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0):
+             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0, pipe: bool = False):
+    """The whole draft-and-verify generation. ``pipe``: the call runs inside `pipelined` (shard_map over the
+    `PIPE` axis of two devices): a proposal's ``side`` work runs on device 1 while device 0 runs the verify forward
+    (the draft's device never runs the target's layers in the loop; see `_overlap`)."""
     tparams, dparams = params
     tparams = decode_layout(tparams, cfg, fuse=mesh is None)
     dparams = drafter.prepare(dparams, mesh)
@@ -203,12 +211,21 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
         mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid if prop.visible is None else prop.visible)
-        if prop.from_layer:
-            fo, _ = forward_layers(tparams, cfg, positions, mask, prop.cache, s.cache.lengths,
-                                   tuple(range(prop.from_layer, cfg.num_layers)), x_in_BTD=prop.hidden_in)
+        def verify_forward():
+            if prop.from_layer:
+                f, _ = forward_layers(tparams, cfg, positions, mask, prop.cache, s.cache.lengths,
+                                      tuple(range(prop.from_layer, cfg.num_layers)), x_in_BTD=prop.hidden_in)
+            else:
+                f = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
+            return unembed(tparams, cfg, f.hidden), f
+
+        side = None
+        if prop.side is not None and pipe:
+            logits, fo, side = _overlap(verify_forward, prop.side, s.cache)
         else:
-            fo = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
-        logits = unembed(tparams, cfg, fo.hidden)
+            logits, fo = verify_forward()
+            if prop.side is not None:
+                side = prop.side()
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
@@ -228,7 +245,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
         if n_hid:
             new_layers = jax.vmap(lambda h: common.gather_rows(h, last_node))(fo.layer_hidden)
             root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
-        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams, logits)
+        ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams, logits, side=side)
         dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
         hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
@@ -240,6 +257,47 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
     state = common.phased_while_loop(cond, body, state, lengths, fresh=drafter.tree_size, mesh=mesh)
     return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
                        "accepted_histogram": state.acc_hist}
+
+
+PIPE = "pipe"  # the mesh axis of a pipeline placement: device 0 verifies, device 1 drafts
+
+
+def _overlap(verify_forward, side, cache):
+    """Run the verify forward on device 0 of the `PIPE` axis and the drafter's side work on device 1 at once (one
+    `lax.cond` on the axis index: each device runs one branch), then give both results to both devices (a psum
+    where the other branch contributes zeros). The target cache is device 0's alone: device 1 keeps its stale copy,
+    whose lengths still move with the committed tokens, so both devices run the same loop."""
+    lg_shape, fo_shape = jax.eval_shape(verify_forward)
+    side_shape = jax.eval_shape(side)
+    zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
+
+    def target_branch():
+        lg, fo = verify_forward()
+        return lg, fo.hidden, fo.layer_hidden, fo.cache, zeros(side_shape)
+
+    def draft_branch():
+        return (zeros(lg_shape), zeros(fo_shape.hidden), zeros(fo_shape.layer_hidden), cache, side())
+
+    lg, hidden, layers, new_cache, side_out = jax.lax.cond(jax.lax.axis_index(PIPE) == 0, target_branch, draft_branch)
+    lg, hidden, layers, side_out = jax.lax.psum((lg, hidden, layers, side_out), PIPE)
+    return lg, ForwardOut(hidden=hidden, cache=new_cache, layer_hidden=layers), side_out
+
+
+def pipelined(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, devices: tuple[int, ...],
+              cache_dtype=jnp.float32, shared_prefix: int = 0, **static):
+    """`generate` on a pipeline placement: one program over the devices with ids ``devices`` (two, static), the
+    target's verify forward on the first and the drafter's side work on the second in every step. Every argument
+    is replicated; the outputs are the same on both devices."""
+    import functools
+
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    by_id = {d.id: d for d in jax.devices()}
+    mesh = Mesh(np.asarray([by_id[i] for i in devices]), (PIPE,))
+    fn = functools.partial(generate, cache_dtype=cache_dtype, shared_prefix=shared_prefix, pipe=True, **static)
+    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return run(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops)
 
 
 def acceptance_stats(stats: dict) -> dict:
@@ -255,12 +313,18 @@ def acceptance_stats(stats: dict) -> dict:
     return stats
 
 
-def make_plan(model, drafter: Drafter, draft_params=None, cache_phases: int = 4):
+def make_plan(model, drafter: Drafter, draft_params=None, cache_phases: int = 4,
+              pipe_devices: tuple[int, ...] | None = None):
     """The `registry.Plan` that runs ``drafter`` against ``model`` in the shared draft-and-verify loop: what a
-    method's ``prepare`` returns (docs/extending.md). ``draft_params``: the drafter's weights (a jit argument)."""
+    method's ``prepare`` returns (docs/extending.md). ``draft_params``: the drafter's weights (a jit argument).
+    ``pipe_devices``: two device ids for a pipeline placement (`pipelined`; the drafter's proposals carry side
+    work), or None."""
     from pdecode.decode.registry import Plan
 
-    return Plan(fn=generate, params=(model.params, draft_params),
-                static={"cfg": model.cfg, "drafter": drafter, "phases": cache_phases},
+    static = {"cfg": model.cfg, "drafter": drafter, "phases": cache_phases}
+    if pipe_devices is not None:
+        static["devices"] = tuple(pipe_devices)
+    return Plan(fn=generate if pipe_devices is None else pipelined, params=(model.params, draft_params),
+                static=static,
                 extra_len=drafter.tree_size + 2,
                 finish_stats=lambda s: acceptance_stats({**s, "tree_size": drafter.tree_size}))
