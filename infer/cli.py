@@ -91,7 +91,8 @@ def _parse_mesh(spec: str):
 # generate's arguments that cmd_generate sets from its own flags (a -o of the same name would clash)
 _FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
           "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "mesh": "--mesh",
-          "stop_at_eos": "--ignore-eos"}
+          "stop_at_eos": "--ignore-eos", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+          "stop": "--stop"}
 
 
 def cmd_generate(args) -> int:
@@ -123,6 +124,7 @@ def cmd_generate(args) -> int:
     def run(model, method, opts, d):  # the main row and every --compare row: same prompts, sampling and mesh
         return pdecode.generate(model, prompts, method=method, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
                                 draft=d, mesh=mesh, stop_at_eos=not args.ignore_eos, **opts)  # no key of _FLAGS
 
     if args.decompose:
@@ -165,7 +167,7 @@ def _decompose(args, m, draft, prompts, options, mesh, compare) -> int:
     if compare:
         raise InputError("--decompose and --compare do not combine; run them separately")
     out = pdecode.decompose(m, prompts[0], planner=args.decompose, method=args.method,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens or 64, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, draft=draft, mesh=mesh,
                             stop_at_eos=not args.ignore_eos, **options)
     s = out.stats
@@ -307,10 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan the prompt into independent points (stubs: function stubs after a header; lines: one "
                         "sub-task per line; skeleton: the model outlines signatures first) and fill them as one "
                         "batch over one prefilled prefix")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the model's generation_config.json, else 64")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: greedy unless generation_config.json samples)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--seed", type=int, default=0)
     # the choices are pdecode.config.DTYPES, written out so building the parser does not import jax
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -332,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     from infer.bench import add_arguments
 
     add_arguments(b)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (infer/serve.py)")
+    from infer.serve import add_arguments as serve_arguments
+
+    serve_arguments(sv)
 
     t = sub.add_parser("train", help="train the zoo models, heads or the diffusion model", add_help=False,
                        description="pdecode train WHAT [its options]; `pdecode train WHAT -h` lists WHAT's options.")
@@ -377,6 +389,10 @@ def main(argv=None) -> int:
             from infer.bench import run_from_args
 
             return run_from_args(args)
+        if args.cmd == "serve":
+            from infer.serve import run_from_args as serve_run
+
+            return serve_run(args)
         if args.cmd == "train":
             return cmd_train(args, rest)
         if args.cmd == "convert":

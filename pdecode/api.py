@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecode import sampling
+from pdecode import generation, sampling
 from pdecode.checkpoint import hf as hf_ckpt
 from pdecode.config import DTYPES, ModelConfig
 from pdecode.decode import common, registry
@@ -58,6 +58,7 @@ class Model:
     _placed: Any = dataclasses.field(default=None, repr=False)  # the mesh `on_mesh` placed these params on
     _source_cfg: Any = dataclasses.field(default=None, repr=False)  # the config before placing (kv heads as stored)
     _indivisible: str = dataclasses.field(default="error", repr=False)
+    generation_config: dict = dataclasses.field(default_factory=dict)  # the checkpoint's generation_config.json
 
     @property
     def dtype(self):
@@ -166,7 +167,8 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     tok = None
     if (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
-    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path)
+    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path,
+              generation_config=generation.read_generation_config(path))
     m = m.on_mesh(mesh, indivisible)  # already in their shards: this only repeats kv heads where the axis needs it
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
@@ -278,6 +280,14 @@ class GenerateOutput:
     texts: list[str]
     tokens: list[list[int]]  # per prompt, the NEW ids only (EOS kept, nothing after it)
     stats: dict[str, Any]
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)  # "stop" or "length", per prompt
+    logprobs: list[list[float]] | None = None  # per prompt, log p of each new token (generate(logprobs=True))
+
+
+def eos_ids(m: Model) -> tuple[int, ...]:
+    """Every id that ends a row as EOS: the config's, the tokenizer's and generation_config.json's."""
+    return tuple(sorted(set(m.cfg.eos_token_ids) | set(m.tokenizer.eos_ids if m.tokenizer else ())
+                        | set(generation.config_eos_ids(m.generation_config))))
 
 
 SHARED_PREFIX_ALIGN = 16
@@ -374,11 +384,12 @@ def line_start_table(m: Model) -> np.ndarray:
     return cached
 
 
-def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft: Model | None = None, mesh=None,
-             stop_at_eos: bool = True, max_len: int | None = None, cache_dtype: str | None = None,
-             shared_prefix: int = 0, stop_token_ids: Sequence[int] = (), stop_at_dedent: bool = False,
-             **method_options) -> GenerateOutput:
+def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             draft: Model | None = None, mesh=None, stop_at_eos: bool = True, max_len: int | None = None,
+             cache_dtype: str | None = None, shared_prefix: int = 0, stop_token_ids: Sequence[int] = (),
+             stop_at_dedent: bool = False, min_p: float | None = None, repetition_penalty: float | None = None,
+             stop: str | Sequence[str] | None = None, logprobs: bool = False, **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -388,10 +399,20 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         prompts: a text, a list of texts, or a list of token-id lists (a batch; rows may differ in length).
         method: a registered decoding method (`pdecode.methods()`; see docs/methods.md).
         max_new_tokens: new tokens per row (a diffusion method's canvas length), or one budget per prompt (methods
-            built on the autoregressive loops); a row stops at its own budget.
-        temperature: 0 is greedy; otherwise the sampling temperature.
+            built on the autoregressive loops); a row stops at its own budget. Default: the model's
+            generation_config.json, else 64 (`pdecode.generation`: every sampling default comes from there too).
+        temperature: 0 is greedy; otherwise the sampling temperature (default: greedy, unless the generation config
+            samples).
         top_k: sample among the k most likely tokens (0: all).
         top_p: nucleus sampling, the smallest set with this much probability (1.0: all).
+        min_p: drop tokens less likely than min_p times the most likely one (0: off).
+        repetition_penalty: logits of tokens already in the prompt or output divided by this when positive,
+            multiplied when negative (1: off; `transformers`' rule). Speculative methods verify against the penalised
+            distribution, so they stay lossless with respect to it.
+        stop: a string or strings that end a row: the text is cut before the first one, the tokens after the token
+            that completed it (generation runs to the budget first; `pdecode.Engine` stops at once).
+        logprobs: also return each new token's log-probability under the model (the penalised logits, before
+            temperature and filters) in ``out.logprobs``.
         seed: the PRNG seed of sampling (and of a method's own randomness).
         draft: the draft model for methods that need one (sd, tree), on the target's tokenizer.
         mesh: a `jax.sharding.Mesh` with ``data`` and ``model`` axes: params, caches and the batch are sharded.
@@ -411,12 +432,21 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         **method_options: the method's options (`pdecode.methods()[method].options`, docs/api.md).
 
     Returns:
-        `GenerateOutput`: ``texts`` and ``tokens`` (per row, the new tokens only, EOS kept) and ``stats``
+        `GenerateOutput`: ``texts`` and ``tokens`` (per row, the new tokens only, EOS kept), ``finish_reasons``
+        ("stop": EOS, a stop id or string; "length": the budget), ``logprobs`` (when asked) and ``stats``
         (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
     own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))
     opts = registry.resolve_options(meth, method_options, near=own)
+    if isinstance(stop_token_ids, (int, np.integer)):
+        stop_token_ids = [stop_token_ids]
+    ctl = generation.resolve(m.generation_config, m.cfg.vocab_size, dict(
+        max_new_tokens=None if isinstance(max_new_tokens, (list, tuple, np.ndarray)) else max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        stop=stop, stop_token_ids=list(stop_token_ids), logprobs=logprobs))
+    if max_new_tokens is None:
+        max_new_tokens = ctl.max_new_tokens
     budgets = None
     if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
         budgets = list(max_new_tokens)
@@ -427,7 +457,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     elif not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
-    samp = sampling.validate(temperature, top_k, top_p, m.cfg.vocab_size)
+    samp = ctl.sampling(m.cfg.vocab_size)
     kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
@@ -458,13 +488,12 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
         prompt[i, : len(x)] = x
     prompt_len = np.asarray(lens, np.int32)
     n_shared = _shared_prefix(ids, shared_prefix)
-    eos = tuple(sorted(set(m.cfg.eos_token_ids) | set(m.tokenizer.eos_ids if m.tokenizer else ()))) if stop_at_eos \
-        else ()
-    bad = [t for t in stop_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < m.cfg.vocab_size]
-    if bad:
-        raise InputError(f"stop_token_ids must be token ids in [0, {m.cfg.vocab_size}), got {bad[0]!r}")
-    eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids}))
+    eos = tuple(sorted(set(eos_ids(m)) | set(ctl.stop_token_ids))) if stop_at_eos else ctl.stop_token_ids
 
+    if (samp.penalty or samp.logprobs) and not plan.history_controls:
+        what = "repetition_penalty" if samp.penalty else "logprobs"
+        raise InputError(f"method {method!r} does not take {what}: it works with the autoregressive loops (ar and "
+                         f"the draft-and-verify methods); drop it")
     takes_stops = "stops" in _parameters(plan.fn)
     if budgets is not None and len(budgets) != len(ids):
         raise InputError(f"max_new_tokens has {len(budgets)} budgets for {len(ids)} prompts; give one per prompt")
@@ -480,7 +509,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
 
         prompt_j = jax.device_put(prompt_j, batch_sharding(mesh, prompt.shape))
         len_j = jax.device_put(len_j, batch_sharding(mesh, prompt_len.shape))
-    args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
+    warp = sampling.Warp.of(ctl.temperature, ctl.top_p, ctl.top_k, ctl.min_p, ctl.repetition_penalty)
+    args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), warp)
     if takes_stops:
         limit = np.asarray(budgets if budgets is not None else [max_new_tokens] * len(ids), np.int32)
         table = jnp.asarray(line_start_table(m)) if stop_at_dedent else None
@@ -507,6 +537,17 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     toks = [tokens_np[i, : count_np[i]].tolist() for i in range(len(ids))]
     texts = [m.tokenizer.decode(t) if m.tokenizer else "" for t in toks]
     new_tokens = int(count_np.sum())
+    lp_np = np.asarray(out.logprobs) if getattr(out, "logprobs", None) is not None else None
+    lps = [lp_np[i, : count_np[i]].tolist() for i in range(len(ids))] if lp_np is not None else None
+    cap = budgets if budgets is not None else [max_new_tokens] * len(ids)
+    reasons = ["stop" if (t and t[-1] in eos) or len(t) < c else "length" for t, c in zip(toks, cap)]
+    if ctl.stop and m.tokenizer is not None:
+        for i, t in enumerate(toks):
+            cut, text, hit = generation.cut_at_stop(t, m.tokenizer.decode, ctl.stop)
+            if hit:
+                toks[i], texts[i], reasons[i] = cut, text, "stop"
+                if lps is not None:
+                    lps[i] = lps[i][: len(cut)]
     row_fw = int(np.asarray(out.row_forwards).sum())
     stats: dict[str, Any] = {k: (np.asarray(v).tolist()) for k, v in dev_stats.items()}
     stats.setdefault("draft_forwards", 0)
@@ -526,7 +567,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int = 64, te
     )
     if plan.finish_stats:
         stats = plan.finish_stats(stats)
-    return GenerateOutput(texts=texts, tokens=toks, stats=stats)
+    return GenerateOutput(texts=texts, tokens=toks, stats=stats, finish_reasons=reasons, logprobs=lps)
 
 
 # ------------------------------------------------------------------------------------------------ plain forward

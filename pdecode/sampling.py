@@ -1,10 +1,23 @@
 """Logits processing and sampling.
 
-The warped distribution is the one every method samples from and verifies against: temperature, then top-k, then
-top-p (nucleus), in that order, as `transformers` does. ``temperature == 0`` means greedy (argmax).
+The target's distribution passes two stages, in the order `transformers` applies them:
 
-`Sampling` is the static part (jit-static: greedy or not, top-k size, whether top-p is on); the temperature and
-top-p values are traced scalars so changing them does not recompile.
+* *processing* of the raw logits by the decode loop, which knows the history: the repetition penalty (`penalize`;
+  a logit of a token already in the prompt or the output is divided by the penalty when positive, multiplied when
+  negative);
+* *warping* (`warp`): temperature, then top-k, then top-p (nucleus), then min-p.
+
+Every method samples from and verifies against the processed and warped distribution, so the lossless methods stay
+lossless with respect to it. A temperature of 0 means greedy (the argmax of the processed logits).
+
+`Sampling` is the static part (jit-static: which stages are compiled in, the largest top-k); `Warp` holds the values,
+traced, either one scalar for the whole batch or one value per row (``[B]``: a serving engine's slots each have
+their own), so changing them does not recompile. With per-row values, a row whose temperature is 0 is decoded
+greedily inside a sampled batch (exactly: its distribution is the one-hot of the argmax, and speculative sampling
+against one-hot distributions accepts exactly the greedy tokens).
+
+Random keys are one key for the batch (``[2]``) or one key per row (``[B, 2]``: a row's draws then depend only on its
+own key, whatever else is in the batch); `split`, `fold_in`, `uniform` and `gumbel` take either.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pdecode.errors import InputError
 
@@ -22,34 +36,87 @@ NEG_INF = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """What is compiled in (static). ``greedy``: every row is greedy (no sampling code at all); ``top_k``: the
+    largest top-k a row may ask for (0: top-k off); ``use_top_p`` / ``use_min_p`` / ``penalty``: those stages are
+    on; ``logprobs``: the loop records the log-probability of every chosen token."""
+
     greedy: bool = True
-    top_k: int = 0  # 0 = off
+    top_k: int = 0
     use_top_p: bool = False
+    use_min_p: bool = False
+    penalty: bool = False
+    logprobs: bool = False
 
 
-def validate(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> Sampling:
-    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
-        raise InputError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
+@struct.dataclass
+class Warp:
+    """The sampling values (traced): each a scalar or a [B] array. ``temperature`` 0 = greedy; ``top_p`` 1 = off;
+    ``top_k`` 0 = off (at most `Sampling.top_k`); ``min_p`` 0 = off; ``penalty`` 1 = no repetition penalty."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    penalty: jax.Array
+
+    @staticmethod
+    def of(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, penalty=1.0) -> "Warp":
+        f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+        return Warp(temperature=f(temperature), top_p=f(top_p), top_k=jnp.asarray(top_k, jnp.int32),
+                    min_p=f(min_p), penalty=f(penalty))
+
+
+def validate(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, logprobs: bool = False) -> Sampling:
+    """Check one request's sampling values; returns the static `Sampling` they need."""
+    check_values(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty)
+    return Sampling(greedy=temperature == 0, top_k=int(top_k) if temperature else 0,
+                    use_top_p=top_p < 1.0 and temperature > 0, use_min_p=min_p > 0 and temperature > 0,
+                    penalty=repetition_penalty != 1.0, logprobs=bool(logprobs))
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def check_values(temperature, top_k, top_p, vocab_size=None, min_p=0.0, repetition_penalty=1.0) -> None:
+    """One-line errors for out-of-range sampling values."""
+    if not _number(temperature) or temperature < 0 or math.isinf(temperature):
+        raise InputError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise InputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if vocab_size is not None and top_k > vocab_size:
         raise InputError(f"top_k ({top_k}) is larger than the vocabulary ({vocab_size})")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+    if not _number(top_p) or not (0.0 < top_p <= 1.0):
         raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
-    return Sampling(greedy=temperature == 0, top_k=int(top_k), use_top_p=top_p < 1.0)
+    if not _number(min_p) or not (0.0 <= min_p <= 1.0):
+        raise InputError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
+    if not _number(repetition_penalty) or repetition_penalty <= 0 or math.isinf(repetition_penalty):
+        raise InputError(f"repetition_penalty must be a number > 0 (1 = off), got {repetition_penalty!r}")
 
 
-def warp(logits: jax.Array, s: Sampling, temperature, top_p) -> jax.Array:
+def _rows(x: jax.Array, like: jax.Array) -> jax.Array:
+    """A scalar, or a per-row [B] value shaped to broadcast against ``like`` [B, ..., V]."""
+    x = jnp.asarray(x)
+    return x if x.ndim == 0 else x.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def warp(logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
     """Float32 logits of the warped distribution (filtered entries at -1e30). Greedy returns logits unchanged."""
     x = logits.astype(jnp.float32)
     if s.greedy:
         return x
-    x = x / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    x = x / jnp.maximum(_rows(w.temperature, x).astype(jnp.float32), 1e-6)
     if s.top_k:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, NEG_INF, x)
+        vals = jax.lax.top_k(x, s.top_k)[0]
+        k = jnp.broadcast_to(_rows(w.top_k, x), x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, s.top_k - 1), axis=-1)
+        x = jnp.where((k > 0) & (x < kth), NEG_INF, x)
     if s.use_top_p:
-        x = _top_p(x, top_p)
+        x = _top_p(x, _rows(w.top_p, x))
+    if s.use_min_p:
+        p = jax.nn.softmax(x, axis=-1)
+        x = jnp.where(p < _rows(w.min_p, x) * jnp.max(p, axis=-1, keepdims=True), NEG_INF, x)
     return x
 
 
@@ -64,6 +131,23 @@ def _top_p(x: jax.Array, top_p) -> jax.Array:
     return jnp.where(x < thresh, NEG_INF, x)
 
 
+def penalize(logits: jax.Array, seen: jax.Array, s: Sampling, w: Warp) -> jax.Array:
+    """The repetition penalty (when compiled in): logits of ``seen`` tokens (bool, broadcastable to ``logits``)
+    divided by the penalty where positive, multiplied where negative."""
+    if not s.penalty:
+        return logits
+    x = logits.astype(jnp.float32)
+    pen = _rows(w.penalty, x)
+    return jnp.where(seen, jnp.where(x > 0, x / pen, x * pen), x)
+
+
+def mark_seen(seen_BV: jax.Array, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array:
+    """The seen-token table [B, V] with ``tokens[b, k]`` added where ``valid[b, k]``."""
+    b, v = seen_BV.shape
+    idx = jnp.where(valid_BK, tokens_BK, v)
+    return seen_BV.at[jnp.arange(b)[:, None], idx].set(True, mode="drop")
+
+
 def argmax(x: jax.Array) -> jax.Array:
     """Index of the (first) maximum along the last axis, int32. A max then a min over matching indices: the same
     result as ``jnp.argmax``, kept because on CPU it runs faster than XLA's variadic-reduce argmax
@@ -74,23 +158,80 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, n - 1).astype(jnp.int32)  # (all-NaN rows would otherwise point past the end)
 
 
-def probs(logits: jax.Array, s: Sampling, temperature, top_p) -> jax.Array:
-    """Probabilities of the warped distribution; greedy gives a one-hot of the argmax."""
+def _greedy_rows(w: Warp, like: jax.Array) -> jax.Array:
+    """bool, broadcastable to ``like`` without its last axis: rows decoded greedily (temperature 0)."""
+    return _rows(w.temperature, like)[..., 0] <= 0 if jnp.ndim(w.temperature) else jnp.asarray(w.temperature) <= 0
+
+
+def probs(logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
+    """Probabilities of the warped distribution; greedy (the batch, or a row at temperature 0) gives a one-hot of
+    the argmax."""
+    onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     if s.greedy:
-        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(warp(logits, s, temperature, top_p), axis=-1)
+        return onehot
+    p = jax.nn.softmax(warp(logits, s, w), axis=-1)
+    return jnp.where(_greedy_rows(w, logits)[..., None], onehot, p)
 
 
-def sample(key: jax.Array, logits: jax.Array, s: Sampling, temperature, top_p) -> jax.Array:
-    """One token per leading index: argmax when greedy, else a draw from the warped distribution."""
+def sample(key: jax.Array, logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
+    """One token per leading index: argmax when greedy (the batch, or a row at temperature 0), else a draw from the
+    warped distribution. ``key``: one key, or one per row ([B, 2])."""
     if s.greedy:
         return argmax(logits)
-    return gumbel_argmax(key, warp(logits, s, temperature, top_p))
+    drawn = gumbel_argmax(key, warp(logits, s, w))
+    return jnp.where(_greedy_rows(w, logits), argmax(logits), drawn)
+
+
+def log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log p(token) under the model's own distribution (the processed logits, before temperature and filters),
+    float32, shaped like ``tokens`` (``logits``: tokens.shape + [V])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+# ------------------------------------------------------------------------------------------------ keys
+def per_row(key: jax.Array) -> bool:
+    """True for one raw key per row ([B, 2]), False for one key ([2])."""
+    return key.ndim == 2
+
+
+def split(key: jax.Array, n: int = 2) -> jax.Array:
+    """``n`` keys (a leading axis of n): of the one key, or of each row's key ([n, B, 2])."""
+    if per_row(key):
+        return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(key), 0, 1)
+    return jax.random.split(key, n)
+
+
+def fold_in(key: jax.Array, i) -> jax.Array:
+    if per_row(key):
+        return jax.vmap(lambda k: jax.random.fold_in(k, i))(key)
+    return jax.random.fold_in(key, i)
+
+
+def _draw(fn, key: jax.Array, shape: tuple) -> jax.Array:
+    if per_row(key):
+        if shape[0] != key.shape[0]:
+            raise ValueError(f"per-row keys for {key.shape[0]} rows, but a draw of shape {shape}")
+        return jax.vmap(lambda k: fn(k, shape[1:], jnp.float32))(key)
+    return fn(key, shape, jnp.float32)
+
+
+def uniform(key: jax.Array, shape: tuple) -> jax.Array:
+    return _draw(jax.random.uniform, key, shape)
+
+
+def gumbel(key: jax.Array, shape: tuple) -> jax.Array:
+    return _draw(jax.random.gumbel, key, shape)
+
+
+def row_keys(seeds) -> jax.Array:
+    """One key per row from per-row seeds ([B] ints): [B, 2]."""
+    return jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.uint32))
 
 
 def gumbel_argmax(key: jax.Array, logits: jax.Array) -> jax.Array:
     """A draw from softmax(logits) along the last axis (the Gumbel-max trick, as `jax.random.categorical`)."""
-    return argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32))
+    return argmax(logits + gumbel(key, logits.shape))
 
 
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:

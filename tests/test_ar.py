@@ -72,7 +72,7 @@ def test_seeded_sampling_is_reproducible(tiny):
 def _exact_probs(m, prompt, temperature=1.0, top_k=0, top_p=1.0):
     logits = pdecode.forward_logits(m, [prompt])[0, -1]
     s = sampling.validate(temperature, top_k, top_p)
-    return np.asarray(sampling.probs(logits, s, temperature, top_p), np.float64)
+    return np.asarray(sampling.probs(logits, s, sampling.Warp.of(temperature, top_p, top_k)), np.float64)
 
 
 def _chi2_pvalue(samples, p, n_cats):
@@ -151,8 +151,8 @@ def test_generation_is_one_while_loop_per_cache_phase(tiny, phases):
     prompt = jnp.zeros((2, 16), jnp.int32)
     lengths = common.phase_lengths(16, 128, phases)
     assert (len(lengths) == 1) == (phases == 1) and lengths[-1] == 128
-    jaxpr = jax.make_jaxpr(lambda p, x, n, k: ar.generate(p, x, n, k, 0.0, 1.0, cfg=tiny.cfg, max_new=5, max_len=128,
-                                                          eos_ids=(2,), samp=s, phases=phases))(
+    jaxpr = jax.make_jaxpr(lambda p, x, n, k: ar.generate(p, x, n, k, sampling.Warp.of(0.0), cfg=tiny.cfg, max_new=5,
+                                                          max_len=128, eos_ids=(2,), samp=s, phases=phases))(
         tiny.params, prompt, jnp.array([3, 8]), jax.random.PRNGKey(0))
     loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
     assert len(loops) == len(lengths)

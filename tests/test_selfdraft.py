@@ -84,8 +84,8 @@ class _OverAccepting:
     def update(self, *a):
         return self.inner.update(*a)
 
-    def propose(self, dparams, st, ctx, key, samp, temperature, top_p):
-        prop, st = self.inner.propose(dparams, st, ctx, key, samp, temperature, top_p)
+    def propose(self, dparams, st, ctx, key, samp, warp):
+        prop, st = self.inner.propose(dparams, st, ctx, key, samp, warp)
         b, n = prop.tokens.shape
         return prop._replace(rule=Rule.TREE_MULTI, q=jnp.full((b, n, 16), 1.0 / 16)), st
 
@@ -107,7 +107,7 @@ def test_a_wrong_rule_fails_the_distribution_test(small_vocab, kind):  # noqa: F
         "pearl": (_LyingChain(PearlDrafter(draft.cfg, gamma=2)), draft.params)}[kind]
     prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
     plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
-    args = ((target.params, dparams), prompt_a, plen, jax.random.PRNGKey(2), jnp.float32(1.0), jnp.float32(1.0))
+    args = ((target.params, dparams), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))
     exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
                                                  samp=sampling.Sampling(greedy=False), mesh=None), *args)
     assert min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3)) < 1e-6
@@ -196,7 +196,7 @@ def test_candidates_merge_into_a_trie():
                            age=jnp.asarray(age), clock=jnp.int32(10))
     seq = jnp.asarray([[9] + [0] * 15], jnp.int32)
     ctx = Context(seq, jnp.asarray([1]), None, None, jnp.ones((1,), bool))
-    prop, _ = d.propose(None, st, ctx, jax.random.PRNGKey(0), sampling.Sampling(), 1.0, 1.0)
+    prop, _ = d.propose(None, st, ctx, jax.random.PRNGKey(0), sampling.Sampling(), sampling.Warp.of(1.0))
     tok, par, val = (np.asarray(x[0]) for x in (prop.tokens, prop.parents, prop.valid))
     vis, intra = np.asarray(prop.visible[0]), np.asarray(prop.intra[0])
     n_ver = 1 + g * m
@@ -269,7 +269,7 @@ def test_layerskip_reused_kv_equals_a_full_recompute(models, layers):  # noqa: F
     d = LayerSkipDrafter(cfg, layers, gamma=4, threshold=0.0)
     ctx = Context(seq, jnp.asarray([p + 1]), None, None, jnp.ones((1,), bool), tp, cache=cache)
     prop, _ = d.propose(None, d.init(None, tp, jnp.asarray([prompt]), jnp.asarray([p]), None, 64), ctx, jax.random.PRNGKey(0),
-                        sampling.Sampling(), 1.0, 1.0)
+                        sampling.Sampling(), sampling.Warp.of(1.0))
     assert prop.from_layer == d.reuse == (1 if layers == (0, 2) else len(layers))
     n = 5
     positions = cache.lengths[:, None] + jnp.arange(n)[None]

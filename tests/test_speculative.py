@@ -131,7 +131,7 @@ def test_greedy_verify_matches_brute_force():
     valid = rng.random((b, n)) < 0.9
     valid[:, 0] = True
     ver = verify(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), tr.parents, jnp.asarray(valid), jax.random.PRNGKey(0),
-                 sampling.Sampling(), 0.0, 1.0, rule=Rule.GREEDY, max_depth=tr.max_depth,
+                 sampling.Sampling(), sampling.Warp.of(0.0), rule=Rule.GREEDY, max_depth=tr.max_depth,
                  max_children=tr.max_children)
     for r in range(b):
         path, bonus = _brute_greedy(logits[r], tokens[r], tr.parents, valid[r])
@@ -184,7 +184,7 @@ def test_sampled_verify_is_lossless(mode):
     logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, n, v)), jnp.float32)
     samp = sampling.Sampling(greedy=False)
     ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, n), bool),
-                 jax.random.PRNGKey(7), samp, 1.0, 1.0, rule=rule, max_depth=tr.max_depth,
+                 jax.random.PRNGKey(7), samp, sampling.Warp.of(1.0), rule=rule, max_depth=tr.max_depth,
                  max_children=tr.max_children, draft_q_BNV=draft_q)
     first, second = _first_two(ver.tokens, ver.n_accepted)
     counts = np.bincount(first, minlength=v)
@@ -217,8 +217,8 @@ def test_wrong_acceptance_rule_is_detected():
     tokens[:, 1] = rng.choice(v, size=n_rows, p=q[0])
     logits = jnp.asarray(np.broadcast_to(p_logits, (n_rows, 2, v)), jnp.float32)
     ver = verify(logits, jnp.asarray(tokens, jnp.int32), tr.parents, jnp.ones((n_rows, 2), bool),
-                 jax.random.PRNGKey(3), sampling.Sampling(greedy=False), 1.0, 1.0, rule=Rule.CHAIN_SAMPLING,
-                 max_depth=1, max_children=1, draft_q_BNV=jnp.full((n_rows, 2, v), 1.0 / v))
+                 jax.random.PRNGKey(3), sampling.Sampling(greedy=False), sampling.Warp.of(1.0),
+                 rule=Rule.CHAIN_SAMPLING, max_depth=1, max_children=1, draft_q_BNV=jnp.full((n_rows, 2, v), 1.0 / v))
     counts = np.bincount(np.asarray(ver.tokens[:, 0]), minlength=v)
     assert sstats.chisquare(counts, p[0] * n_rows).pvalue < 1e-6
 
@@ -241,8 +241,8 @@ def test_verify_rule_must_fit_the_proposal(rule, greedy, with_q, children, match
     q = jnp.full((1, n, v), 1.0 / v) if with_q else None
     with pytest.raises(ValueError, match=match):
         verify(jnp.zeros((1, n, v)), jnp.zeros((1, n), jnp.int32), tr.parents, jnp.ones((1, n), bool),
-               jax.random.PRNGKey(0), sampling.Sampling(greedy=greedy), 1.0, 1.0, rule=rule, max_depth=tr.max_depth,
-               max_children=tr.max_children, draft_q_BNV=q)
+               jax.random.PRNGKey(0), sampling.Sampling(greedy=greedy), sampling.Warp.of(1.0), rule=rule,
+               max_depth=tr.max_depth, max_children=tr.max_children, draft_q_BNV=q)
 
 
 def test_drafters_set_their_rule(models):
@@ -263,9 +263,9 @@ def test_drafters_set_their_rule(models):
     for samp, lookup_rule, chain_rule in ((sampling.Sampling(), Rule.GREEDY, Rule.GREEDY),
                                           (sampling.Sampling(greedy=False), Rule.TREE_DETERMINISTIC,
                                            Rule.CHAIN_SAMPLING)):
-        prop, _ = LookupDrafter(gamma=2).propose(None, (), ctx, key, samp, 1.0, 1.0)
+        prop, _ = LookupDrafter(gamma=2).propose(None, (), ctx, key, samp, sampling.Warp.of(1.0))
         assert prop.rule is lookup_rule and prop.q is None
-        prop, _ = chain.propose(dp, state, ctx, key, samp, 1.0, 1.0)
+        prop, _ = chain.propose(dp, state, ctx, key, samp, sampling.Warp.of(1.0))
         assert prop.rule is chain_rule and (prop.q is None) == samp.greedy
 
 
@@ -347,7 +347,7 @@ def test_lying_drafter_fails_the_distribution_test(small_vocab):
     samp = sampling.Sampling(greedy=False)
     prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
     plen = jnp.full((n,), len(prompt), jnp.int32)
-    args = ((target.params, draft.params), prompt_a, plen, jax.random.PRNGKey(1), jnp.float32(1.0), jnp.float32(1.0))
+    args = ((target.params, draft.params), prompt_a, plen, jax.random.PRNGKey(1), sampling.Warp.of(1.0))
     exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
                                                  samp=samp, mesh=None), *args)
     out, _ = exe(*args)

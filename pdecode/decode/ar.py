@@ -6,6 +6,9 @@ it runs on, so a loop that starts on a cache just longer than the prompt and gro
 sized for the whole generation from the first token; it is the default because it decoded faster on CPU
 (docs/performance_code_notes.md). ``phases=1`` is a single loop over the full cache; `common.phase_lengths` gives the
 lengths. The result is the same up to float rounding (attention sums over a different number of masked slots).
+
+The pieces a driver other than `generate` needs (the serving engine: `pdecode.engine`) are functions here: `start`
+(the loop state after a prefill) and `make_step` (one step of the loop).
 """
 
 from __future__ import annotations
@@ -27,11 +30,53 @@ class ARState:
     out: common.Outputs
     cache: kvc.KVCache
     last: jax.Array  # [B] last token (not yet in the cache)
-    key: jax.Array
+    key: jax.Array  # one key, or one per row ([B, 2])
     forwards: jax.Array  # scalar int32
+    seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, cfg: ModelConfig,
+def start(prompt_BP, prompt_len_B, cache, logits_BV, key, warp, stops, *, max_new: int, eos_ids: tuple[int, ...],
+          samp: sampling.Sampling) -> ARState:
+    """The loop state after a prefill (``cache`` holding the prompts, ``logits`` at each prompt's last token): the
+    first token drawn and appended."""
+    b = prompt_BP.shape[0]
+    seen = common.prompt_seen(prompt_BP, prompt_len_B, logits_BV.shape[-1], samp)
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp)
+    key, sub = sampling.split(key)
+    first = sampling.sample(sub, logits_BV, samp, warp)
+    lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
+    out, _ = common.append(common.Outputs.empty(b, max_new, stops, samp.logprobs), first[:, None],
+                           jnp.ones((b,), jnp.int32), eos_ids, lp)
+    seen = common.mark_taken(seen, first[:, None], jnp.ones((b, 1), bool))
+    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen)
+
+
+def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None):
+    """One step of the loop: ``step(state) -> state`` (every row not done takes one token). ``params``: the decode
+    layout (`decode_layout`)."""
+    one = jnp.ones((1, 1), bool)
+
+    def step(s: ARState) -> ARState:
+        b = s.last.shape[0]
+        positions = s.cache.lengths[:, None]
+        mask = common.step_mask(cfg, s.cache, one, positions)
+        fo = forward(params, cfg, s.last[:, None], positions, mask, cache=s.cache)
+        logits = sampling.penalize(unembed(params, cfg, fo.hidden[:, 0]), s.seen, samp, warp)
+        k, sub = sampling.split(s.key)
+        nxt = sampling.sample(sub, logits, samp, warp)
+        active = ~s.out.done
+        cache = kvc.advance(fo.cache, active.astype(jnp.int32))
+        lp = sampling.log_probs(logits, nxt)[:, None] if samp.logprobs else None
+        out, _ = common.append(s.out, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
+        last = jnp.where(active, nxt, s.last)
+        seen = common.mark_taken(s.seen, nxt[:, None], active[:, None])
+        return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1,
+                       seen=seen)
+
+    return step
+
+
+def generate(params, prompt_BP, prompt_len_B, key, warp, stops=None, *, cfg: ModelConfig,
              max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
              cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0):
     """Returns (Outputs, stats dict of device scalars). ``shared_prefix``: see `common.prefill`; ``stops``: per-row
@@ -41,26 +86,9 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
     lengths = common.phase_lengths(p, max_len, phases)
     cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(params)), mesh)
     cache, logits, _ = common.prefill(params, cfg, prompt_BP, prompt_len_B, cache, shared_prefix=shared_prefix)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, logits, samp, temperature, top_p)
-    out, _ = common.append(common.Outputs.empty(b, max_new, stops), first[:, None], jnp.ones((b,), jnp.int32),
-                           eos_ids)
-    state = ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1))
-    one = jnp.ones((1, 1), bool)
-
-    def body(s: ARState):
-        positions = s.cache.lengths[:, None]
-        mask = common.step_mask(cfg, s.cache, one, positions)
-        fo = forward(params, cfg, s.last[:, None], positions, mask, cache=s.cache)
-        logits = unembed(params, cfg, fo.hidden[:, 0])
-        k, sub = jax.random.split(s.key)
-        nxt = sampling.sample(sub, logits, samp, temperature, top_p)
-        active = ~s.out.done
-        cache = kvc.advance(fo.cache, active.astype(jnp.int32))
-        out, _ = common.append(s.out, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids)
-        last = jnp.where(active, nxt, s.last)
-        return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1)
-
+    state = start(prompt_BP, prompt_len_B, cache, logits, key, warp, stops, max_new=max_new, eos_ids=eos_ids,
+                  samp=samp)
+    step = make_step(params, warp, cfg=cfg, eos_ids=eos_ids, samp=samp, mesh=mesh)
     # a step writes each row's last token (one fresh slot) at `lengths`
-    state = common.phased_while_loop(lambda s: ~jnp.all(s.out.done), body, state, lengths, fresh=1, mesh=mesh)
+    state = common.phased_while_loop(lambda s: ~jnp.all(s.out.done), step, state, lengths, fresh=1, mesh=mesh)
     return state.out, {"target_forwards": state.forwards}

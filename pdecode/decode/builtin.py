@@ -17,7 +17,7 @@ def _int_opt(opts, name, lo=1):
 
 def _prepare_ar(model, draft, opts, samp):
     return Plan(fn=ar.generate, params=model.params,
-                static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")})
+                static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")}, history_controls=True)
 
 
 # every loop over a target KV cache runs in phases (`common.phase_lengths`)

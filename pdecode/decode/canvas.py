@@ -114,10 +114,10 @@ def no_mask(logits: jax.Array, mask_id: int) -> jax.Array:
     return logits.at[..., mask_id].set(NEG)
 
 
-def predict(logits: jax.Array, samp: sampling.Sampling, temperature, top_p, key) -> jax.Array:
+def predict(logits: jax.Array, samp: sampling.Sampling, warp, key) -> jax.Array:
     """x0 per position: the argmax when greedy, else a draw from the warped distribution (temperature, top-k,
     top-p, as every other method samples)."""
-    return sampling.sample(key, logits, samp, temperature, top_p)
+    return sampling.sample(key, logits, samp, warp)
 
 
 def prob_stats(logits: jax.Array, x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -24,10 +24,12 @@ class Stops:
     ``limit``: [B] int32, each row's budget of new tokens (at most the buffer's size, the call's largest budget).
     ``line_start``: None, or a [V] int8 table of `line_start_table` bits: a row then ends at the first token that
     starts a line at column 0 with something other than whitespace (a line after the first new one), the end of a
-    function body; the token is kept, as EOS is."""
+    function body; the token is kept, as EOS is. ``stop_ids``: per row, more ids that end it as EOS does (kept).
+    """
 
     limit: jax.Array
     line_start: jax.Array | None = None
+    stop_ids: jax.Array | None = None  # [B, S] int32: more tokens that end a row as EOS does (-1: unused)
 
 
 NL_END, STARTS_TEXT, NL_TEXT = 1, 2, 4  # line_start_table bits
@@ -60,20 +62,43 @@ class Outputs:
     limit: jax.Array | None = None  # [B] int32 per-row budgets (None: N for every row)
     line_start: jax.Array | None = None  # [V] int8 (`Stops.line_start`)
     prev: jax.Array | None = None  # [B] int32 the last token taken (-1: none yet); kept with line_start
+    logprobs: jax.Array | None = None  # [B, N] float32 log p of each token (`sampling.log_probs`), when asked
+    stop_ids: jax.Array | None = None  # [B, S] int32 (`Stops.stop_ids`)
 
     @staticmethod
-    def empty(batch: int, max_new: int, stops: Stops | None = None) -> "Outputs":
+    def empty(batch: int, max_new: int, stops: Stops | None = None, logprobs: bool = False) -> "Outputs":
         z = jnp.zeros((batch,), jnp.int32)
         ls = None if stops is None else stops.line_start
         return Outputs(tokens=jnp.zeros((batch, max_new), jnp.int32), count=z, done=jnp.zeros((batch,), bool),
                        row_forwards=z, limit=None if stops is None else jnp.minimum(stops.limit, max_new),
-                       line_start=ls, prev=None if ls is None else jnp.full((batch,), -1, jnp.int32))
+                       line_start=ls, prev=None if ls is None else jnp.full((batch,), -1, jnp.int32),
+                       logprobs=jnp.zeros((batch, max_new), jnp.float32) if logprobs else None,
+                       stop_ids=None if stops is None else stops.stop_ids)
 
 
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
+
+
+def prompt_seen(prompt_BP: jax.Array, prompt_len_B: jax.Array, vocab: int, samp) -> jax.Array | None:
+    """The repetition penalty's seen-token table [B, V] of the prompts (None when the penalty is off)."""
+    if not samp.penalty:
+        return None
+    from pdecode.sampling import mark_seen
+
+    valid = jnp.arange(prompt_BP.shape[1])[None, :] < prompt_len_B[:, None]
+    return mark_seen(jnp.zeros((prompt_BP.shape[0], vocab), bool), prompt_BP, valid)
+
+
+def mark_taken(seen_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array | None:
+    """``seen`` with the taken tokens added (None stays None: the penalty is off)."""
+    if seen_BV is None:
+        return None
+    from pdecode.sampling import mark_seen
+
+    return mark_seen(seen_BV, tokens_BK, valid_BK)
 
 
 def _line_starts(out: Outputs, new_BK: jax.Array) -> jax.Array:
@@ -85,15 +110,19 @@ def _line_starts(out: Outputs, new_BK: jax.Array) -> jax.Array:
     return ((bits & NL_TEXT) != 0) | (((pbits & NL_END) != 0) & ((bits & STARTS_TEXT) != 0))
 
 
-def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[int, ...]) -> tuple[Outputs, jax.Array]:
+def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[int, ...],
+           logp_BK: jax.Array | None = None) -> tuple[Outputs, jax.Array]:
     """Append the first ``n_new[b]`` tokens of ``new[b]`` to each active row, cut after the first stop (EOS, or a
-    line start when ``out.line_start`` is set) and at the row's budget. Counts one target forward for every active
-    row. Returns (outputs, tokens taken per row)."""
+    line start when ``out.line_start`` is set) and at the row's budget; ``logp``: their log-probabilities (kept
+    when ``out.logprobs`` is). Counts one target forward for every active row. Returns (outputs, tokens taken per
+    row)."""
     b, k = new_BK.shape
     max_new = out.tokens.shape[1]
     cap = max_new if out.limit is None else out.limit
     idx = jnp.arange(k)[None, :]
     stop = is_eos(new_BK, eos_ids)
+    if out.stop_ids is not None:
+        stop = stop | jnp.any(new_BK[:, :, None] == out.stop_ids[:, None, :], axis=-1)
     if out.line_start is not None:
         stop = stop | _line_starts(out, new_BK)
     eos_hit = stop & (idx < n_new_B[:, None])
@@ -105,6 +134,9 @@ def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[i
     n_take = jnp.maximum(jnp.where(active, n_take, 0), 0).astype(jnp.int32)
     pos = jnp.where(idx < n_take[:, None], out.count[:, None] + idx, max_new)
     tokens = out.tokens.at[jnp.arange(b)[:, None], pos].set(new_BK.astype(jnp.int32), mode="drop")
+    logprobs = out.logprobs
+    if logprobs is not None:
+        logprobs = logprobs.at[jnp.arange(b)[:, None], pos].set(logp_BK.astype(jnp.float32), mode="drop")
     count = out.count + n_take
     hit_eos_taken = any_eos & (first_eos < n_take)
     done = out.done | (active & (hit_eos_taken | (count >= cap)))
@@ -113,7 +145,7 @@ def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[i
         last = jnp.take_along_axis(new_BK, jnp.maximum(n_take - 1, 0)[:, None], axis=1)[:, 0].astype(jnp.int32)
         prev = jnp.where(n_take > 0, last, prev)
     return out.replace(tokens=tokens, count=count, done=done, row_forwards=out.row_forwards + active.astype(jnp.int32),
-                       prev=prev), n_take
+                       prev=prev, logprobs=logprobs), n_take
 
 
 def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Array, cache: kvc.KVCache,
@@ -126,18 +158,30 @@ def prefill(params, cfg: ModelConfig, prompt_BP: jax.Array, prompt_len_B: jax.Ar
 
     Returns (cache with lengths = prompt lengths, last-position logits [B, V], forward output over all p positions).
     """
-    b, p = prompt_BP.shape
     if shared_prefix:
         return _prefill_shared(params, cfg, prompt_BP, prompt_len_B, cache, hidden_layers, shared_prefix)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    zeros = jnp.zeros((b,), jnp.int32)
-    fresh_valid = positions < prompt_len_B[:, None]
-    mask = attention.cache_mask(zeros, attention.causal_intra(p), cache.max_len, fresh_valid,
+    zeros = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
+    return prefill_at(params, cfg, prompt_BP, zeros, prompt_len_B, kvc.set_lengths(cache, zeros), hidden_layers)
+
+
+def prefill_at(params, cfg: ModelConfig, tokens_BT: jax.Array, start_B: jax.Array, n_B: jax.Array,
+               cache: kvc.KVCache, hidden_layers: tuple[int, ...] = ()):
+    """Run ``tokens[b, :n[b]]`` (right-padded) at positions ``start[b]`` onwards into a cache already holding
+    ``start[b]`` tokens per row (``cache.lengths == start``): one chunk of a prompt prefilled in pieces (the serving
+    engine's long prompts), or a whole prompt at start 0. Rows with ``n == 0`` are left as they are.
+
+    Returns (cache with lengths = start + n, logits at each row's last fed token [B, V], forward output over the
+    chunk's T positions)."""
+    b, t = tokens_BT.shape
+    positions = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    fresh_valid = jnp.arange(t)[None, :] < n_B[:, None]
+    mask = attention.cache_mask(start_B, attention.causal_intra(t), cache.max_len, fresh_valid,
                                 window=cfg.sliding_window, query_pos_BT=positions)
-    out = forward(params, cfg, prompt_BP, positions, mask, cache=cache, write_at_B=zeros, hidden_layers=hidden_layers)
-    last = jnp.take_along_axis(out.hidden, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    out = forward(params, cfg, tokens_BT, positions, mask, cache=cache, write_at_B=start_B,
+                  hidden_layers=hidden_layers)
+    last = jnp.take_along_axis(out.hidden, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = unembed(params, cfg, last)
-    return kvc.set_lengths(out.cache, prompt_len_B), logits, out
+    return kvc.set_lengths(out.cache, start_B + n_B), logits, out
 
 
 def _prefill_shared(params, cfg, prompt_BP, prompt_len_B, cache, hidden_layers, n: int):

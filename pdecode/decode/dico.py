@@ -169,8 +169,8 @@ class Signals:
     masked: jax.Array  # [B, S] masks the row may decode now (its block, before its answer's end, row active)
 
 
-def signals(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, lg, key, temperature, top_p, samp, eos_ids) -> Signals:
-    x0 = cvs.predict(lg, samp, temperature, top_p, key)
+def signals(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, lg, key, warp, samp, eos_ids) -> Signals:
+    x0 = cvs.predict(lg, samp, warp, key)
     c, first, second = cvs.prob_stats(lg, x0)
     cbar = jnp.where(st.seen, opts.traj_beta * st.cbar + (1 - opts.traj_beta) * c, c)
     drift = jnp.where(st.seen, jnp.abs(c - st.c_prev), 0.0)
@@ -236,7 +236,7 @@ def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eo
                      steps=st.steps + 1, key=st.key, phase_steps=st.phase_steps.at[eff].add(active.astype(jnp.int32)))
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig, opts: DiCoOptions,
+def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: DiCoOptions,
              mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp, mesh=None):
     del max_new
     params = decode_layout(params, cfg, fuse=mesh is None)
@@ -258,7 +258,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     def body(st: DiCoState):
         key, k_tok = jax.random.split(st.key)
         lg = cvs.no_mask(cvs.full_logits(params, cfg, st.x, cv), mask_id)
-        sg = signals(opts, cv, st, lg, k_tok, temperature, top_p, samp, eos_ids)
+        sg = signals(opts, cv, st, lg, k_tok, warp, samp, eos_ids)
         return transition(opts, cv, st, sg, eos_ids).replace(key=key)
 
     st = jax.lax.while_loop(cond, body, state)

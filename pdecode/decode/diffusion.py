@@ -238,10 +238,10 @@ def step_logits(params, cfg, cv: cvs.Canvas, opts: DiffusionOptions, st: DiffSta
 
 
 # ------------------------------------------------------------------------------------------------ steps
-def choose(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, lg, key, temperature, top_p, samp, eos_ids):
+def choose(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, lg, key, warp, samp, eos_ids):
     """(commit [B, S], x0 [B, S]): the predictions and the positions the rule commits in each row's block."""
     k_tok, k_conf, k_sel = jax.random.split(key, 3)
-    x0 = cvs.predict(lg, samp, temperature, top_p, k_tok)
+    x0 = cvs.predict(lg, samp, warp, k_tok)
     conf = cvs.confidence(lg, x0, opts.alg, k_conf)
     ent = cvs.entropy(lg) if opts.rule == "eb" else conf
     eligible = st.masked & cv.in_block(st.block) & ~st.done[:, None]
@@ -263,7 +263,7 @@ def advance_blocks(opts: DiffusionOptions, cv: cvs.Canvas, st: DiffState, masked
     return block, jnp.where(advance, 0, step), jnp.where(advance, fresh_masks, st.block_masks)
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: ModelConfig,
+def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig,
              opts: DiffusionOptions, mask_id: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp,
              mesh=None, cache_dtype=jnp.float32):
     """Returns (Outputs, stats). ``max_new`` equals ``opts.gen_length``; the prefix / dual caches (``opts.cache``)
@@ -292,7 +292,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, *, cfg: M
     def body(st: DiffState):
         key, k_step = jax.random.split(st.key)
         lg, caches, passes = step_logits(params, cfg, cv, opts, st)
-        commit, x0 = choose(opts, cv, st, lg, k_step, temperature, top_p, samp, eos_ids)
+        commit, x0 = choose(opts, cv, st, lg, k_step, warp, samp, eos_ids)
         x = jnp.where(commit, x0, st.x)
         masked = st.masked & ~commit
         done = st.done | answer_done(x, masked, cv.canvas_BS, eos_ids)[0]

@@ -106,17 +106,17 @@ class DraftChain(_DraftModelDrafter):
                                             shared_prefix),
                           gamma=jnp.full((b,), self.gamma, jnp.int32))
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         b = ctx.seq.shape[0]
         g = self.gamma_max
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, g + 1)
         v = logits0.shape[-1]
-        k_first, k_rest = jax.random.split(key)
+        k_first, k_rest = sampling.split(key)
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         tokens = jnp.zeros((b, g + 1), jnp.int32).at[:, 0].set(root)
-        tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, temperature, top_p))
+        tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, warp))
         qs = None if samp.greedy else jnp.zeros((b, g + 1, v), jnp.float32).at[:, 0].set(
-            sampling.probs(logits0, samp, temperature, top_p))
+            sampling.probs(logits0, samp, warp))
         gamma_row = dstate.gamma
         n_steps = jnp.max(jnp.where(ctx.active, gamma_row, 1)) - 1
         max_len = cache.max_len
@@ -131,10 +131,10 @@ class DraftChain(_DraftModelDrafter):
             mask = upto_mask(self.dcfg, pos + 1, max_len, pos)
             fo = forward(dparams, self.dcfg, x, pos[:, None], mask, cache=cch, write_at_B=pos)
             lg = unembed(dparams, self.dcfg, fo.hidden[:, 0])
-            nxt = sampling.sample(jax.random.fold_in(k_rest, i), lg, samp, temperature, top_p)
+            nxt = sampling.sample(sampling.fold_in(k_rest, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i + 2, axis=1)
             if q is not None:
-                q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, temperature, top_p)[:, None],
+                q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, warp)[:, None],
                                                         i + 1, axis=1)
             return i + 1, fo.cache, toks, q
 
@@ -166,7 +166,7 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
         return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
                                             shared_prefix))
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
             dparams, self.dcfg, c, ctx.seq, ctx.seq_len, self.max_depth + 1)[:2],
             lambda c, tok, pos, write_at, mask: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask),
@@ -231,7 +231,7 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
         return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
                                             shared_prefix))
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, self.depth + 1)
         prop, cache = grow_dynamic_tree(
             ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth, self.total_tokens,

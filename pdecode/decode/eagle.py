@@ -73,7 +73,7 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         pend = jnp.zeros((b, width) + feats.shape[2:], feats.dtype).at[:, :1].set(last)
         return FeatureState(cache=cache, pend=pend, pend_n=jnp.ones((b,), jnp.int32))
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         cache, pend, pend_n = dstate.cache, dstate.pend, dstate.pend_n
         b, width = pend.shape[:2]
         start = cache.lengths

@@ -41,7 +41,7 @@ class JacobiDrafter(StaticTreeShape, Drafter):
         idx = jnp.clip(plen_B[:, None] - self.block + jnp.arange(self.block)[None, :], 0, prompt_BP.shape[1] - 1)
         return JacobiState(guess=jnp.take_along_axis(prompt_BP, idx, axis=1))
 
-    def propose(self, dparams, dstate: JacobiState, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate: JacobiState, ctx: Context, key, samp, warp):
         b = ctx.seq.shape[0]
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         tokens = jnp.concatenate([root, dstate.guess], axis=1)

@@ -70,7 +70,7 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
         return LayerSkipState(threshold=jnp.full((b,), self.threshold, jnp.float32),
                               rate=jnp.full((b,), self.target_rate, jnp.float32), drafted=jnp.zeros((b,), jnp.int32))
 
-    def propose(self, dparams, st: LayerSkipState, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, st: LayerSkipState, ctx: Context, key, samp, warp):
         tp, cfg, g = ctx.target, self.cfg, self.gamma
         b = ctx.seq.shape[0]
         n = g + 1
@@ -98,12 +98,12 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
                                      capture=reuse)
             hid = jax.lax.dynamic_update_slice_in_dim(hid, cap.astype(hid.dtype), j, axis=1)
             logits = unembed(tp, cfg, fo.hidden[:, 0])
-            key, sub = jax.random.split(key)
+            key, sub = sampling.split(key)
             if samp.greedy:
                 nxt = sampling.argmax(logits)
                 conf = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
             else:
-                probs = sampling.probs(logits, samp, temperature, top_p)
+                probs = sampling.probs(logits, samp, warp)
                 nxt = sampling.sample_from_probs(sub, probs)
                 conf = jnp.max(probs, axis=-1)
                 q = jax.lax.dynamic_update_slice_in_dim(q, probs[:, None], j, axis=1)

@@ -130,7 +130,7 @@ class LookaheadDrafter(Drafter):
         cont = jnp.take_along_axis(slots[..., 1:], order[:, :, None], axis=1)
         return cont, jnp.take_along_axis(found, order, axis=1)
 
-    def propose(self, dparams, st: LookaheadState, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, st: LookaheadState, ctx: Context, key, samp, warp):
         b = ctx.seq.shape[0]
         m, w, g = self.ngram - 1, self.window, self.guesses
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]

@@ -63,7 +63,7 @@ class LookupDrafter(StaticTreeShape, Drafter):
     def tree(self) -> tree_lib.StaticTree:
         return broom(self.branches, self.gamma)
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         b, s_max = ctx.seq.shape
         g = self.gamma
         # more candidates than branches, so branches can skip matches that repeat an earlier first token

@@ -28,7 +28,7 @@ class MedusaDrafter(StaticTreeShape, Drafter):
     tree: tree_lib.StaticTree
     typical: tuple[float, float] | None = None
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         mp, tparams = dparams, ctx.target
         b = ctx.seq.shape[0]
         r = self.tree.max_rank + 1

@@ -73,7 +73,7 @@ class PearlDrafter(_DraftModelDrafter):
                           window=jnp.zeros((b, g), jnp.int32), window_q=jnp.zeros((b, g, v), jnp.float32),
                           n_window=jnp.zeros((b,), jnp.int32))
 
-    def _catch_up(self, dparams, st: PearlState, ctx: Context, key, samp, temperature, top_p):
+    def _catch_up(self, dparams, st: PearlState, ctx: Context, key, samp, warp):
         """The draft's serial part: feed the committed tokens it has not seen and the window, and draw ``first``,
         the token past the window. Returns (cache, first [B], its q [B, V] or None, the sequence end after first)."""
         g = self.gamma
@@ -89,11 +89,11 @@ class PearlDrafter(_DraftModelDrafter):
         mask = common.step_mask(self.dcfg, st.cache, attention.causal_intra(width), pos, valid)
         fo = forward(dparams, self.dcfg, tok, pos, mask, cache=st.cache)
         lg = unembed(dparams, self.dcfg, common.gather_rows(fo.hidden, jnp.clip(end - 1 - start, 0, width - 1)))
-        first = sampling.sample(key, lg, samp, temperature, top_p)
-        q = None if samp.greedy else sampling.probs(lg, samp, temperature, top_p)
+        first = sampling.sample(key, lg, samp, warp)
+        q = None if samp.greedy else sampling.probs(lg, samp, warp)
         return kvc.set_lengths(fo.cache, ctx.seq_len), first, q, end
 
-    def _write_ahead(self, dparams, cache, first, end, key, samp, temperature, top_p):
+    def _write_ahead(self, dparams, cache, first, end, key, samp, warp):
         """The draft's parallel part: ``gamma + 1`` tokens after ``first`` (at position ``end``) and their draft
         distributions (zeros when greedy)."""
         b, g = first.shape[0], self.gamma
@@ -105,10 +105,10 @@ class PearlDrafter(_DraftModelDrafter):
             m = upto_mask(self.dcfg, p_i + 1, max_len, p_i)
             o = forward(dparams, self.dcfg, prev[:, None], p_i[:, None], m, cache=cch, write_at_B=p_i)
             lg = unembed(dparams, self.dcfg, o.hidden[:, 0])
-            nxt = sampling.sample(jax.random.fold_in(key, i), lg, samp, temperature, top_p)
+            nxt = sampling.sample(sampling.fold_in(key, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i, axis=1)
             if not samp.greedy:
-                q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, temperature, top_p)[:, None], i,
+                q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, warp)[:, None], i,
                                                         axis=1)
             return o.cache.replace(lengths=cch.lengths), nxt, toks, q
 
@@ -116,14 +116,14 @@ class PearlDrafter(_DraftModelDrafter):
         _, _, ahead, aq = jax.lax.fori_loop(0, g + 1, body, (cache, first, jnp.zeros((b, g + 1), jnp.int32), q0))
         return ahead, aq
 
-    def propose(self, dparams, st: PearlState, ctx: Context, key, samp, temperature, top_p):
+    def propose(self, dparams, st: PearlState, ctx: Context, key, samp, warp):
         b, g = ctx.seq.shape[0], self.gamma
-        k1, k2 = jax.random.split(key)
-        cache, first, q_first, end = self._catch_up(dparams, st, ctx, k1, samp, temperature, top_p)
+        k1, k2 = sampling.split(key)
+        cache, first, q_first, end = self._catch_up(dparams, st, ctx, k1, samp, warp)
 
         def side():  # while the target verifies [root, window, first], the draft writes gamma + 1 tokens past first
             # (its cache writes are scratch: the next catch-up rewrites every slot past the committed tokens)
-            return self._write_ahead(dparams, cache, first, end, k2, samp, temperature, top_p)
+            return self._write_ahead(dparams, cache, first, end, k2, samp, warp)
 
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         idx = jnp.arange(g + 1)[None, :]

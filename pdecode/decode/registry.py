@@ -1,7 +1,7 @@
 """The decoding methods `pdecode.generate` knows, and how each is prepared.
 
 A method turns (target model, optional draft, options, sampling) into a `Plan`: a pure jit-able function
-``fn(params, prompt_BP, prompt_len_B, key, temperature, top_p, **static)`` returning ``(Outputs, stats)``, the
+``fn(params, prompt_BP, prompt_len_B, key, warp, **static)`` returning ``(Outputs, stats)``, the
 params pytree it takes, its static arguments and how many extra cache slots it needs beyond prompt + new tokens.
 """
 
@@ -22,6 +22,8 @@ class Plan:
     extra_len: int = 0
     # Host-side post-processing of stats (device scalars already converted to Python numbers).
     finish_stats: Callable[[dict], dict] | None = None
+    # the loop keeps the history the repetition penalty needs and records logprobs (ar, draft-and-verify)
+    history_controls: bool = False
 
 
 _TYPES = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,), "list": (list, tuple),

@@ -89,7 +89,7 @@ class Drafter:
         with its own KV cache keeps it in ``cache_dtype``."""
         return ()
 
-    def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, temperature, top_p):
+    def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, warp):
         """(Proposal, new state): the tree to verify, with the `Rule` it is verified by."""
         raise NotImplementedError
 
@@ -145,31 +145,29 @@ class SpecState:
     root_hidden: jax.Array
     root_layers: Any
     dstate: Any
-    key: jax.Array
+    key: jax.Array  # one key, or one per row ([B, 2])
     forwards: jax.Array
     draft_forwards: jax.Array
     acc_hist: jax.Array  # [D+1] histogram of accepted draft tokens per (row, step)
+    seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
 
 
-def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, cfg: ModelConfig,
-             drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
-             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0, pipe: bool = False):
-    """The whole draft-and-verify generation. ``pipe``: the call runs inside `pipelined` (shard_map over the
-    `PIPE` axis of two devices): a proposal's ``side`` work runs on device 1 while device 0 runs the verify forward
-    (the draft's device never runs the target's layers in the loop; see `_overlap`)."""
-    tparams, dparams = params
-    tparams = decode_layout(tparams, cfg, fuse=mesh is None)
-    dparams = drafter.prepare(dparams, mesh)
+def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key, warp, stops, *, cfg: ModelConfig,
+          drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling,
+          cache_dtype=jnp.float32, shared_prefix: int = 0) -> SpecState:
+    """The loop state after the target's prefill (``cache`` holding the prompts, ``logits`` at each prompt's last
+    token, ``pre`` the prefill's forward output over the prompt positions): the first token drawn and appended, the
+    drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d."""
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    lengths = common.phase_lengths(p, max_len, phases)  # the target cache grows between phases (see `ar`)
-    cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(tparams)), mesh)
-    cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache, hidden_layers=n_hid,
-                                        shared_prefix=shared_prefix)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, logits, samp, temperature, top_p)
-    out, _ = common.append(common.Outputs.empty(b, max_new, stops), first[:, None], jnp.ones((b,), jnp.int32),
-                           eos_ids)
+    seen = common.prompt_seen(prompt_BP, prompt_len_B, logits_BV.shape[-1], samp)
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp)
+    key, sub = sampling.split(key)
+    first = sampling.sample(sub, logits_BV, samp, warp)
+    lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
+    out, _ = common.append(common.Outputs.empty(b, max_new, stops, samp.logprobs), first[:, None],
+                           jnp.ones((b,), jnp.int32), eos_ids, lp)
+    seen = common.mark_taken(seen, first[:, None], jnp.ones((b, 1), bool))
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
     seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
     last_idx = prompt_len_B - 1
@@ -182,20 +180,47 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
     if shared_prefix and "shared_prefix" in takes:  # a draft model prefills the shared prefix once too
         kv["shared_prefix"] = shared_prefix
     dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
+    return SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
+                     root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
+                     draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32), seen=seen)
+
+
+def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, samp, warp):
+    """The repetition penalty at every node of a drafted tree: node i's history is the committed sequence (``seen``,
+    the root included) plus the tokens on its path from the root (its ancestors and itself), so each node is
+    penalised exactly as AR would be after taking that path."""
+    if not samp.penalty:
+        return logits_BNV
+    b, n, v = logits_BNV.shape
+    x = sampling.penalize(logits_BNV, seen_BV[:, None, :], samp, warp)
+    node = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    path_tok = []
+    for _ in range(max_depth):  # a node's own token, then its ancestors', up to (not including) the root
+        below_root = node > 0
+        path_tok.append(jnp.where(below_root, jnp.take_along_axis(tokens_BN, node, axis=1), v))
+        node = jnp.where(below_root, jnp.take_along_axis(parents_BN, node, axis=1), 0)
+    idx = jnp.stack(path_tok, axis=-1)  # [B, N, D], v where none
+    orig = jnp.take_along_axis(logits_BNV.astype(jnp.float32), jnp.minimum(idx, v - 1), axis=-1)
+    pen = sampling.penalize(orig, jnp.ones_like(orig, bool), samp, warp)
+    rows = jnp.arange(b)[:, None, None]
+    cols = jnp.arange(n)[None, :, None]
+    return x.at[rows, cols, idx].set(pen, mode="drop")
+
+
+def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max_len: int,
+              eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, pipe: bool = False):
+    """One step of the loop, ``step(state) -> state``: draft, verify in one target forward, commit, append. ``pipe``:
+    the step runs inside `pipelined` (a proposal's side work on the draft's device, `_overlap`)."""
+    n_hid = drafter.hidden_layers
     d_max = drafter.max_depth
-    state = SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
-                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
-                      draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((d_max + 1,), jnp.int32))
-    rows = jnp.arange(b)
 
-    def cond(s: SpecState):
-        return ~jnp.all(s.out.done)
-
-    def body(s: SpecState):
-        key, k_draft, k_ver = jax.random.split(s.key, 3)
+    def step(s: SpecState) -> SpecState:
+        b = s.seq.shape[0]
+        rows = jnp.arange(b)
+        key, k_draft, k_ver = sampling.split(s.key, 3)
         active = ~s.out.done
         ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache)
-        prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, temperature, top_p)
+        prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, warp)
         n = prop.tokens.shape[1]
         if isinstance(prop.parents, StaticTree):  # mask and depths are constants
             parents_BN = jnp.broadcast_to(jnp.asarray(prop.parents.parents, jnp.int32), (b, n))
@@ -211,6 +236,7 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
         mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid if prop.visible is None else prop.visible)
+
         def verify_forward():
             if prop.from_layer:
                 f, _ = forward_layers(tparams, cfg, positions, mask, prop.cache, s.cache.lengths,
@@ -226,7 +252,8 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             logits, fo = verify_forward()
             if prop.side is not None:
                 side = prop.side()
-        ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, temperature, top_p,
+        logits = penalize_nodes(logits, s.seen, prop.tokens, parents_BN, d_max, samp, warp)
+        ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, warp,
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
@@ -234,9 +261,13 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
             cache = kvc.advance(fo.cache, n_new)  # a chain's accepted path is its prefix: already in place
         else:
             cache = kvc.commit(fo.cache, ver.path, n_new)
-        out, n_take = common.append(s.out, ver.tokens, n_new, eos_ids)
+        lp = None
+        if samp.logprobs:  # the token after path node j came from node j's distribution
+            lp = sampling.log_probs(jnp.take_along_axis(logits, ver.path[:, :, None], axis=1), ver.tokens)
+        out, n_take = common.append(s.out, ver.tokens, n_new, eos_ids, lp)
         k = ver.tokens.shape[1]
-        pos = jnp.where(jnp.arange(k)[None, :] < n_new[:, None], s.seq_len[:, None] + jnp.arange(k)[None, :], max_len)
+        taken = jnp.arange(k)[None, :] < n_new[:, None]
+        pos = jnp.where(taken, s.seq_len[:, None] + jnp.arange(k)[None, :], max_len)
         seq = s.seq.at[rows[:, None], pos].set(ver.tokens, mode="drop")
         seq_len = s.seq_len + n_new
         last_node = ver.path[rows, ver.n_accepted]
@@ -251,10 +282,33 @@ def generate(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=Non
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
                          root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
-                         acc_hist=hist)
+                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken))
 
+    return step
+
+
+def generate(params, prompt_BP, prompt_len_B, key, warp, stops=None, *, cfg: ModelConfig,
+             drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
+             cache_dtype=jnp.float32, phases: int = 4, shared_prefix: int = 0, pipe: bool = False):
+    """The whole draft-and-verify generation: prefill, `start`, then `make_step` in a loop. ``pipe``: the call runs
+    inside `pipelined` (shard_map over the `PIPE` axis of two devices): a proposal's ``side`` work runs on device 1
+    while device 0 runs the verify forward (the draft's device never runs the target's layers in the loop)."""
+    tparams, dparams = params
+    tparams = decode_layout(tparams, cfg, fuse=mesh is None)
+    dparams = drafter.prepare(dparams, mesh)
+    b, p = prompt_BP.shape
+    lengths = common.phase_lengths(p, max_len, phases)  # the target cache grows between phases (see `ar`)
+    cache = constrain_cache(kvc.init_cache(cfg, b, lengths[0], cache_dtype, per_layer=unrolled(tparams)), mesh)
+    cache, logits, pre = common.prefill(tparams, cfg, prompt_BP, prompt_len_B, cache,
+                                        hidden_layers=drafter.hidden_layers, shared_prefix=shared_prefix)
+    state = start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits, pre, key, warp, stops, cfg=cfg,
+                  drafter=drafter, max_new=max_new, max_len=max_len, eos_ids=eos_ids, samp=samp,
+                  cache_dtype=cache_dtype, shared_prefix=shared_prefix)
+    step = make_step(tparams, dparams, warp, cfg=cfg, drafter=drafter, max_len=max_len, eos_ids=eos_ids, samp=samp,
+                     mesh=mesh, pipe=pipe)
     # a verify pass writes the whole tree at slots lengths .. lengths + N - 1
-    state = common.phased_while_loop(cond, body, state, lengths, fresh=drafter.tree_size, mesh=mesh)
+    state = common.phased_while_loop(lambda s: ~jnp.all(s.out.done), step, state, lengths,
+                                     fresh=drafter.tree_size, mesh=mesh)
     return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
                        "accepted_histogram": state.acc_hist}
 
@@ -283,7 +337,7 @@ def _overlap(verify_forward, side, cache):
     return lg, ForwardOut(hidden=hidden, cache=new_cache, layer_hidden=layers), side_out
 
 
-def pipelined(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=None, *, devices: tuple[int, ...],
+def pipelined(params, prompt_BP, prompt_len_B, key, warp, stops=None, *, devices: tuple[int, ...],
               cache_dtype=jnp.float32, shared_prefix: int = 0, **static):
     """`generate` on a pipeline placement: one program over the devices with ids ``devices`` (two, static), the
     target's verify forward on the first and the drafter's side work on the second in every step. Every argument
@@ -297,7 +351,7 @@ def pipelined(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops=No
     mesh = Mesh(np.asarray([by_id[i] for i in devices]), (PIPE,))
     fn = functools.partial(generate, cache_dtype=cache_dtype, shared_prefix=shared_prefix, pipe=True, **static)
     run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    return run(params, prompt_BP, prompt_len_B, key, temperature, top_p, stops)
+    return run(params, prompt_BP, prompt_len_B, key, warp, stops)
 
 
 def acceptance_stats(stats: dict) -> dict:
@@ -326,5 +380,5 @@ def make_plan(model, drafter: Drafter, draft_params=None, cache_phases: int = 4,
         static["devices"] = tuple(pipe_devices)
     return Plan(fn=generate if pipe_devices is None else pipelined, params=(model.params, draft_params),
                 static=static,
-                extra_len=drafter.tree_size + 2,
+                extra_len=drafter.tree_size + 2, history_controls=True,
                 finish_stats=lambda s: acceptance_stats({**s, "tree_size": drafter.tree_size}))

@@ -132,16 +132,16 @@ def _at_end(x_BN, path, n_acc):
                                axis=1)[:, 0]
 
 
-def _verify_greedy(logits, tokens, children, key, samp, temperature, top_p, max_depth, draft_q, typical):
+def _verify_greedy(logits, tokens, children, key, samp, warp, max_depth, draft_q, typical):
     best = sampling.argmax(logits)  # [B, N]
     accepted = _first_child_where(children, tokens, lambda tok: tok == best)
     path, n_acc = walk(accepted, max_depth)
     return path, n_acc, _at_end(best, path, n_acc)
 
 
-def _verify_typical(logits, tokens, children, key, samp, temperature, top_p, max_depth, draft_q, typical):
+def _verify_typical(logits, tokens, children, key, samp, warp, max_depth, draft_q, typical):
     eps, delta = typical
-    p = sampling.probs(logits, samp, temperature, top_p)
+    p = sampling.probs(logits, samp, warp)
     ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30)), 0.0), axis=-1)  # [B, N]
     thresh = jnp.minimum(eps, delta * jnp.exp(-ent))
     accepted = _first_child_where(children, tokens,
@@ -153,12 +153,12 @@ def _verify_typical(logits, tokens, children, key, samp, temperature, top_p, max
 def _verify_residual(deterministic: bool):
     """Speculative sampling against the draft's q (``deterministic=False``) or the q = 1 rule (True)."""
 
-    def run(logits, tokens, children, key, samp, temperature, top_p, max_depth, draft_q, typical):
+    def run(logits, tokens, children, key, samp, warp, max_depth, draft_q, typical):
         b, n, _ = logits.shape
-        k_coin, k_res = jax.random.split(key)
-        p = sampling.probs(logits, samp, temperature, top_p)
+        k_coin, k_res = sampling.split(key)
+        p = sampling.probs(logits, samp, warp)
         q = None if deterministic else draft_q.astype(jnp.float32)
-        coins = jax.random.uniform(k_coin, (b, n))
+        coins = sampling.uniform(k_coin, (b, n))
         accepted, residual = node_outcomes(p, tokens, children, q, coins, k_res, deterministic=deterministic)
         path, n_acc = walk(accepted, max_depth)
         return path, n_acc, _at_end(residual, path, n_acc)
@@ -195,7 +195,7 @@ def check_rule(rule, samp: sampling.Sampling, draft_q, typical, max_children: in
 
 
 def verify(logits_BNV: jax.Array, tokens_BN: jax.Array, parents, valid_BN: jax.Array, key: jax.Array,
-           samp: sampling.Sampling, temperature, top_p, *, rule: Rule, max_depth: int, max_children: int,
+           samp: sampling.Sampling, warp, *, rule: Rule, max_depth: int, max_children: int,
            draft_q_BNV: jax.Array | None = None, typical: tuple[float, float] | None = None) -> Verified:
     """Accept the longest valid path of a drafted tree by ``rule`` and draw one bonus token (module docstring).
 
@@ -208,7 +208,7 @@ def verify(logits_BNV: jax.Array, tokens_BN: jax.Array, parents, valid_BN: jax.A
     b, n, _ = logits_BNV.shape
     parents_BN = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     children = tree_lib.children_table(parents_BN, valid_BN, max_children)
-    path, n_acc, bonus = _RULES[rule](logits_BNV, tokens_BN, children, key, samp, temperature, top_p, max_depth,
+    path, n_acc, bonus = _RULES[rule](logits_BNV, tokens_BN, children, key, samp, warp, max_depth,
                                       draft_q_BNV, typical)
     drafted = jnp.take_along_axis(tokens_BN, path[:, 1:], axis=1)  # [B, D]
     out = jnp.concatenate([drafted, jnp.zeros((b, 1), jnp.int32)], axis=1)

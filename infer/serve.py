@@ -1,0 +1,550 @@
+"""`pdecode serve`: an OpenAI-compatible HTTP server over `pdecode.Engine` (continuous batching, any engine method).
+
+    pdecode serve --model code-target --port 8000
+    pdecode serve --model code-target --method sd --draft code-draft --slots 16 --port 8000
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template when it has one,
+else `pdecode.chat`'s plain format), ``GET /v1/models``, ``GET /health``. ``"stream": true`` answers as server-sent
+events in OpenAI's format (``data: {chunk}`` frames, ``data: [DONE]`` last); ``stream_options.include_usage`` adds
+a usage chunk. Beyond OpenAI's fields a request may give ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids`` and ``seed``. Defaults come from the model's generation_config.json, else OpenAI's (temperature
+1, completions max_tokens 16, chat max_tokens the rest of the context).
+
+A request the server cannot serve as asked gets a 400 whose message says what to change (invalid JSON, an unknown
+or out-of-range field, a prompt too long for the context, ``n`` > 1, top logprobs, ...): never a 500, never a stuck
+slot. A client that disconnects frees its slot at the next engine round. SIGTERM (or SIGINT) stops accepting, lets
+requests in flight finish for up to ``--drain`` seconds, cancels the rest and exits.
+
+Built on aiohttp (the optional ``serve`` extra): one package gives the asyncio HTTP server, streamed responses for
+server-sent events and graceful shutdown on signals, with no ASGI layer to configure; the engine runs in one
+worker thread and hands events to the request handlers through the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                     "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of", "user",
+                     "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def _error(e: BadRequest):
+    from aiohttp import web
+
+    body = {"error": {"message": str(e), "type": "invalid_request_error", "param": e.param, "code": None}}
+    return web.json_response(body, status=e.status)
+
+
+# ------------------------------------------------------------------------------------------------ the engine thread
+class Worker:
+    """Runs the engine in one thread: requests come in through `submit` (any thread), events go out to the event
+    loop through each request's asyncio queue."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self._inbox: list = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="pdecode-engine", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, prompt, controls, seed, queue: asyncio.Queue):
+        """Queue one request; its events are put on ``queue`` (from the engine thread, via the loop)."""
+        holder = {}
+
+        def callback(ev):
+            self.loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        with self._lock:
+            self._inbox.append((prompt, controls, seed, callback, holder))
+        self._wake.set()
+        return holder  # holder["req"] is the engine's Request once the thread has taken it
+
+    def cancel(self, holder):
+        with self._lock:
+            self._inbox.append(("cancel", holder))
+        self._wake.set()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            pending = sum(1 for x in self._inbox if x[0] != "cancel")
+        return pending + len(self.engine.queue) + len(self.engine.running)
+
+    def stop(self):
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout=30)
+
+    def _take_inbox(self):
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        for item in items:
+            if item[0] == "cancel":
+                req = item[1].get("req")
+                if req is not None:
+                    self.engine.cancel(req)
+                else:
+                    item[1]["cancelled"] = True
+                continue
+            prompt, controls, seed, callback, holder = item
+            if holder.get("cancelled"):
+                continue
+            holder["req"] = self.engine.submit(prompt, controls, seed=seed, callback=callback)
+
+    def _run(self):
+        try:
+            while not self._stop:
+                self._take_inbox()
+                if self.engine.idle:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                self.engine.run_once()
+        except BaseException as e:  # an engine failure: every waiting request learns of it (a 500)
+            self.error = e
+            import traceback
+
+            traceback.print_exc()
+
+
+# ------------------------------------------------------------------------------------------------ requests
+def _number(body, name, default, lo=None, hi=None, integer=False, lo_open=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok:
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise BadRequest(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}", name)
+    if hi is not None and v > hi:
+        raise BadRequest(f"{name} must be <= {hi}, got {v!r}", name)
+    return v
+
+
+class Server:
+    def __init__(self, engine, name: str, drain_s: float = 10.0):
+        self.engine, self.name, self.drain_s = engine, name, drain_s
+        self.gen = dict(engine.model.generation_config)
+        self.worker: Worker | None = None
+        self.accepting = True
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------------------------------- parsing
+    def _common(self, body: dict, fields: set, kind: str) -> dict:
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r} for {kind}; this server takes: {', '.join(sorted(fields))}",
+                             unknown[0])
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise BadRequest(f"model {model!r} is not served here; this server serves {self.name!r}", "model", 404)
+        n = _number(body, "n", 1, 1, integer=True)
+        if n != 1:
+            raise BadRequest("n > 1 is not supported: send the request n times (with different seeds)", "n")
+        if _number(body, "best_of", 1, 1, integer=True) != 1:
+            raise BadRequest("best_of > 1 is not supported", "best_of")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if _number(body, f, 0.0) != 0:
+                raise BadRequest(f"{f} is not supported: use repetition_penalty (1 = off)", f)
+        if body.get("logit_bias"):
+            raise BadRequest("logit_bias is not supported", "logit_bias")
+        if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+            raise BadRequest("tool calls are not supported", "tools")
+        rf = body.get("response_format")
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise BadRequest("response_format other than {\"type\": \"text\"} is not supported", "response_format")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
+        so = body.get("stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
+            raise BadRequest("stream_options takes only {\"include_usage\": true|false}", "stream_options")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
+        ids = body.get("stop_token_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                      for t in ids)):
+            raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        if self.gen.get("do_sample"):  # the model's generation config (as `pdecode.generation`)
+            from pdecode import generation
+
+            defaults.update({k: v for k, v in generation.defaults(self.gen).items() if k in defaults})
+        elif isinstance(self.gen.get("repetition_penalty"), (int, float)):
+            defaults["repetition_penalty"] = float(self.gen["repetition_penalty"])
+        return dict(
+            temperature=_number(body, "temperature", defaults["temperature"], 0, 2),
+            top_p=_number(body, "top_p", defaults["top_p"], 0, 1, lo_open=True),
+            top_k=_number(body, "top_k", defaults["top_k"], 0, integer=True),
+            min_p=_number(body, "min_p", defaults["min_p"], 0, 1),
+            repetition_penalty=_number(body, "repetition_penalty", defaults["repetition_penalty"], 0, lo_open=True),
+            stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream,
+            include_usage=bool((so or {}).get("include_usage", False)))
+
+    def _check(self, prompt: list[int], max_tokens, c: dict, logprobs: bool):
+        from pdecode.errors import InputError
+
+        try:
+            return self.engine.check(prompt, max_tokens=max_tokens, temperature=c["temperature"], top_p=c["top_p"],
+                                     top_k=c["top_k"], min_p=c["min_p"], repetition_penalty=c["repetition_penalty"],
+                                     stop=c["stop"], stop_token_ids=c["stop_token_ids"], logprobs=logprobs)
+        except InputError as e:
+            raise BadRequest(str(e)) from None
+
+    def _room(self, prompt) -> int:
+        return max(1, self.engine.max_len - self.engine.extra - 1 - len(prompt))
+
+    def parse_completion(self, body: dict):
+        c = self._common(body, COMPLETION_FIELDS, "/v1/completions")
+        if body.get("echo"):
+            raise BadRequest("echo is not supported", "echo")
+        if body.get("suffix"):
+            raise BadRequest("suffix is not supported", "suffix")
+        lp = _number(body, "logprobs", None, 0, integer=True)
+        if lp:
+            raise BadRequest("top logprobs are not supported: logprobs=0 returns the log-probability of each chosen "
+                             "token", "logprobs")
+        prompts = body.get("prompt")
+        tok = self.engine.model.tokenizer
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of such "
+                             "lists", "prompt")
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    raise BadRequest("this model has no tokenizer: send token ids", "prompt")
+                ids.append(tok.encode(p))
+            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids.append(list(p))
+            else:
+                raise BadRequest("each prompt must be a string or a list of token ids", "prompt")
+        max_tokens = _number(body, "max_tokens", None, 1, integer=True)
+        checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
+        return ids, checked, c, lp is not None
+
+    def parse_chat(self, body: dict):
+        from pdecode import chat
+        from pdecode.errors import InputError
+
+        c = self._common(body, CHAT_FIELDS, "/v1/chat/completions")
+        if "messages" not in body:
+            raise BadRequest("messages is required", "messages")
+        logprobs = body.get("logprobs", False)
+        if not isinstance(logprobs, bool):
+            raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+        if _number(body, "top_logprobs", 0, 0, 20, integer=True):
+            raise BadRequest("top_logprobs is not supported: logprobs=true returns the log-probability of each "
+                             "chosen token", "top_logprobs")
+        tok = self.engine.model.tokenizer
+        if tok is None:
+            raise BadRequest("this model has no tokenizer, so it cannot render chat messages", "messages")
+        try:
+            msgs = chat.check_messages(body["messages"])
+            prompt = chat.encode_chat(tok, chat.render(tok, msgs))
+        except InputError as e:
+            raise BadRequest(str(e), "messages") from None
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = _number({"max_tokens": mt}, "max_tokens", None, 1, integer=True)
+        ctl = self._check(prompt, self._room(prompt) if max_tokens is None else max_tokens, c, logprobs)
+        return prompt, ctl, c, logprobs
+
+    # -------------------------------------------------------------------------------------- handlers
+    async def _body(self, request) -> dict:
+        if not self.accepting:
+            raise BadRequest("the server is shutting down", status=503)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    async def _run(self, request, prompt, ctl, seed, on_event):
+        """Submit one request and feed its events to ``on_event`` until it finishes; a client that goes away
+        cancels it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        holder = self.worker.submit(prompt, ctl, seed, queue)
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if self.worker.error is not None:
+                        raise RuntimeError(f"the engine failed: {self.worker.error!r}") from None
+                    if request.transport is None or request.transport.is_closing():
+                        self.worker.cancel(holder)
+                        return
+                    continue
+                await on_event(ev)
+                if ev.finish_reason is not None:
+                    return
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.worker.cancel(holder)
+            raise
+
+    async def completions(self, request):
+        try:
+            body = await self._body(request)
+            ids, checked, c, logprobs = self.parse_completion(body)
+        except BadRequest as e:
+            return _error(e)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if c["stream"]:
+            return await self._stream(request, rid, "text_completion", ids, checked, c, logprobs, chat=False)
+        results = await asyncio.gather(*(self._collect(request, p, ctl, c["seed"]) for p, ctl in zip(ids, checked)))
+        choices = []
+        for i, (text, reason, toks, lps) in enumerate(results):
+            lp = None
+            if logprobs:
+                tok = self.engine.model.tokenizer
+                lp = {"tokens": [tok.decode([t]) if tok else str(t) for t in toks], "token_logprobs": lps,
+                      "top_logprobs": None, "text_offset": None}
+            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
+        n_prompt = sum(len(p) for p in ids)
+        n_out = sum(len(r[2]) for r in results)
+        return _json({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
+                      "choices": choices, "usage": _usage(n_prompt, n_out)})
+
+    async def chat_completions(self, request):
+        try:
+            body = await self._body(request)
+            prompt, ctl, c, logprobs = self.parse_chat(body)
+        except BadRequest as e:
+            return _error(e)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if c["stream"]:
+            return await self._stream(request, rid, "chat.completion.chunk", [prompt], [ctl], c, logprobs, chat=True)
+        text, reason, toks, lps = await self._collect(request, prompt, ctl, c["seed"])
+        lp = None
+        if logprobs:
+            tok = self.engine.model.tokenizer
+            lp = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
+                              for t, v in zip(toks, lps)]}
+        return _json({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": reason, "logprobs": lp}],
+                      "usage": _usage(len(prompt), len(toks))})
+
+    async def _collect(self, request, prompt, ctl, seed):
+        parts, toks, lps, reason = [], [], [], None
+
+        async def on_event(ev):
+            nonlocal reason
+            parts.append(ev.text)
+            toks.extend(ev.tokens)
+            lps.extend(ev.logprobs or [])
+            reason = ev.finish_reason
+
+        await self._run(request, prompt, ctl, seed, on_event)
+        return "".join(parts), reason, toks, lps
+
+    async def _stream(self, request, rid, obj, ids, checked, c, logprobs, chat: bool):
+        from aiohttp import web
+
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created = int(time.time())
+        lock = asyncio.Lock()
+        tok = self.engine.model.tokenizer
+
+        async def send(payload):
+            async with lock:
+                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        def chunk(i, delta_text, reason, ev=None):
+            if chat:
+                delta = {"content": delta_text} if delta_text or reason is None else {}
+                ch = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+                if logprobs and ev is not None and ev.tokens:
+                    ch["logprobs"] = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None,
+                                                   "top_logprobs": []} for t, v in zip(ev.tokens, ev.logprobs)]}
+            else:
+                ch = {"index": i, "text": delta_text, "finish_reason": reason, "logprobs": None}
+                if logprobs and ev is not None and ev.tokens:
+                    ch["logprobs"] = {"tokens": [tok.decode([t]) if tok else str(t) for t in ev.tokens],
+                                      "token_logprobs": ev.logprobs, "top_logprobs": None, "text_offset": None}
+            return {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [ch]}
+
+        usage = {"prompt": sum(len(p) for p in ids), "completion": 0}
+
+        async def one(i, prompt, ctl):
+            if chat:
+                await send({"id": rid, "object": obj, "created": created, "model": self.name,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}]})
+
+            async def on_event(ev):
+                if ev.finish_reason is None:
+                    await send(chunk(i, ev.text, None, ev))
+                else:
+                    if ev.text or ev.tokens:
+                        await send(chunk(i, ev.text, None, ev))
+                    usage["completion"] += ev.completion_tokens
+                    await send(chunk(i, "", "stop" if ev.finish_reason == "cancelled" else ev.finish_reason))
+
+            await self._run(request, prompt, ctl, c["seed"], on_event)
+
+        try:
+            await asyncio.gather(*(one(i, p, ctl) for i, (p, ctl) in enumerate(zip(ids, checked))))
+            if c["include_usage"]:
+                await send({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
+                            "usage": _usage(usage["prompt"], usage["completion"])})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass  # the client went away: `_run` cancelled its requests
+        return resp
+
+    async def models(self, request):
+        return _json({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                  "owned_by": "pdecode"}]})
+
+    async def health(self, request):
+        ok = self.worker is not None and self.worker.error is None
+        return _json({"status": "ok" if ok else "failed", "method": self.engine.method,
+                      "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0},
+                     status=200 if ok else 500)
+
+    # -------------------------------------------------------------------------------------- app
+    def app(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request, handler):  # anything that escapes a handler unexpectedly: JSON, not HTML
+            try:
+                return await handler(request)
+            except web.HTTPException as e:
+                if e.status >= 400:
+                    return _error(BadRequest(f"{e.reason}: {request.method} {request.path}", status=e.status))
+                raise
+            except BadRequest as e:
+                return _error(e)
+
+        app = web.Application(middlewares=[errors], client_max_size=16 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+
+        async def on_startup(app):
+            self.worker = Worker(self.engine, asyncio.get_running_loop())
+            self.worker.start()
+
+        async def on_shutdown(app):  # SIGTERM / SIGINT: drain, then cancel what is left
+            self.accepting = False
+            t_end = time.monotonic() + self.drain_s
+            while self.worker.in_flight() and time.monotonic() < t_end:
+                await asyncio.sleep(0.05)
+            left = self.worker.in_flight()
+            if left:
+                print(f"pdecode serve: cancelling {left} request(s) still in flight", file=sys.stderr, flush=True)
+                for r in list(self.engine.queue) + list(self.engine.running.values()):
+                    self.engine.cancel(r)
+                t_end = time.monotonic() + 5
+                while self.worker.in_flight() and time.monotonic() < t_end:
+                    await asyncio.sleep(0.05)
+
+        async def on_cleanup(app):
+            self.worker.stop()
+
+        app.on_startup.append(on_startup)
+        app.on_shutdown.append(on_shutdown)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+
+def _usage(p: int, c: int) -> dict:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _json(obj, status: int = 200):
+    from aiohttp import web
+
+    return web.json_response(obj, status=status)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="code-target", help="zoo name or model directory (default: code-target)")
+    ap.add_argument("--method", default="ar", help="ar or a draft-and-verify method (sd, lookup, eagle, ...)")
+    ap.add_argument("--draft", default=None, help="draft model for sd / tree")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default: 8)")
+    ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + output (default: 1024)")
+    ap.add_argument("--chunk", type=int, default=256, help="largest prefill chunk (default: 256)")
+    ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per engine call (default: 4)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--served-name", default=None, help="the model name clients use (default: --model)")
+    ap.add_argument("--drain", type=float, default=10.0, help="seconds SIGTERM waits for requests in flight")
+    ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
+
+
+def run_from_args(args) -> int:
+    import pdecode
+    from infer.cli import parse_options
+    from pdecode.engine import Engine
+
+    try:
+        import aiohttp  # noqa: F401
+        from aiohttp import web
+    except ImportError:
+        print("pdecode serve needs aiohttp: pip install 'pdecode[serve]'", file=sys.stderr)
+        return 2
+    options = parse_options(args.option)
+    load = lambda name: pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype)  # noqa: E731
+    model = load(args.model)
+    draft = load(args.draft) if args.draft else None
+    engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
+                    steps_per_call=args.steps_per_call, **options)
+    print(f"pdecode serve: {args.model} ({args.method}, {args.slots} slots x {args.max_len}) warming up ...",
+          file=sys.stderr, flush=True)
+    secs = engine.warmup()
+    print(f"pdecode serve: {engine.compiles} programs compiled in {secs:.1f}s; listening on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server = Server(engine, args.served_name or args.model, drain_s=args.drain)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, shutdown_timeout=args.drain + 10,
+                handle_signals=True)
+    print("pdecode serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdecode serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
