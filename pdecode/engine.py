@@ -116,6 +116,10 @@ class Engine:
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise InputError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
         meth = registry.get(method)
+        not_here = InputError(f"method {method!r} does not run in the serving engine: it takes ar and the "
+                              f"draft-and-verify methods (sd, lookup, tree, eagle, medusa, mtp, ...)")
+        if meth.wants_max_new:  # a masked-diffusion canvas, not a token loop
+            raise not_here
         opts = registry.resolve_options(meth, method_options)
         if meth.needs_draft and draft is None:
             raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
@@ -133,8 +137,7 @@ class Engine:
         elif plan.fn is speculative.generate:
             self.drafter = plan.static["drafter"]
         else:
-            raise InputError(f"method {method!r} does not run in the serving engine: it takes ar and the "
-                             f"draft-and-verify methods (sd, lookup, tree, eagle, medusa, mtp, ...)")
+            raise not_here
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "

@@ -1,0 +1,150 @@
+"""The serving engine: continuous batching gives each request exactly what `pdecode.generate` gives it (greedy; ar,
+sd, lookup, eagle; more requests than slots, mixed prompt lengths and budgets, a prompt prefilled in chunks), with
+no compilation after warm-up; per-slot sampling values and seeds; stop strings; cancellation frees the slot."""
+
+import jax
+import numpy as np
+import pytest
+
+import pdecode
+from pdecode.engine import Engine
+from pdecode.errors import InputError
+from pdecode.model import heads as H
+from tests.test_heads import _with_heads
+from tests.test_speculative import PROMPTS, models  # noqa: F401 (fixtures)
+
+BUDGETS = [12, 5, 20, 9, 16, 3, 11, 14]
+
+
+class CompileCounter:
+    """Counts XLA backend compiles in this process while active."""
+
+    def __init__(self):
+        self.n, self.on = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, name, secs, **kw):
+        if self.on and name == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+
+COUNTER = CompileCounter()
+
+
+def _engine_case(models, method):  # noqa: F811
+    t = models["target"]
+    if method == "eagle":
+        t = _with_heads(t, "eagle", H.EagleConfig(), seed=1)
+        return t, {"tree_top_k": 2, "depth": 3, "total_tokens": 5}
+    if method == "sd":
+        return t, {"draft": models["small"], "gamma": 3}
+    if method == "lookup":
+        return t, {"gamma": 3}
+    return t, {}
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "lookup", "eagle"])
+def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  # noqa: F811
+    t, opts = _engine_case(models, method)
+    eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=3, **opts)
+    eng.warmup()
+    warm = eng.compiles
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, BUDGETS)]
+        rounds = 0
+        while not eng.idle:
+            eng.run_once()
+            rounds += 1
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == warm  # requests came and went: nothing compiled
+    assert eng.stats["prefill_chunks"] > len(PROMPTS)  # the 37-token prompt went in two chunks
+    for r, p, b in zip(reqs, PROMPTS, BUDGETS):
+        ref = pdecode.generate(t, [p], method=method, max_new_tokens=b, **opts)
+        assert r.tokens == ref.tokens[0], (method, p)
+        assert r.finish_reason == ref.finish_reasons[0]
+    assert not eng.running and not eng.queue
+
+
+def test_per_slot_sampling_and_seeds(models):  # noqa: F811
+    """Greedy slots decode exactly as AR while sampled slots share the batch; a seeded request gives the same
+    tokens whichever slot it lands in and whatever else runs."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=models["small"], slots=4, max_len=96, chunk=32, gamma=3)
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        kw = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=1.0, top_k=5, repetition_penalty=1.2)
+        reqs.append(eng.submit(p, eng.check(p, max_tokens=10, **kw), seed=100 + i))
+    while not eng.idle:
+        eng.run_once()
+    for i, (r, p) in enumerate(zip(reqs, PROMPTS)):
+        if i % 2 == 0:
+            assert r.tokens == pdecode.generate(t, [p], max_new_tokens=10).tokens[0]
+    # the sampled ones again, alone, in other slots
+    again = [eng.submit(PROMPTS[i], eng.check(PROMPTS[i], max_tokens=10, temperature=1.0, top_k=5,
+                                              repetition_penalty=1.2), seed=100 + i) for i in (5, 1)]
+    while not eng.idle:
+        eng.run_once()
+    assert again[0].tokens == reqs[5].tokens and again[1].tokens == reqs[1].tokens
+    assert reqs[1].tokens != reqs[3].tokens
+
+
+@pytest.fixture(scope="module")
+def code_engine():
+    m = pdecode.load("code-target", dtype="float32")
+    return m, Engine(m, method="ar", slots=2, max_len=160, chunk=64, steps_per_call=4)
+
+
+def test_stop_strings_logprobs_and_streaming_text(code_engine):
+    m, eng = code_engine
+    prompt = m.tokenizer.encode("def fib(n):")
+    free = pdecode.generate(m, [prompt], max_new_tokens=40, stop_at_eos=False, logprobs=True)
+    text = free.texts[0]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    events = []
+    r = eng.submit(prompt, eng.check(prompt, max_tokens=40, temperature=0.0, stop=[stop], logprobs=True),
+                   callback=events.append)
+    while not eng.idle:
+        eng.run_once()
+    want = text[: text.find(stop)]
+    assert r.finish_reason == "stop" and r.text == want
+    assert "".join(e.text for e in events) == want  # the streamed pieces add up, stop string held back
+    assert len(events) > 2 and events[-1].finish_reason == "stop"
+    n = len(r.tokens)
+    assert r.tokens == free.tokens[0][:n]
+    np.testing.assert_allclose(r.logprobs, free.logprobs[0][:n], atol=1e-4)
+
+
+def test_cancel_frees_the_slot(code_engine):
+    m, eng = code_engine
+    ps = [m.tokenizer.encode(s) for s in ("import os\n", "class A:\n", "x = 1\n")]
+    reqs = [eng.submit(p, eng.check(p, max_tokens=60, temperature=0.0)) for p in ps]
+    eng.run_once()
+    assert len(eng.running) == 2 and len(eng.queue) == 1
+    eng.cancel(reqs[0])
+    eng.run_once()
+    assert reqs[0].finish_reason == "cancelled" and reqs[2].slot == reqs[0].slot
+    while not eng.idle:
+        eng.run_once()
+    assert reqs[1].tokens == pdecode.generate(m, [ps[1]], max_new_tokens=60).tokens[0]
+    assert reqs[2].tokens == pdecode.generate(m, [ps[2]], max_new_tokens=60).tokens[0]
+
+
+def test_bad_requests_and_options(code_engine, models):  # noqa: F811
+    m, eng = code_engine
+    p = m.tokenizer.encode("x")
+    for kw, msg in [(dict(max_tokens=500), "ask for at most"), (dict(top_k=100), "top_k must be at most"),
+                    (dict(temperature=-1.0), "temperature"), (dict(stop_token_ids=list(range(9))), "stop token ids")]:
+        with pytest.raises(InputError, match=msg):
+            eng.check(p, **kw)
+    with pytest.raises(InputError, match="shorten the prompt"):
+        eng.check(p * 200)
+    with pytest.raises(InputError, match="empty"):
+        eng.check([])
+    with pytest.raises(InputError, match="token ids must lie"):
+        eng.check([10**7])
+    with pytest.raises(InputError, match="does not run in the serving engine"):
+        Engine(models["target"], method="diffusion")
+    with pytest.raises(InputError, match="chunk must be one of"):
+        Engine(models["target"], chunk=100)
