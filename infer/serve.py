@@ -431,8 +431,8 @@ class Server:
     async def health(self, request):
         ok = self.worker is not None and self.worker.error is None
         return _json({"status": "ok" if ok else "failed", "method": self.engine.method,
-                      "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0},
-                     status=200 if ok else 500)
+                      "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0,
+                      "compiles_since_warmup": XLA_COMPILES["n"]}, status=200 if ok else 500)
 
     # -------------------------------------------------------------------------------------- app
     def app(self):
@@ -480,6 +480,19 @@ class Server:
         app.on_shutdown.append(on_shutdown)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+XLA_COMPILES = {"n": 0, "on": False}  # XLA compiles in this process after warm-up (there should be none)
+
+
+def _count_compiles():
+    import jax
+
+    def listener(name, secs, **kw):
+        if XLA_COMPILES["on"] and name == "/jax/core/compile/backend_compile_duration":
+            XLA_COMPILES["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
 
 
 def _usage(p: int, c: int) -> dict:
@@ -530,6 +543,8 @@ def run_from_args(args) -> int:
     print(f"pdecode serve: {args.model} ({args.method}, {args.slots} slots x {args.max_len}) warming up ...",
           file=sys.stderr, flush=True)
     secs = engine.warmup()
+    _count_compiles()
+    XLA_COMPILES["on"] = True
     print(f"pdecode serve: {engine.compiles} programs compiled in {secs:.1f}s; listening on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server = Server(engine, args.served_name or args.model, drain_s=args.drain)
