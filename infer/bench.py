@@ -347,10 +347,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose"], default="decode",
+    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve"], default="decode",
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
                          "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
-                         "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py)")
+                         "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py); serve: "
+                         "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=None,
@@ -389,6 +390,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="diffusion suite: only choose DiCo's knobs on the tuning slice (dico_tuning.json)")
     ap.add_argument("--devices", type=int, default=None,
                     help="force this many CPU devices before JAX starts (e.g. 2 for pearl:placement=split)")
+    ap.add_argument("--requests", type=int, default=96, help="serve suite: requests per load row")
+    ap.add_argument("--slots", type=int, default=16, help="serve suite: the server's decode slots")
+    ap.add_argument("--clients", type=int, default=16, help="serve suite: closed-loop concurrent clients")
+    ap.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 32.0, 64.0],
+                    help="serve suite: Poisson arrival rates (requests/s)")
+    ap.add_argument("--prompt-min", type=int, default=16, help="serve suite: shortest prompt (tokens)")
+    ap.add_argument("--budget-min", type=int, default=32, help="serve suite: smallest max_tokens")
+    ap.add_argument("--max-len", type=int, default=192, help="serve suite: the server's context per slot")
+    ap.add_argument("--steps-per-call", type=int, default=8, help="serve suite: decode steps per engine call")
+    ap.add_argument("--fixed-new-tokens", type=int, default=64,
+                    help="serve suite: new tokens per row of the fixed-batch reference rows through generate")
     ap.add_argument("--recompute-verify-cost", action="store_true",
                     help="reuse --out/results.json: only (re)measure the verify cost and the projections")
 
@@ -472,6 +484,12 @@ def run_from_args(args) -> int:
 
         args.model = args.model or "code-dllm"
         return diffusion_bench.run(args)
+    if args.suite == "serve":
+        from infer import serve_bench
+
+        args.methods = args.methods or ["ar", "sd"]
+        args.new_tokens = 96 if args.new_tokens == 128 else args.new_tokens  # budgets 32-96 (mean 64)
+        return serve_bench.run_suite(args)
     if args.suite == "decompose":
         from infer import decompose_bench
 

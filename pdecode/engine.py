@@ -1,22 +1,24 @@
 """Continuous batching: a fixed set of decode slots that requests enter and leave while the others keep decoding.
 
-The device side is four compiled functions over one `EngineState` (the decode loop's own state, `ar.ARState` or
+The device side is a few compiled functions over one `EngineState` (the decode loop's own state, `ar.ARState` or
 `speculative.SpecState`, with ``slots`` rows and a cache of ``max_len`` positions, plus each slot's `sampling.Warp`):
 
-* ``prefill_chunk``: one chunk of a prompt into a request's own one-row cache (`common.prefill_at`); a long prompt
-  takes several calls, so decode steps of the other slots run between them;
-* ``insert``: the request's loop state from that cache (`ar.start` / `speculative.start`: the first token drawn,
-  a drafter's state initialised) written into a free slot, with its sampling values, budget and stop ids;
+* ``admit``: requests into free slots, up to `ADMIT_ROWS` per call: each prompt prefilled (`common.prefill_at`),
+  its loop state started (`ar.start` / `speculative.start`: the first token drawn, a drafter's state initialised)
+  and written over the slot's row with its sampling values, budget and stop ids;
+* ``prefill``: one middle chunk of a long prompt into the request's own one-row cache; such a prompt takes one
+  chunk per round, so the other slots keep decoding, and its last chunk goes in with ``admit``;
 * ``step``: ``k`` decode steps for every live slot (the loop's own `make_step`), the state donated;
 * ``release``: a slot marked finished (a stop string seen on the host, a client gone).
 
-Shapes are fixed when the engine is built: prompt chunks come in a few bucket sizes (`CHUNKS` up to ``chunk``), the
-state is always ``slots`` rows, and a step compiles in two variants (every live slot greedy and plain, or the
-full sampler: per-row temperature / top-k / top-p / min-p, repetition penalty, logprobs). `warmup` compiles them
-all; afterwards requests come and go without compiling (``compiles`` counts every compile).
+Shapes are fixed when the engine is built: prompts come in a few bucket sizes (`CHUNKS` up to ``chunk``), admissions
+one or `ADMIT_ROWS` at a time, the state is always ``slots`` rows, and a step compiles in two variants (every live
+slot greedy and plain, or the full sampler: per-row temperature / top-k / top-p / min-p, repetition penalty,
+logprobs). `warmup` compiles them all; afterwards requests come and go without compiling (``compiles`` counts).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
-may begin a stop string, and reports `Event`s. It is single-threaded: a server drives it from one thread.
+may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
+results, so host work overlaps device work. It is single-threaded: a server drives it from one thread.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pdecode.model.transformer import ForwardOut, decode_layout, unrolled
 
 CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the engine's ``chunk``)
 MAX_STOP_IDS = 8  # extra stop ids per request
+ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 
 
 @struct.dataclass
@@ -71,12 +74,12 @@ class Request:
     # host-side progress
     slot: int = -1
     fed: int = 0  # prompt tokens prefilled so far
-    pre: Any = None
+    pre: Any = None  # a long prompt's `Prefill` between its chunks
+    inserted: bool = False  # in its slot, decoding
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     text_sent: int = 0  # characters of the decoded text already reported
     tok_sent: int = 0  # tokens already reported
-    read: int = 0  # tokens read back from the slot
     text: str = ""  # the whole text, once finished
     finish_reason: str | None = None
     cancelled: bool = False
@@ -103,10 +106,12 @@ class Engine:
     tree, eagle, medusa, mtp, lookahead, jacobi, layerskip, with their ``method_options``); ``draft``: its draft
     model; ``slots``: rows decoded together; ``max_len``: cache positions per slot (prompt + output + the method's
     draft slots); ``chunk``: the largest prefill chunk; ``steps_per_call``: decode steps per compiled call (more:
-    less host overhead, coarser streaming); ``top_k_max``: the largest top_k a request may ask for."""
+    less host overhead, coarser streaming); ``top_k_max``: the largest top_k a request may ask for;
+    ``admit_rows``: requests admitted by one call when several wait."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
-                 steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64, **method_options):
+                 steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
+                 admit_rows: int = ADMIT_ROWS, **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -125,12 +130,15 @@ class Engine:
             raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
         if draft is not None:
             api._check_same_tokenizer(model, draft)
+        if not isinstance(admit_rows, int) or admit_rows < 1:
+            raise InputError(f"admit_rows must be an integer >= 1, got {admit_rows!r}")
         self.model, self.method, self.slots, self.chunk, self.k = model, method, slots, chunk, steps_per_call
+        self.admit_rows = min(admit_rows, slots)
         self.vocab = model.cfg.vocab_size
         self.top_k_max = min(int(top_k_max), self.vocab)
         self.full = sampling.Sampling(greedy=False, top_k=self.top_k_max, use_top_p=True, use_min_p=True,
                                       penalty=True, logprobs=True)
-        self.fast = sampling.Sampling(greedy=True, logprobs=True)  # logprobs: same state layout; written when asked
+        self.fast = sampling.Sampling(greedy=True)  # every live slot greedy, no penalty, no logprobs
         plan = meth.prepare(model, draft, opts, self.full)
         if plan.fn is ar.generate:
             self.drafter = None
@@ -147,7 +155,8 @@ class Engine:
             raise InputError(f"max_len must be at least {CHUNKS[0] + self.extra + 2} for method {method!r}")
         self.eos = api.eos_ids(model)
         self.kv_dtype = api.resolve_cache_dtype(model, cache_dtype)
-        self.params = plan.params  # the target's params, or (target, drafter) params
+        # the decode layout once (fused, unstacked, the embedding transposed), not at every step call
+        self.params = jax.jit(self._prepare)(plan.params)  # target params, or (target, drafter) params
         self.compiles = 0
         self._exe: dict = {}
         self._hid = self.drafter.hidden_layers if self.drafter is not None else ()
@@ -155,12 +164,18 @@ class Engine:
         self._ids = itertools.count(1)
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
+        self._reqs: dict[int, Request] = {}  # id -> request, until its last event
+        self._inflight: collections.deque = collections.deque()  # dispatched calls whose results are not read yet
         self.state = None
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------------------------------ device functions
     def _tparams(self, params):
         return params if self.drafter is None else params[0]
+
+    def _prepare(self, params):
+        tp = decode_layout(self._tparams(params), self.model.cfg, fuse=True)
+        return tp if self.drafter is None else (tp, self.drafter.prepare(params[1], None))
 
     def _layout(self, params):
         tp = decode_layout(self._tparams(params), self.model.cfg, fuse=True)
@@ -214,7 +229,8 @@ class Engine:
         return jax.tree.map(axis, a, b)
 
     def _prefill_fn(self, params, pre: Prefill, tokens_1T, n_1):
-        tp = decode_layout(self._tparams(params), self.model.cfg, fuse=True)
+        """One middle chunk of a long prompt into the request's own cache (and hidden-state buffer)."""
+        tp = self._tparams(params)
         start = pre.cache.lengths
         cache, logits, fo = common.prefill_at(tp, self.model.cfg, tokens_1T, start, n_1, pre.cache, self._hid)
         pos = start[0] + jnp.arange(tokens_1T.shape[1])  # positions past the cache's end are dropped
@@ -224,25 +240,45 @@ class Engine:
             layers = layers.at[:, :, pos].set(fo.layer_hidden.astype(layers.dtype), mode="drop")
         return Prefill(cache=cache, hidden=hidden, layers=layers, logits=logits)
 
-    def _insert_fn(self, params, st: EngineState, pre: Prefill, prompt_1L, plen_1, slot, seed_1, warp1, limit_1,
-                   stop_ids_1S, *, axes):
-        key = sampling.row_keys(seed_1)
-        stops = common.Stops(limit=limit_1, stop_ids=stop_ids_1S)
-        row = self._start(params, prompt_1L, plen_1, pre.cache, pre.logits,
-                          ForwardOut(hidden=pre.hidden, cache=None, layer_hidden=pre.layers), key, warp1, stops,
-                          self.full)
+    def _admit_fn(self, params, st: EngineState, tokens_AC, n_A, slot_A, seed_A, warp_A, limit_A, stop_ids_AS,
+                  pre=None, prompt_1L=None, plen_1=None, *, axes):
+        """Requests into their slots, A at a time (A static; a row repeated to fill A writes its slot twice, alike):
+        each prompt's last chunk prefilled (the whole prompt when ``pre`` is None; else, for one request, after the
+        chunks in ``pre``, the whole prompt in ``prompt``), the loop state started (first token drawn, drafter state
+        initialised) and written over the slot's row, its sampling values set. Returns (state, (first tokens, their
+        logprobs, done) per row)."""
+        cfg = self.model.cfg
+        tp = self._tparams(params)
+        a = tokens_AC.shape[0]
+        if pre is None:
+            cache = kvc.init_cache(cfg, a, self.max_len, self.kv_dtype, per_layer=unrolled(tp))
+            cache, logits, fo = common.prefill_at(tp, cfg, tokens_AC, jnp.zeros((a,), jnp.int32), n_A, cache,
+                                                  self._hid)
+            prompt, plen = tokens_AC, n_A
+        else:
+            p = self._prefill_fn(params, pre, tokens_AC, n_A)
+            cache, logits = p.cache, p.logits
+            fo = ForwardOut(hidden=p.hidden, cache=None, layer_hidden=p.layers)
+            prompt, plen = prompt_1L, plen_1
+        stops = common.Stops(limit=limit_A, stop_ids=stop_ids_AS)
+        rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A), warp_A, stops,
+                           self.full)
+        loop, warp = st.loop, st.warp
+        for i in range(a):
+            def put(big, small, ax, i=i):
+                if ax is None:
+                    return big
+                row = jax.lax.slice_in_dim(small, i, i + 1, axis=ax)
+                return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot_A[i], axis=ax)
 
-        def put(big, small, ax):
-            if ax is None:
-                return big
-            return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=ax)
+            loop = jax.tree.map(put, loop, rows, axes)
+            warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
+        out = rows.out
+        return EngineState(loop=loop, warp=warp), (out.tokens[:, 0], out.logprobs[:, 0], out.done)
 
-        loop = jax.tree.map(put, st.loop, row, axes)
-        warp = jax.tree.map(lambda big, small: big.at[slot].set(small[0]), st.warp, warp1)
-        return EngineState(loop=loop, warp=warp)
-
-    def _step_fn(self, params, st: EngineState, read_B, *, samp, k: int):
-        """``k`` steps; returns (state, (count, done, the tokens and logprobs from ``read`` on: [slots, W]))."""
+    def _step_fn(self, params, st: EngineState, *, samp, k: int):
+        """``k`` steps; returns (state, (count before, count after, done, the tokens and logprobs from the count
+        before: [slots, W]))."""
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         if self.drafter is None:
@@ -250,17 +286,19 @@ class Engine:
         else:
             one = speculative.make_step(tp, dp, st.warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
                                         eos_ids=self.eos, samp=samp)
+        c0 = st.loop.out.count
+
         def cond(c):
             i, s = c
             return (i < k) & ~jnp.all(s.out.done)
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
         out = loop.out
-        w = k * self._per_step() + 1  # + 1: a slot's first token, drawn when it was inserted
-        idx = jnp.minimum(read_B[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
+        w = k * self._per_step()
+        idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
-        return EngineState(loop=loop, warp=st.warp), (out.count, out.done, new, lps)
+        return EngineState(loop=loop, warp=st.warp), (c0, out.count, out.done, new, lps)
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
@@ -284,9 +322,9 @@ class Engine:
         return jnp.dtype(self.model.cfg.activation_dtype or self.model.dtype)
 
     def _blank_prefill(self) -> Prefill:
-        """A request's empty prefill state (numpy zeros: no device op, nothing compiled)."""
+        """A long prompt's empty prefill state (numpy zeros: no device op, nothing compiled)."""
         cfg = self.model.cfg
-        per_layer = unrolled(decode_layout(self._tparams(self.params), cfg, fuse=True))
+        per_layer = unrolled(self._tparams(self.params))
         shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, self.max_len, self.kv_dtype, per_layer=per_layer))
         cache = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
         hd = self._hidden_dtype()
@@ -295,18 +333,19 @@ class Engine:
                        logits=np.zeros((1, self.vocab), np.float32))
 
     def warmup(self) -> float:
-        """Compile every function the engine calls (prefill chunks, insert, both step variants, release); returns
-        the seconds it took. Called by the first `run_once` if not before."""
+        """Compile every function the engine calls (admission per prompt bucket, the long-prompt chunk, both step
+        variants, release); returns the seconds it took. Called by the first `run_once` if not before."""
         t0 = time.perf_counter()
         if self.state is None:
             self.state = jax.jit(self._empty)(self.params)
             self.compiles += 1
             self._axes = self._batch_axes()
-        pre = self._blank_prefill()
         for c in self._chunk_sizes():
-            self._compile(("prefill", c), self._prefill_fn, self.params, pre, np.zeros((1, c), np.int32),
-                          np.ones((1,), np.int32))
-        self._insert_exe(pre)
+            for rows in sorted({1, self.admit_rows}):
+                self._admit_exe(c, rows)
+        self._admit_exe(self.chunk, 1, self._blank_prefill())
+        self._compile("prefill", self._prefill_fn, self.params, self._blank_prefill(),
+                      np.zeros((1, self.chunk), np.int32), np.ones((1,), np.int32))
         for samp in (self.fast, self.full):
             self._step_exe(samp)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
@@ -316,18 +355,36 @@ class Engine:
     def _chunk_sizes(self):
         return [c for c in CHUNKS if c <= self.chunk]
 
-    def _insert_exe(self, pre):
-        n = 1
-        return self._compile(
-            "insert", functools.partial(self._insert_fn, axes=self._axes), self.params, self.state, pre,
-            np.zeros((1, self.max_len), np.int32), np.ones((1,), np.int32), np.int32(0), np.zeros((n,), np.uint32),
-            sampling.Warp.of(np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),
-                             np.zeros(n, np.float32), np.ones(n, np.float32)),
-            np.ones((1,), np.int32), np.full((1, MAX_STOP_IDS), -1, np.int32), donate=(1,))
+    def _admit_args(self, tokens, reqs: list):
+        """The admission call's arguments for ``reqs`` (their rows of ``tokens``); None entries: warm-up rows."""
+        c = [r.controls if r is not None else None for r in reqs]
+        f = lambda get, dt: np.asarray([get(x) for x in c], dt)  # noqa: E731
+        warp = sampling.Warp(
+            temperature=f(lambda x: x.temperature if x else 0.0, np.float32),
+            top_p=f(lambda x: x.top_p if x else 1.0, np.float32),
+            top_k=f(lambda x: x.top_k if x and x.temperature > 0 else 0, np.int32),
+            min_p=f(lambda x: x.min_p if x and x.temperature > 0 else 0.0, np.float32),
+            penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32))
+        ids = np.full((len(c), MAX_STOP_IDS), -1, np.int32)
+        for i, x in enumerate(c):
+            if x:
+                ids[i, : len(x.stop_token_ids)] = x.stop_token_ids
+        n = np.asarray([len(r.prompt) - r.fed if r is not None else 1 for r in reqs], np.int32)
+        slots = np.asarray([r.slot if r is not None else 0 for r in reqs], np.int32)
+        seeds = np.asarray([r.seed if r is not None else 0 for r in reqs], np.uint32)
+        return (self.params, self.state, tokens, n, slots, seeds, warp, f(lambda x: x.max_new_tokens if x else 1,
+                                                                            np.int32), ids)
+
+    def _admit_exe(self, size: int, rows: int = 1, pre=None):
+        args = self._admit_args(np.zeros((rows, size), np.int32), [None] * rows)
+        if pre is not None:
+            args += (pre, np.zeros((1, self.max_len), np.int32), np.ones((1,), np.int32))
+        return self._compile(("admit", size, rows, pre is not None),
+                             functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
     def _step_exe(self, samp):
         return self._compile(("step", samp.greedy), self._step_fn, self.params, self.state,
-                             np.zeros((self.slots,), np.int32), static={"samp": samp, "k": self.k}, donate=(1,))
+                             static={"samp": samp, "k": self.k}, donate=(1,))
 
     # ------------------------------------------------------------------------------------------ host API
     def check(self, prompt: list[int], max_tokens: int | None = None, **controls) -> generation.Controls:
@@ -367,105 +424,129 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.running
+        return not self.queue and not self.running and not self._inflight
 
     def run_once(self) -> list[Event]:
-        """One round: fill free slots from the queue (prefilling one chunk per request), then one compiled call of
-        ``steps_per_call`` decode steps for the live slots; returns the events of this round."""
+        """One round: fill free slots from the queue (a long prompt takes one chunk per round), dispatch
+        ``steps_per_call`` decode steps for the live slots, and, while the device runs them, turn the previous
+        round's results into events (returned, and given to each request's callback)."""
         if self.state is None:
             self.warmup()
         events: list[Event] = []
         self._drop_cancelled(events)
-        self._admit(events)
-        if any(r.fed >= len(r.prompt) for r in self.running.values()):
-            events += self._decode()
+        self._admit()
+        live = [r for r in self.running.values() if r.inserted and r.finish_reason is None]
+        dispatched = bool(live)
+        if dispatched:
+            self._dispatch_step(live)
+        while len(self._inflight) > (1 if dispatched else 0):
+            events += self._collect(self._inflight.popleft())
         for e in events:
-            r = self._by_id.get(e.request_id)
+            r = self._reqs.get(e.request_id)
             if r is not None and r.callback is not None:
                 r.callback(e)
-        for e in events:
             if e.finish_reason is not None:
-                self._by_id.pop(e.request_id, None)
+                self._reqs.pop(e.request_id, None)
         return events
-
-    @property
-    def _by_id(self) -> dict:
-        if not hasattr(self, "_reqs"):
-            self._reqs = {}
-        return self._reqs
 
     def _drop_cancelled(self, events):
         for slot, r in list(self.running.items()):
-            if r.cancelled:
-                self._free(slot)
+            if r.cancelled and r.finish_reason is None:
+                self._free(slot, release=r.inserted)
                 events.append(self._final(r, "cancelled"))
         for r in [r for r in self.queue if r.cancelled]:
             self.queue.remove(r)
-            self._by_id[r.id] = r
+            self._reqs[r.id] = r
             events.append(self._final(r, "cancelled"))
 
-    def _admit(self, events):
+    def _admit(self):
         free = [s for s in range(self.slots) if s not in self.running]
         while free and self.queue:
             r = self.queue.popleft()
-            self._by_id[r.id] = r
+            self._reqs[r.id] = r
             r.slot = free.pop(0)
-            r.pre = self._blank_prefill()
             self.running[r.slot] = r
-        for r in self.running.values():  # one chunk per request still prefilling
-            if r.fed < len(r.prompt):
-                self._feed_chunk(r)
-                if r.fed >= len(r.prompt):
-                    self._insert(r)
+        waiting = [r for r in self.running.values() if not r.inserted]
+        short = [r for r in waiting if r.pre is None and len(r.prompt) <= self.chunk]
+        for r in waiting:  # long prompts: one chunk per round, the last one admits
+            if r not in short:
+                self._feed_long(r)
+        rows = self.admit_rows
+        for i in range(0, len(short), rows):  # short prompts: admitted together, `rows` per call
+            group = short[i: i + rows]
+            self._admit_group(group if len(group) == 1 else (group + [group[-1]] * rows)[:rows])
 
-    def _feed_chunk(self, r: Request):
+    def _admit_group(self, reqs: list):
+        """One admission call for ``reqs`` (a list of 1 or ``admit_rows``, the last one repeated to fill it)."""
+        rest = max(len(r.prompt) for r in reqs)
+        size = next(c for c in self._chunk_sizes() if c >= rest)
+        toks = np.zeros((len(reqs), size), np.int32)
+        for i, r in enumerate(reqs):
+            toks[i, : len(r.prompt)] = r.prompt
+        exe = self._exe[(("admit", size, len(reqs), False), ())]
+        self.state, outs = exe(*self._admit_args(toks, reqs))
+        uniq = list({id(r): r for r in reqs}.values())
+        for r in uniq:
+            r.fed, r.inserted = len(r.prompt), True
+        self.stats["admit_calls"] += 1
+        self.stats["inserted"] += len(uniq)
+        self._inflight.append(("admit", uniq, outs))
+
+    def _feed_long(self, r: Request):
+        """A long prompt's next chunk: a middle chunk of ``chunk`` tokens, or the admission with the last one."""
         rest = len(r.prompt) - r.fed
-        size = next((c for c in self._chunk_sizes() if c >= rest), self.chunk)
-        n = min(rest, size)
-        toks = np.zeros((1, size), np.int32)
-        toks[0, :n] = r.prompt[r.fed: r.fed + n]
-        exe = self._exe[(("prefill", size), ())]
-        r.pre = exe(self.params, r.pre, toks, np.asarray([n], np.int32))
-        r.fed += n
-        self.stats["prefill_chunks"] += 1
-
-    def _insert(self, r: Request):
-        c = r.controls
+        if r.pre is None:
+            r.pre = self._blank_prefill()
+        if rest > self.chunk:
+            toks = np.asarray([r.prompt[r.fed: r.fed + self.chunk]], np.int32)
+            r.pre = self._exe[("prefill", ())](self.params, r.pre, toks, np.asarray([self.chunk], np.int32))
+            r.fed += self.chunk
+            self.stats["prefill_chunks"] += 1
+            return
+        toks = np.zeros((1, self.chunk), np.int32)
+        toks[0, :rest] = r.prompt[r.fed:]
         prompt = np.zeros((1, self.max_len), np.int32)
         prompt[0, : len(r.prompt)] = r.prompt
-        ids = np.full((1, MAX_STOP_IDS), -1, np.int32)
-        ids[0, : len(c.stop_token_ids)] = c.stop_token_ids
-        warp = sampling.Warp.of(np.asarray([c.temperature], np.float32), np.asarray([c.top_p], np.float32),
-                                np.asarray([c.top_k if c.temperature > 0 else 0], np.int32),
-                                np.asarray([c.min_p if c.temperature > 0 else 0.0], np.float32),
-                                np.asarray([c.repetition_penalty], np.float32))
-        exe = self._exe[("insert", ())]
-        self.state = exe(self.params, self.state, r.pre, prompt, np.asarray([len(r.prompt)], np.int32),
-                         np.int32(r.slot), np.asarray([r.seed], np.uint32), warp,
-                         np.asarray([c.max_new_tokens], np.int32), ids)
-        r.pre = None
-        r.read = 0  # tokens read back from the slot so far
+        args = self._admit_args(toks, [r]) + (r.pre, prompt, np.asarray([len(r.prompt)], np.int32))
+        self.state, outs = self._exe[(("admit", self.chunk, 1, True), ())](*args)
+        r.fed, r.pre, r.inserted = len(r.prompt), None, True
+        self.stats["prefill_chunks"] += 1
+        self.stats["admit_calls"] += 1
         self.stats["inserted"] += 1
+        self._inflight.append(("admit", [r], outs))
 
-    def _decode(self) -> list[Event]:
-        live = [r for r in self.running.values() if r.fed >= len(r.prompt)]
+    def _dispatch_step(self, live):
         plain = all(r.controls.temperature == 0 and r.controls.repetition_penalty == 1.0 and not r.controls.logprobs
                     for r in live)
         exe = self._exe[(("step", plain), (("k", self.k), ("samp", self.fast if plain else self.full)))]
-        read = np.zeros((self.slots,), np.int32)
-        for r in live:
-            read[r.slot] = r.read
-        self.state, (count, done, new, lps) = exe(self.params, self.state, read)
-        count, done, new, lps = (np.asarray(x) for x in (count, done, new, lps))
+        self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
+        self._inflight.append(("step", live, outs))
+
+    def _collect(self, item) -> list[Event]:
+        """Events from one dispatched call's results (waits for them)."""
+        kind, reqs, outs = item
         events = []
-        for r in live:
+        if kind == "admit":
+            tok, lp, done = (np.asarray(x) for x in outs)
+            for i, r in enumerate(reqs):
+                if r.finish_reason is None:
+                    r.tokens.append(int(tok[i]))
+                    if r.controls.logprobs:
+                        r.logprobs.append(float(lp[i]))
+                    ev = self._progress(r, bool(done[i]))
+                    if ev is not None:
+                        events.append(ev)
+            return events
+        c0, c1, done, new, lps = (np.asarray(x) for x in outs)
+        for r in reqs:
+            if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
+                continue
             s = r.slot
-            k = int(count[s] - r.read)
+            k = int(c1[s] - c0[s])
             r.tokens += new[s, :k].tolist()
             if r.controls.logprobs:
                 r.logprobs += lps[s, :k].tolist()
-            r.read += k
             ev = self._progress(r, bool(done[s]))
             if ev is not None:
                 events.append(ev)
@@ -519,7 +600,7 @@ class Engine:
     def _free(self, slot: int, release: bool = True):
         """Forget the slot's request; ``release``: also stop the slot on the device (it was still decoding)."""
         r = self.running.pop(slot, None)
-        if release and r is not None and r.pre is None and r.fed >= len(r.prompt):
+        if release and r is not None and r.inserted:
             self.state = self._exe[("release", ())](self.state, np.int32(slot))
 
     # ------------------------------------------------------------------------------------------ convenience

@@ -62,14 +62,14 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         mask = common.step_mask(cfg, s.cache, one, positions)
         fo = forward(params, cfg, s.last[:, None], positions, mask, cache=s.cache)
         logits = sampling.penalize(unembed(params, cfg, fo.hidden[:, 0]), s.seen, samp, warp)
-        k, sub = sampling.split(s.key)
+        k, sub = (s.key, s.key) if samp.greedy else sampling.split(s.key)
         nxt = sampling.sample(sub, logits, samp, warp)
         active = ~s.out.done
         cache = kvc.advance(fo.cache, active.astype(jnp.int32))
         lp = sampling.log_probs(logits, nxt)[:, None] if samp.logprobs else None
         out, _ = common.append(s.out, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
         last = jnp.where(active, nxt, s.last)
-        seen = common.mark_taken(s.seen, nxt[:, None], active[:, None])
+        seen = common.mark_taken(s.seen, nxt[:, None], active[:, None], samp)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1,
                        seen=seen)
 

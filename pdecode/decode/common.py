@@ -92,10 +92,11 @@ def prompt_seen(prompt_BP: jax.Array, prompt_len_B: jax.Array, vocab: int, samp)
     return mark_seen(jnp.zeros((prompt_BP.shape[0], vocab), bool), prompt_BP, valid)
 
 
-def mark_taken(seen_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array | None:
-    """``seen`` with the taken tokens added (None stays None: the penalty is off)."""
-    if seen_BV is None:
-        return None
+def mark_taken(seen_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array, samp=None) -> jax.Array | None:
+    """``seen`` with the taken tokens added (None stays None; unchanged when ``samp`` has the penalty off: a loop
+    without the penalty compiled in keeps no history)."""
+    if seen_BV is None or (samp is not None and not samp.penalty):
+        return seen_BV
     from pdecode.sampling import mark_seen
 
     return mark_seen(seen_BV, tokens_BK, valid_BK)
@@ -135,7 +136,7 @@ def append(out: Outputs, new_BK: jax.Array, n_new_B: jax.Array, eos_ids: tuple[i
     pos = jnp.where(idx < n_take[:, None], out.count[:, None] + idx, max_new)
     tokens = out.tokens.at[jnp.arange(b)[:, None], pos].set(new_BK.astype(jnp.int32), mode="drop")
     logprobs = out.logprobs
-    if logprobs is not None:
+    if logprobs is not None and logp_BK is not None:  # (a loop that records none leaves the buffer be)
         logprobs = logprobs.at[jnp.arange(b)[:, None], pos].set(logp_BK.astype(jnp.float32), mode="drop")
     count = out.count + n_take
     hit_eos_taken = any_eos & (first_eos < n_take)

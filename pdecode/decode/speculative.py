@@ -282,7 +282,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
                          root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
-                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken))
+                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken, samp))
 
     return step
 
