@@ -313,7 +313,7 @@ def _plot(rows, path: Path):
                        label=r["row"])
     a1.set_xlabel("arrival rate (requests/s)")
     a1.set_ylabel("completion tokens/s")
-    a1.legend(fontsize=7)
+    a1.legend(fontsize=7, loc="center right")
     a2.set_xlabel("arrival rate (requests/s)")
     a2.set_ylabel("time to first token, p99 (s)")
     a2.legend(fontsize=7)

@@ -613,3 +613,61 @@ class Engine:
         return [Event(request_id=r.id, text=r.text, tokens=r.tokens, logprobs=r.logprobs or None,
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens))
                 for r in reqs]
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+_ENGINES: "collections.OrderedDict[Any, Engine]" = collections.OrderedDict()  # warmed engines, least recent first
+ENGINE_CACHE_SIZE = 4
+
+
+def stream(m, prompts, method: str = "ar", draft=None, max_new_tokens: int | None = None, seed: int = 0,
+           slots: int | None = None, steps_per_call: int = 4, **controls_and_options):
+    """`pdecode.generate` as a stream: yields ``(index, Event)`` as text arrives, ``index`` the prompt's position;
+    each prompt's last event has ``finish_reason`` set. Runs on a `Engine` (kept warm for the next call with the
+    same model, method, options and sizes); ``controls_and_options``: generate's sampling controls (temperature,
+    top_k, top_p, min_p, repetition_penalty, stop, stop_token_ids, logprobs) and the method's options.
+
+        for i, ev in pdecode.stream(m, ["def fib(n):"], max_new_tokens=64):
+            print(ev.text, end="", flush=True)
+    """
+    from pdecode import api
+
+    control_names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "stop", "stop_token_ids",
+                     "logprobs")
+    controls = {k: controls_and_options.pop(k) for k in control_names if k in controls_and_options}
+    ids = api.encode_prompts(m, prompts)
+    budget = max_new_tokens if max_new_tokens is not None else \
+        generation.defaults(m.generation_config)["max_new_tokens"]
+    n = slots or min(len(ids), 8)
+    need = max(len(x) for x in ids) + budget + 64
+    max_len = min(-(-need // 64) * 64, m.cfg.max_position_embeddings)
+    key = (id(m), id(draft), method, tuple(sorted(controls_and_options.items())), n, max_len, steps_per_call)
+    eng = _ENGINES.get(key)
+    if eng is None or eng.model is not m:
+        chunk = max(c for c in CHUNKS if c <= max(CHUNKS[0], min(256, max_len // 2)))
+        eng = Engine(m, method=method, draft=draft, slots=n, max_len=max_len, chunk=chunk,
+                     steps_per_call=steps_per_call, **controls_and_options)
+        _ENGINES[key] = eng
+        while len(_ENGINES) > ENGINE_CACHE_SIZE:
+            _ENGINES.popitem(last=False)
+    _ENGINES.move_to_end(key)
+    index = {}
+    for i, p in enumerate(ids):
+        r = eng.submit(p, eng.check(p, max_tokens=budget, **controls), seed=seed + i)
+        index[r.id] = i
+    left = len(ids)
+    try:
+        while left:
+            for ev in eng.run_once():
+                i = index.get(ev.request_id)
+                if i is None:
+                    continue
+                if ev.finish_reason is not None:
+                    left -= 1
+                yield i, ev
+    finally:  # a consumer that stops early cancels the rest
+        for r in list(eng.queue) + list(eng.running.values()):
+            if r.id in index:
+                eng.cancel(r)
+        while not eng.idle:
+            eng.run_once()

@@ -40,7 +40,7 @@ def test_option_values_parse_as_json_or_python_literals():
 @pytest.mark.parametrize("args,match", [
     (["--model", "/no/such/dir"], "no model '/no/such/dir'"),
     (["--method", "warp-drive"], "unknown method 'warp-drive'"),
-    (["--temperature", "-0.5"], "temperature must be >= 0"),
+    (["--temperature", "-0.5"], "temperature must be a number >= 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--max-new-tokens", "5000"], "exceeds the model's context"),
     (["--method", "sd"], "needs a draft model: add --draft"),

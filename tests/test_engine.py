@@ -40,10 +40,16 @@ def _engine_case(models, method):  # noqa: F811
         return t, {"draft": models["small"], "gamma": 3}
     if method == "lookup":
         return t, {"gamma": 3}
+    if method == "pearl":
+        return t, {"draft": models["small"], "gamma": 2}
+    if method == "lookahead":
+        return t, {"window": 3, "ngram": 3, "guesses": 2}
+    if method == "layerskip":
+        return t, {"exit_layer": 1, "gamma": 3}
     return t, {}
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "lookup", "eagle"])
+@pytest.mark.parametrize("method", ["ar", "sd", "lookup", "eagle", "pearl", "lookahead", "layerskip"])
 def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  # noqa: F811
     t, opts = _engine_case(models, method)
     eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=3, **opts)
@@ -149,3 +155,21 @@ def test_bad_requests_and_options(code_engine, models):  # noqa: F811
         Engine(models["target"], method="diffusion")
     with pytest.raises(InputError, match="chunk must be one of"):
         Engine(models["target"], chunk=100)
+
+
+def test_stream(code_engine):
+    """`pdecode.stream`: the pieces of each prompt add up to generate's text, arrive over several events, and a
+    consumer that stops early leaves the engine idle."""
+    m, _ = code_engine
+    prompts = ["def fib(n):", "import os\n", "class A:\n"]
+    ref = pdecode.generate(m, prompts, max_new_tokens=30)
+    texts, counts = ["", "", ""], [0, 0, 0]
+    for i, ev in pdecode.stream(m, prompts, max_new_tokens=30):
+        texts[i] += ev.text
+        counts[i] += 1
+    assert texts == ref.texts and min(counts) > 2
+    gen = pdecode.stream(m, prompts, max_new_tokens=30)
+    next(gen)
+    gen.close()
+    eng = next(iter(pdecode.engine._ENGINES.values()))
+    assert eng.idle
