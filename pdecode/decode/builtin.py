@@ -218,6 +218,48 @@ register(Method("pearl", _prepare_pearl, needs_draft=True, needs="draft model",
                 summary="PEARL: the draft writes the next window while the target verifies the current one (pre- "
                         "and post-verify); a rejection costs one target token, not a wasted window"))
 
+def _prepare_diffusion_draft(model, draft, opts, samp):
+    from pdecode.decode.diffusion_draft import DiffusionDrafter
+
+    check_same_vocab(model.cfg, draft.cfg)
+    mask_id = _diffusion_model(draft, "diffusion_draft")
+    g, steps, k = (_int_opt(opts, n) for n in ("gamma", "steps", "tree_top_k"))
+    if steps > g:
+        raise ConfigError(f"steps ({steps}) must not exceed gamma ({g}): each denoising forward commits >= 1 token")
+    total = opts["total_tokens"]
+    if k > 1:
+        total = total if total is not None else min(2 * g * k, k + (g - 1) * k * k)
+        if not isinstance(total, int) or total < 1 or total > k + (g - 1) * k * k:
+            raise ConfigError(f"total_tokens must be an integer in [1, {k + (g - 1) * k * k}] for tree_top_k={k}, "
+                              f"gamma={g}; got {total!r}")
+        if opts["refill"]:
+            raise ConfigError("refill re-fills a chain's block: use it with tree_top_k=1")
+    drafter = DiffusionDrafter(draft.cfg, mask_id=mask_id, shift=draft.cfg.diffusion_shift, gamma=g, steps=steps,
+                               tree_top_k=k, total_tokens=total or 0, adaptive=bool(opts["adaptive"]),
+                               refill=bool(opts["refill"]))
+    plan = _spec_plan(model, draft.params, drafter, opts)
+    plan.extra_len = max(plan.extra_len, 2 * g + 2)  # the draft writes its block past the committed text
+    return plan
+
+
+register(Method("diffusion_draft", _prepare_diffusion_draft, needs_draft=True, needs="masked-diffusion draft model",
+                options={"gamma": Option(8, "int", "masked positions the draft fills per step (the block)"),
+                         "steps": Option(1, "int", "denoising forwards per block (each commits the most confident "
+                                                   "masked positions; 1: one forward fills the block)"),
+                         "tree_top_k": Option(1, "int", "candidates per block position (1: a chain of the top-1; "
+                                                        "more: a tree over the per-position top-k lattice)"),
+                         "total_tokens": Option(None, "int", "tree nodes kept, by cumulative draft log-probability "
+                                                             "(default 2 x gamma x tree_top_k)"),
+                         "adaptive": Option(False, "bool", "adapt each row's block length to acceptance (+2 after a "
+                                                           "fully accepted block, -1 otherwise)"),
+                         "refill": Option(False, "bool", "after a rejection, start the next block from the last "
+                                                         "block's tokens past the bonus, re-filled by the draft model, "
+                                                         "instead of masks"),
+                         **PHASES},
+                summary="a masked-diffusion model drafts a block of positions in one (or a few) denoising forwards; "
+                        "a chain or a top-k lattice tree, verified losslessly (SpecDiff / DiffuSpec)"))
+
+
 def _heads(model, kind: str):
     from pdecode.errors import InputError
 
