@@ -206,7 +206,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         static["cache_dtype"] = cdt
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(mesh, (batch, prompt_len)))
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding(mesh, (batch,)))
-    args = (p.params, prompt, lens, jax.random.PRNGKey(0), jnp.float32(0), jnp.float32(1))
+    args = (p.params, prompt, lens, jax.random.PRNGKey(0), sampling.Warp.of(0.0))
     t0 = time.perf_counter()
     compiled = jax.jit(p.fn, static_argnames=tuple(static)).lower(*args, **static).compile()
     compile_s = time.perf_counter() - t0

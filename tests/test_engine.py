@@ -67,10 +67,10 @@ def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  #
     assert COUNTER.n == 0 and eng.compiles == warm  # requests came and went: nothing compiled
     assert eng.stats["prefill_chunks"] == 2  # the 37-token prompt went in two chunks
     assert eng.stats["admit_calls"] < len(PROMPTS)  # short prompts admitted together
-    for r, p, b in zip(reqs, PROMPTS, BUDGETS):
-        ref = pdecode.generate(t, [p], method=method, max_new_tokens=b, **opts)
-        assert r.tokens == ref.tokens[0], (method, p)
-        assert r.finish_reason == ref.finish_reasons[0]
+    ref = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=BUDGETS, **opts)  # one budget per row
+    for i, (r, p) in enumerate(zip(reqs, PROMPTS)):
+        assert r.tokens == ref.tokens[i], (method, p)
+        assert r.finish_reason == ref.finish_reasons[i]
     assert not eng.running and not eng.queue
 
 

@@ -255,7 +255,8 @@ def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
 
 
 # ------------------------------------------------------------------------------------------------ diffusion
-def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3):
+def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, eps: float = 1e-3,
+                          glancing: float = 0.0):
     """Masked diffusion (LLaDA): per sequence t ~ U(eps, 1), every token masked with probability t, CE on the
     masked tokens weighted by 1/t, averaged over the maskable slots. ``batch`` = (tokens [B, T], maskable [B, T],
     lengths [B]), optionally with per-token loss weights [B, T] and an attention openness ``r`` (a scalar) after
@@ -265,7 +266,12 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
 
     ``r`` anneals the attention from causal to bidirectional (DiffuLLaMA): a query sees the keys at or before it
     and, beyond them, each later key with probability ``r`` (drawn per row, query and key); ``r = 1`` is the full
-    bidirectional mask. A model adapted from an AR one starts at r = 0, where its weights already work."""
+    bidirectional mask. A model adapted from an AR one starts at r = 0, where its weights already work.
+
+    ``glancing`` > 0 (GLAT, for one-shot and Mask-Predict decoding): instead of a random t, a first pass (no gradient)
+    predicts every maskable position from an all-mask input; ``glancing`` x (the number it got wrong) of the
+    maskable positions, drawn at random, are revealed with their gold tokens and the loss is the cross-entropy on the
+    rest (unweighted): the fewer a model gets right in one pass, the more it is shown."""
 
     def loss(params, frozen, batch, rng):
         del frozen
@@ -275,24 +281,34 @@ def masked_diffusion_loss(cfg: ModelConfig, mask_id: int, shift: bool = False, e
         b, t = tokens.shape
         maskable = maskable & (jnp.arange(t)[None, :] < lengths[:, None])
         k_t, k_m, k_a = jax.random.split(rng, 3)
-        tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
-        masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
-        if shift:  # position 0 has no predictor: never masked (in the input nor in the loss)
-            masked = masked.at[:, 0].set(False)
-        x = jnp.where(masked, mask_id, tokens)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = padded_self_mask(lengths, t, causal=False)
         if openness is not None:
             seen = (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :]) | (
                 jax.random.uniform(k_a, (b, t, t)) < openness)
             mask = mask & seen
-        h = forward(training_layout(params, cfg), cfg, x, pos, mask).hidden
-        logits = unembed(params, cfg, h)
-        if shift:  # logits at i-1 predict token i
-            logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+        slots = maskable.astype(jnp.float32)  # the loss is averaged over the maskable slots
+        if shift:  # position 0 has no predictor: never masked (in the input nor in the loss)
+            maskable = maskable.at[:, 0].set(False)
+
+        def logits_of(x):
+            lg = unembed(params, cfg, forward(training_layout(params, cfg), cfg, x, pos, mask).hidden)
+            return jnp.concatenate([lg[:, :1], lg[:, :-1]], axis=1) if shift else lg  # logits at i-1 predict i
+
+        if glancing > 0:  # GLAT: reveal glancing x (wrong in one pass) gold tokens, score the rest
+            first = jax.lax.stop_gradient(logits_of(jnp.where(maskable, mask_id, tokens)))
+            wrong = jnp.sum((jnp.argmax(first, axis=-1) != tokens) & maskable, axis=1, keepdims=True)
+            n_show = jnp.floor(glancing * wrong.astype(jnp.float32))
+            order = jnp.argsort(jnp.where(maskable, jax.random.uniform(k_m, (b, t)), 2.0), axis=1)
+            rank = jnp.argsort(order, axis=1)
+            masked = maskable & (rank >= n_show)
+            tt = jnp.ones((b, 1))
+        else:
+            tt = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
+            masked = (jax.random.uniform(k_m, (b, t)) < tt) & maskable
+        logits = logits_of(jnp.where(masked, mask_id, tokens))
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
         w = masked.astype(jnp.float32) / tt
-        slots = maskable.astype(jnp.float32)
         if tok_w is not None:
             w, slots = w * tok_w, slots * tok_w
         denom = jnp.maximum(jnp.sum(slots, axis=1, keepdims=True), 1.0)

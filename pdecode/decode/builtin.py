@@ -460,3 +460,38 @@ register(Method("dico", _prepare_dico, wants_max_new=True, options=_dico_options
                 lossless=NOT_AR,
                 summary="DiCo: Divide picks spread-out seeds and grows clusters, Conquer decodes them in parallel, "
                         "Finalize fills the last masks"))
+
+
+def _prepare_mask_predict(model, draft, opts, samp, max_new=None, oneshot=False):
+    from pdecode.decode import mask_predict as mp
+
+    name = "oneshot" if oneshot else "mask_predict"
+    mask_id = _diffusion_model(model, name)
+    eos = model.cfg.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ())
+    if not eos:
+        raise ConfigError(f"method {name!r} pads each answer with EOS: the model needs an eos_token_id")
+    o = mp.MaskPredictOptions(iterations=1 if oneshot else _int_opt(opts, "iterations"), beams=_int_opt(opts, "beams"),
+                              length=opts["length"])
+    return Plan(fn=mp.generate, params=model.params,
+                static={"cfg": model.cfg, "opts": o, "mask_id": mask_id, "eos_id": int(eos[0])}, extra_len=0,
+                finish_stats=_mask_predict_stats)
+
+
+def _mask_predict_stats(s):
+    s["nfe"] = s["target_forwards"]
+    s["tokens_per_forward"] = s["new_tokens"] / max(s["row_forwards"], 1)
+    return s
+
+
+_LENGTH = {"beams": Option(3, "int", "length beams: the most likely answer lengths, decoded in parallel; the best "
+                                     "by mean log-probability is kept"),
+           "length": Option("eos", "str", "eos: lengths from one pass's EOS probabilities over a canvas of masks; "
+                                          "full: the whole canvas (beams 1)", choices=("eos", "full"))}
+register(Method("oneshot", lambda m, d, o, s, max_new=None: _prepare_mask_predict(m, d, o, s, max_new, oneshot=True),
+                wants_max_new=True, options=dict(_LENGTH), needs="diffusion model", lossless=NOT_AR,
+                summary="one-shot non-autoregressive: one forward fills the answer at a predicted length (length "
+                        "beams from the model's EOS probabilities)"))
+register(Method("mask_predict", _prepare_mask_predict, wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+                options={"iterations": Option(10, "int", "T: fill all, then re-mask the N (T - t) / T least probable "
+                                                         "tokens and predict them again"), **_LENGTH},
+                summary="Mask-Predict (CMLM): iterative refinement at predicted lengths, T forwards per length beam"))

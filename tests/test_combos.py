@@ -1,0 +1,103 @@
+"""The survey's combinations: a masked-diffusion model drafting for an AR target (`diffusion_draft`): greedy output
+identical to AR (chain, tree, several denoising steps, adaptive block, refill; batch 8, mixed lengths), sampling
+lossless against exact AR marginals, and a wrong rule the same test rejects."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pdecode
+from pdecode import sampling
+from pdecode.config import ModelConfig
+from pdecode.decode.verify import Rule
+from pdecode.model.transformer import init_params
+from tests.test_selfdraft import PROMPT, N_SAMPLES, _pvalues
+from tests.test_speculative import PROMPTS, models, small_vocab  # noqa: F401 (fixtures)
+
+
+def _dllm(target, shift: bool, seed: int = 3):
+    """A tiny random masked-diffusion model on the target's vocabulary (its last id is the mask)."""
+    v = target.cfg.vocab_size
+    cfg = ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      head_dim=16, max_position_embeddings=512, causal=False, mask_token_id=v - 1,
+                      diffusion_shift=shift, pad_token_id=0)
+    return pdecode.Model(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), std=0.3), name="tiny-dllm")
+
+
+DD = [(True, dict(gamma=4)), (False, dict(gamma=3)), (True, dict(gamma=6, steps=3)),
+      (True, dict(gamma=4, tree_top_k=3, total_tokens=10)), (True, dict(gamma=5, adaptive=True)),
+      (True, dict(gamma=4, refill=True)), (True, dict(gamma=4, refill=True, steps=2))]
+
+
+@pytest.mark.parametrize("shift,opts", DD, ids=[f"dd-{i}" for i in range(len(DD))])
+def test_diffusion_draft_greedy_identical_to_ar(models, shift, opts):  # noqa: F811
+    t = models["target"]
+    d = _dllm(t, shift)
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=30, stop_at_eos=False)
+    out = pdecode.generate(t, PROMPTS, method="diffusion_draft", draft=d, max_new_tokens=30, stop_at_eos=False,
+                           **opts)
+    assert out.tokens == ref.tokens
+    assert out.stats["draft_forwards"] >= out.stats["target_forwards"] - 1
+
+
+@pytest.mark.parametrize("opts", [dict(gamma=3), dict(gamma=3, tree_top_k=2, total_tokens=5)], ids=["chain", "tree"])
+def test_diffusion_draft_sampling_matches_ar(small_vocab, opts):  # noqa: F811
+    target, _ = small_vocab
+    d = _dllm(target, True)
+    out = pdecode.generate(target, [PROMPT] * N_SAMPLES, method="diffusion_draft", draft=d, max_new_tokens=3,
+                           temperature=1.0, seed=2, stop_at_eos=False, **opts)
+    assert min(_pvalues(target, np.array(out.tokens), 3)) > 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class _AsIfSampled:
+    """The diffusion drafter's deterministic block verified as if drawn from a uniform q (a wrong rule)."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def init(self, *a, **k):
+        return self.inner.init(*a, **k)
+
+    def update(self, *a):
+        return self.inner.update(*a)
+
+    def propose(self, dparams, st, ctx, key, samp, warp):
+        prop, st = self.inner.propose(dparams, st, ctx, key, samp, warp)
+        b, n = prop.tokens.shape
+        return prop._replace(rule=Rule.CHAIN_SAMPLING, q=jnp.full((b, n, 16), 1.0 / 16)), st
+
+
+def test_a_wrong_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+    from pdecode.decode.diffusion_draft import DiffusionDrafter
+
+    target, _ = small_vocab
+    d = _dllm(target, True)
+    drafter = _AsIfSampled(DiffusionDrafter(d.cfg, mask_id=15, shift=True, gamma=3))
+    prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
+    plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
+    args = ((target.params, d.params), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    assert min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3)) < 1e-6
+
+
+def test_diffusion_draft_errors(models):  # noqa: F811
+    from pdecode.errors import ConfigError, InputError
+
+    t = models["target"]
+    d = _dllm(t, True)
+    with pytest.raises(InputError, match="needs a masked-diffusion"):
+        pdecode.generate(t, PROMPTS[:1], method="diffusion_draft", draft=models["small"], max_new_tokens=4)
+    with pytest.raises(ConfigError, match="steps"):
+        pdecode.generate(t, PROMPTS[:1], method="diffusion_draft", draft=d, gamma=2, steps=3, max_new_tokens=4)
+    with pytest.raises(ConfigError, match="refill"):
+        pdecode.generate(t, PROMPTS[:1], method="diffusion_draft", draft=d, tree_top_k=2, refill=True,
+                         max_new_tokens=4)
