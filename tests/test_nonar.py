@@ -110,3 +110,43 @@ def test_glancing_objective_trains_one_pass_prediction():
     p1, _ = train(loss, p0, None, batch, TrainConfig(steps=80, lr=1e-2, warmup=5, eval_every=1000, ckpt_every=1000,
                                                     log_every=40))
     assert one_pass_accuracy(p1) > one_pass_accuracy(p0) + 0.3
+
+
+@pytest.mark.parametrize("method,opts,mode", [("diffusion", dict(rule="threshold", threshold=0.5), "cap"),
+                                              ("diffusion", dict(rule="eb", block_length=8), "rescale"),
+                                              ("dico", dict(block_length=8), "conf")], ids=["threshold", "eb", "dico"])
+def test_remasking_corrects_and_ends(dllm, method, opts, mode):
+    """ReMDM remasking: tokens really get re-masked (and decoded again: more forwards), each position at most once,
+    the output holds no mask, and eta 0 is the sampler without remasking."""
+    g = 16
+    base = pdecode.generate(dllm, PROMPTS, method=method, max_new_tokens=g, **opts)
+    out = pdecode.generate(dllm, PROMPTS, method=method, max_new_tokens=g, remask=mode, remask_eta=1.0, seed=3,
+                           **opts)
+    assert 0 < out.stats["remasked_tokens"] <= g * len(PROMPTS)
+    assert out.stats["nfe"] > base.stats["nfe"]
+    assert all(MASK not in t for t in out.tokens)
+    zero = pdecode.generate(dllm, PROMPTS, method=method, max_new_tokens=g, remask=mode, remask_eta=0.0, **opts)
+    assert zero.tokens == base.tokens and zero.stats["remasked_tokens"] == 0
+
+
+def test_remask_sigma():
+    """sigma_max = min(1, masks left / tokens decoded before): nothing is re-masked once the region is full."""
+    from pdecode.decode import canvas as cvs
+
+    x = jnp.asarray([[5, 6, MASK, MASK], [5, 6, 7, 8]])
+    masked = x == MASK
+    commit = jnp.zeros_like(masked)
+    region = jnp.ones_like(masked)
+    conf = jnp.zeros(x.shape)
+    hits = []
+    for seed in range(200):
+        _, _, _, hit = cvs.remask(x, masked, commit, region, conf, jnp.zeros_like(masked), jnp.zeros((2,), bool),
+                                  MASK, "rescale", 1.0, jax.random.PRNGKey(seed))
+        hits.append(np.asarray(hit))
+    hits = np.asarray(hits)
+    assert hits[:, 1].sum() == 0  # the full row: sigma 0
+    assert abs(hits[:, 0, :2].mean() - 1.0) < 1e-9  # 2 left / 2 decoded: sigma 1
+    with pytest.raises(Exception, match="adaptive rule"):
+        from pdecode.decode.diffusion import DiffusionOptions
+
+        DiffusionOptions(remask="cap")

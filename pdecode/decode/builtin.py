@@ -421,6 +421,11 @@ register(Method("diffusion", _prepare_diffusion, wants_max_new=True, needs="diff
                                     "or dual (also the suffix)", choices=("none", "prefix", "dual")),
                     "refresh_every": Option(0, "int", "cached runs: also refresh the cache every this many steps "
                                                       "(0: only at a block start)"),
+                    "remask": Option("none", "str", "ReMDM: re-mask committed tokens of the block so later steps can "
+                                     "correct them (threshold / factor / eb rules): none, cap, rescale or conf",
+                                     choices=("none", "cap", "rescale", "conf")),
+                    "remask_eta": Option(0.1, "float", "ReMDM's eta: the cap (cap) or scale (rescale, conf) of the "
+                                                       "re-masking probability"),
                 },
                 summary="masked diffusion: LLaDA schedule, Fast-dLLM threshold/factor with prefix or dual cache, "
                         "EB-sampler, Dream's orderings, semi-AR blocks, CFG"))
@@ -440,6 +445,9 @@ DICO_HELP = {
     "margin_weight": ("float", "Finalize: weight of the top-1 minus top-2 logit margin"),
     "block_length": ("int", "semi-AR blocks (0: the whole canvas is one block)"),
     "divide_commit": ("str", "what Divide commits: 'factor' (the factor rule inside the new clusters) or 'seeds'"),
+    "remask": ("str", "ReMDM: re-mask committed tokens of the block so later steps can correct them: none, cap, "
+                      "rescale or conf (the least confident first)"),
+    "remask_eta": ("float", "ReMDM's eta: the cap (cap) or the scale (rescale, conf) of the re-masking probability"),
 }
 
 
@@ -452,7 +460,7 @@ def _dico_options():
     if {f.name for f in fields} != set(DICO_HELP):
         raise RuntimeError("every DiCoOptions field needs a line in DICO_HELP")
     return {f.name: Option(f.default, DICO_HELP[f.name][0], DICO_HELP[f.name][1],
-                           choices=("factor", "seeds") if f.name == "divide_commit" else ())
+                           choices={"divide_commit": ("factor", "seeds"), "remask": ("none", "cap", "rescale", "conf")}.get(f.name, ()))
             for f in fields}
 
 

@@ -183,3 +183,30 @@ def finish(x_BS, masked_BS, commit_step_BS, row_nfe_B, passes, steps, cv: Canvas
     toks = jnp.take_along_axis(x_BS, idx, axis=1)
     out = common.Outputs(tokens=toks, count=n_out, done=jnp.ones((b,), bool), row_forwards=row_nfe_B)
     return out, {"target_forwards": passes, "steps": steps, "commit_step": jnp.take_along_axis(commit_step_BS, idx, 1)}
+
+
+REMASK = ("none", "cap", "rescale", "conf")
+
+
+def remask(x_BS, masked_BS, commit_BS, region_BS, conf_BS, remasked_BS, done_B, mask_id: int, mode: str, eta: float,
+           key):
+    """ReMDM remasking: tokens of each row's ``region`` (its current block) committed before this step and never
+    re-masked are masked again with probability sigma, so a later step can correct them. With alpha the region's
+    decoded fraction before this step's commits and after them (alpha_t, alpha_s), sigma_max = min(1, (1 - alpha_s) /
+    alpha_t), which falls to 0 as the region fills (remasking fades out; every position is re-masked at most once,
+    so the loop ends). ``mode``: ``cap`` sigma = min(eta, sigma_max); ``rescale`` sigma = eta * sigma_max; ``conf``
+    the rescaled budget spread over the decoded tokens by softmax(-confidence at commit) (the least sure first).
+    Returns (x, masked, remasked, the positions re-masked now)."""
+    decoded = region_BS & ~masked_BS & ~commit_BS & ~remasked_BS & ~done_B[:, None]
+    n_dec = jnp.sum(region_BS & ~masked_BS & ~commit_BS, axis=1).astype(jnp.float32)
+    n_left = jnp.sum(region_BS & masked_BS & ~commit_BS, axis=1).astype(jnp.float32)
+    sig_max = jnp.minimum(1.0, n_left / jnp.maximum(n_dec, 1.0))[:, None]
+    if mode == "cap":
+        sigma = jnp.minimum(eta, sig_max)
+    elif mode == "rescale":
+        sigma = eta * sig_max
+    else:  # conf
+        w = jax.nn.softmax(jnp.where(decoded, -conf_BS, -jnp.inf), axis=1)
+        sigma = jnp.minimum(1.0, eta * sig_max * jnp.sum(decoded, axis=1, keepdims=True) * w)
+    hit = decoded & (jax.random.uniform(key, x_BS.shape) < sigma)
+    return jnp.where(hit, mask_id, x_BS), masked_BS | hit, remasked_BS | hit, hit

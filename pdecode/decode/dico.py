@@ -72,6 +72,8 @@ class DiCoOptions:
     margin_weight: float = 0.5
     block_length: int = 32  # semi-AR blocks (0: the whole canvas is one block)
     divide_commit: str = "factor"  # "factor": the factor rule in the new clusters at once; "seeds": commit the seeds
+    remask: str = "none"  # ReMDM remasking of committed tokens in the block (`canvas.remask`)
+    remask_eta: float = 0.1
     shift: bool = False
 
     def __post_init__(self):
@@ -87,6 +89,9 @@ class DiCoOptions:
             raise ConfigError(f"block_length must be >= 0 (0 = the whole canvas), got {self.block_length}")
         if not 0.0 <= self.traj_beta < 1.0:
             raise ConfigError(f"traj_beta must be in [0, 1), got {self.traj_beta}")
+        if self.remask not in cvs.REMASK or not 0.0 <= self.remask_eta <= 1.0:
+            raise ConfigError(f"remask must be one of {', '.join(cvs.REMASK)} and remask_eta in [0, 1], got "
+                              f"{self.remask!r}, {self.remask_eta}")
 
 
 @struct.dataclass
@@ -106,6 +111,9 @@ class DiCoState:
     steps: jax.Array
     key: jax.Array
     phase_steps: jax.Array  # [3] iterations spent per phase
+    remasked: jax.Array | None = None  # [B, S] positions re-masked once (ReMDM; None when off)
+    commit_conf: jax.Array | None = None  # [B, S] confidence when committed
+    remasks: jax.Array | None = None  # scalar: re-masked tokens in all
 
 
 def runs_id(member_BS: jax.Array) -> jax.Array:
@@ -209,7 +217,7 @@ def finalize(opts: DiCoOptions, sg: Signals) -> jax.Array:
     return sg.masked & ((score >= opts.final_threshold) | (jnp.arange(score.shape[1])[None, :] == best[:, None]))
 
 
-def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eos_ids) -> DiCoState:
+def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eos_ids, key=None) -> DiCoState:
     """One step's phase logic: the phase that acts (a Conquer with nothing to commit falls through to Divide, a
     Divide with no seed or few masks left to Finalize, so every step of an active row commits at least one
     token), its commits, the clusters after them and each row's next phase and block."""
@@ -221,6 +229,12 @@ def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eo
     commit = jnp.where(ph == DIVIDE, div_commit, jnp.where(ph == CONQUER, con_commit, finalize(opts, sg))) & sg.masked
     x = jnp.where(commit, sg.x0, st.x)
     masked = st.masked & ~commit
+    remasked, commit_conf, remasks = st.remasked, st.commit_conf, st.remasks
+    if opts.remask != "none":  # before the block may advance: a fully decoded block re-masks nothing
+        commit_conf = jnp.where(commit, sg.c, commit_conf)
+        x, masked, remasked, hit = cvs.remask(x, masked, commit, sg.blk & cv.canvas_BS, commit_conf, remasked,
+                                              st.done, cv.mask_id, opts.remask, opts.remask_eta, key)
+        remasks = remasks + jnp.sum(hit)
     # clusters: fresh ones from the seeds (Divide), or the old ones grown at their boundaries (Conquer)
     grown = grow(st.cluster, masked & sg.blk, sg.c, opts.grow_threshold, opts.conquer_growth)
     cluster = jnp.where(ph == DIVIDE, new_cluster, jnp.where(ph == CONQUER, grown, False))
@@ -233,7 +247,8 @@ def transition(opts: DiCoOptions, cv: cvs.Canvas, st: DiCoState, sg: Signals, eo
                      cluster=cluster & ~advance[:, None], phase=jnp.where(advance, DIVIDE, phase), cbar=sg.cbar,
                      c_prev=sg.c, seen=st.seen | cv.canvas_BS, block=st.block + advance.astype(jnp.int32),
                      done=done, row_nfe=st.row_nfe + active.astype(jnp.int32), passes=st.passes + 1,
-                     steps=st.steps + 1, key=st.key, phase_steps=st.phase_steps.at[eff].add(active.astype(jnp.int32)))
+                     steps=st.steps + 1, key=st.key, phase_steps=st.phase_steps.at[eff].add(active.astype(jnp.int32)),
+                     remasked=remasked, commit_conf=commit_conf, remasks=remasks)
 
 
 def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: DiCoOptions,
@@ -252,16 +267,23 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, op
                       row_nfe=zeros_B, passes=jnp.int32(0), steps=jnp.int32(0), key=key,
                       phase_steps=jnp.zeros((3,), jnp.int32))
 
+    if opts.remask != "none":
+        state = state.replace(remasked=jnp.zeros(x.shape, bool), commit_conf=zeros, remasks=jnp.int32(0))
+    limit = (2 if opts.remask != "none" else 1) * g + 1
+
     def cond(st):
-        return ~jnp.all(st.done) & (st.steps < g + 1)  # every step commits >= 1 token per active row (a guard)
+        # every step commits >= 1 token per active row, each position is re-masked at most once (a guard)
+        return ~jnp.all(st.done) & (st.steps < limit)
 
     def body(st: DiCoState):
-        key, k_tok = jax.random.split(st.key)
+        key, k_tok, *k_re = jax.random.split(st.key, 3 if opts.remask != "none" else 2)
         lg = cvs.no_mask(cvs.full_logits(params, cfg, st.x, cv), mask_id)
         sg = signals(opts, cv, st, lg, k_tok, warp, samp, eos_ids)
-        return transition(opts, cv, st, sg, eos_ids).replace(key=key)
+        return transition(opts, cv, st, sg, eos_ids, k_re[0] if k_re else None).replace(key=key)
 
     st = jax.lax.while_loop(cond, body, state)
     out, stats = cvs.finish(st.x, st.masked, st.commit_step, st.row_nfe, st.passes, st.steps, cv, eos_ids)
     stats["phase_steps"] = st.phase_steps
+    if opts.remask != "none":
+        stats["remasked_tokens"] = st.remasks
     return out, stats

@@ -59,6 +59,8 @@ class DiffusionOptions:
     refresh_every: int = 0  # cached runs: also refresh the whole cache every this many steps of a block (0: only
     # at a block start, as Fast-dLLM does)
     shift: bool = False  # Dream: position i is predicted from the hidden state at i - 1
+    remask: str = "none"  # ReMDM remasking of committed tokens in the block: none | cap | rescale | conf
+    remask_eta: float = 0.1
 
     def __post_init__(self):
         problems = []
@@ -79,6 +81,13 @@ class DiffusionOptions:
             problems.append(f"refresh_every must be >= 0 (0: refresh only at a block start), got {self.refresh_every}")
         if self.refresh_every > 0 and self.cache == "none":
             problems.append("refresh_every applies to a KV cache: set cache='prefix' or 'dual', or drop refresh_every")
+        if self.remask not in cvs.REMASK:
+            problems.append(f"remask must be one of {', '.join(cvs.REMASK)}, got {self.remask!r}")
+        if self.remask != "none" and self.rule == "schedule":
+            problems.append("remask needs an adaptive rule (threshold, factor or eb): the schedule's step budget "
+                            "would leave re-masked positions undecoded")
+        if not 0.0 <= self.remask_eta <= 1.0:
+            problems.append(f"remask_eta must be in [0, 1], got {self.remask_eta}")
         if self.factor <= 0 or self.eb_gamma < 0 or self.alg_temp < 0 or self.cfg_scale < 0:
             problems.append("factor must be > 0; eb_gamma, alg_temp and cfg_scale >= 0")
         if problems:
@@ -112,6 +121,9 @@ class DiffState:
     steps: jax.Array  # scalar
     key: jax.Array
     caches: tuple | None  # (conditional,) or (conditional, unconditional) KV caches, or None
+    remasked: jax.Array | None = None  # [B, S] positions re-masked once (ReMDM; None when off)
+    commit_conf: jax.Array | None = None  # [B, S] confidence when committed (remask="conf")
+    remasks: jax.Array | None = None  # scalar: re-masked tokens in all
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -284,23 +296,38 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig,
                    done=jnp.zeros((b,), bool), row_nfe=zeros_B, passes=jnp.int32(0), steps=jnp.int32(0), key=key,
                    caches=caches)
 
-    limit = max(opts.steps, opts.gen_length) + 1  # never reached: every step commits or ends a block (a guard)
+    if opts.remask != "none":
+        st = st.replace(remasked=jnp.zeros(x.shape, bool), commit_conf=jnp.zeros(x.shape, jnp.float32),
+                        remasks=jnp.int32(0))
+    # never reached: every step commits or ends a block (each position is re-masked at most once; a guard)
+    limit = (2 if opts.remask != "none" else 1) * max(opts.steps, opts.gen_length) + 1
 
     def cond(st: DiffState):
         return ~jnp.all(st.done) & (st.steps < limit)
 
     def body(st: DiffState):
-        key, k_step = jax.random.split(st.key)
+        key, k_step, *k_re = jax.random.split(st.key, 3 if opts.remask != "none" else 2)
         lg, caches, passes = step_logits(params, cfg, cv, opts, st)
         commit, x0 = choose(opts, cv, st, lg, k_step, warp, samp, eos_ids)
         x = jnp.where(commit, x0, st.x)
         masked = st.masked & ~commit
+        remasked, commit_conf, remasks = st.remasked, st.commit_conf, st.remasks
+        if opts.remask != "none":
+            commit_conf = jnp.where(commit, cvs.prob_stats(lg, x0)[0], commit_conf)
+            x, masked, remasked, hit = cvs.remask(x, masked, commit, cv.in_block(st.block) & cv.canvas_BS,
+                                                  commit_conf, remasked, st.done, cv.mask_id, opts.remask,
+                                                  opts.remask_eta, k_re[0])
+            remasks = remasks + jnp.sum(hit)
         done = st.done | answer_done(x, masked, cv.canvas_BS, eos_ids)[0]
         block, step_in_block, block_masks = advance_blocks(opts, cv, st, masked, done)
         return DiffState(x=x, masked=masked, commit_step=jnp.where(commit, st.steps, st.commit_step), block=block,
                          step_in_block=step_in_block, block_masks=block_masks, done=done,
                          row_nfe=st.row_nfe + (~st.done).astype(jnp.int32) * opts.passes,
-                         passes=st.passes + passes, steps=st.steps + 1, key=key, caches=caches)
+                         passes=st.passes + passes, steps=st.steps + 1, key=key, caches=caches, remasked=remasked,
+                         commit_conf=commit_conf, remasks=remasks)
 
     st = jax.lax.while_loop(cond, body, st)
-    return cvs.finish(st.x, st.masked, st.commit_step, st.row_nfe, st.passes, st.steps, cv, eos_ids)
+    out, stats = cvs.finish(st.x, st.masked, st.commit_step, st.row_nfe, st.passes, st.steps, cv, eos_ids)
+    if opts.remask != "none":
+        stats["remasked_tokens"] = st.remasks
+    return out, stats
