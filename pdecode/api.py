@@ -389,7 +389,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
              draft: Model | None = None, mesh=None, stop_at_eos: bool = True, max_len: int | None = None,
              cache_dtype: str | None = None, shared_prefix: int = 0, stop_token_ids: Sequence[int] = (),
              stop_at_dedent: bool = False, min_p: float | None = None, repetition_penalty: float | None = None,
-             stop: str | Sequence[str] | None = None, logprobs: bool = False, **method_options) -> GenerateOutput:
+             stop: str | Sequence[str] | None = None, logprobs: bool = False, refine: str | None = None,
+             editor: Model | None = None, refine_iterations: int = 4, **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -413,6 +414,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
             that completed it (generation runs to the budget first; `pdecode.Engine` stops at once).
         logprobs: also return each new token's log-probability under the model (the penalised logits, before
             temperature and filters) in ``out.logprobs``.
+        refine: "edit" refines every output with ``editor`` afterwards (`pdecode.refine`: deletions, insertions
+            and fills until nothing changes); None: as generated.
+        editor: the edit model for ``refine="edit"`` (a masked model with edit heads, e.g. the zoo's code-edit).
+        refine_iterations: the most edit iterations (three forwards each).
         seed: the PRNG seed of sampling (and of a method's own randomness).
         draft: the draft model for methods that need one (sd, tree), on the target's tokenizer.
         mesh: a `jax.sharding.Mesh` with ``data`` and ``model`` axes: params, caches and the batch are sharded.
@@ -567,7 +572,69 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     )
     if plan.finish_stats:
         stats = plan.finish_stats(stats)
+    if refine is not None:
+        if refine != "edit":
+            raise InputError(f"refine must be 'edit' or None, got {refine!r}")
+        if editor is None:
+            raise InputError("refine='edit' needs an edit model: editor=pdecode.load('code-edit')")
+        r = _refine(editor, ids, toks, max_iterations=refine_iterations, keep_eos=True)
+        toks, texts, lps = r.tokens, r.texts, None
+        stats["refine"] = r.stats
     return GenerateOutput(texts=texts, tokens=toks, stats=stats, finish_reasons=reasons, logprobs=lps)
+
+
+# ------------------------------------------------------------------------------------------------ refine
+def refine(editor: Model, prompts, drafts, max_iterations: int = 4, room: int = 32,
+           keep_eos: bool = False) -> GenerateOutput:
+    """Edit-based refinement of ``drafts`` (texts or token-id lists, one per prompt) with ``editor`` (a masked
+    model with edit heads, e.g. ``pdecode.load("code-edit")``): per iteration the editor deletes draft tokens,
+    inserts placeholders between neighbours and fills them (`pdecode.decode.edit`), until nothing changes or
+    ``max_iterations``; the prompts are context, never edited. ``room``: positions a draft may grow by.
+    ``keep_eos``: a draft ending with EOS keeps it (`generate(refine="edit")`). Returns `GenerateOutput` with the
+    refined drafts (texts, tokens) and stats (forwards per row, iterations, tokens deleted and inserted)."""
+    from pdecode.decode import edit
+
+    if "edit" not in editor.extras:
+        raise InputError(f"{editor.name or 'this model'} has no edit heads: load an edit model such as code-edit")
+    ecfg, ep = editor.extras["edit"]
+    mask_id = editor.cfg.mask_token_id
+    eos = editor.cfg.eos_token_ids or (editor.tokenizer.eos_ids if editor.tokenizer else ())
+    if mask_id is None or not eos:
+        raise InputError("the edit model needs a mask token and an EOS id in its config")
+    ids = encode_prompts(editor, prompts)
+    if isinstance(drafts, str) or len(drafts) != len(ids):
+        raise InputError(f"give one draft per prompt: {len(ids)} prompts, "
+                         f"{1 if isinstance(drafts, str) else len(drafts)} drafts")
+    ds = [editor.tokenizer.encode(d, add_special_tokens=False) if isinstance(d, str) else [int(t) for t in d]
+          for d in drafts]
+    ended = [bool(d) and d[-1] in eos for d in ds]
+    ds = [d[:-1] if e else d for d, e in zip(ds, ended)]
+    pad = editor.cfg.pad_token_id if editor.cfg.pad_token_id is not None else 0
+    s = _bucket(max(len(p) + len(d) for p, d in zip(ids, ds)) + 1 + room, 64)
+    if s > editor.cfg.max_position_embeddings:
+        raise InputError(f"prompt + draft + room ({s} tokens) exceed the edit model's context of "
+                         f"{editor.cfg.max_position_embeddings}")
+    x = np.full((len(ids), s), pad, np.int32)
+    for i, (p, d) in enumerate(zip(ids, ds)):
+        x[i, : len(p) + len(d) + 1] = p + d + [eos[0]]
+    ctx = np.asarray([len(p) for p in ids], np.int32)
+    length = np.asarray([len(p) + len(d) + 1 for p, d in zip(ids, ds)], np.int32)
+    static = dict(cfg=editor.cfg, ecfg=ecfg, mask_id=int(mask_id), pad=int(pad), max_iterations=int(max_iterations))
+    exe, compile_s = compiled(edit.refine, static, editor.params, ep, x, ctx, length)
+    t0 = time.perf_counter()
+    st = jax.block_until_ready(exe(editor.params, ep, x, ctx, length))
+    wall = time.perf_counter() - t0
+    xs, ln = np.asarray(st.x), np.asarray(st.length)
+    toks = [xs[i, ctx[i]: ln[i] - 1].tolist() + ([int(eos[0])] if keep_eos and ended[i] else [])
+            for i in range(len(ids))]
+    texts = [editor.tokenizer.decode(t) if editor.tokenizer else "" for t in toks]
+    stats = {"forwards": np.asarray(st.forwards).tolist(), "iterations": np.asarray(st.iterations).tolist(),
+             "deleted": np.asarray(st.deleted).tolist(), "inserted": np.asarray(st.inserted).tolist(),
+             "wall_s": wall, "compile_s": compile_s}
+    return GenerateOutput(texts=texts, tokens=toks, stats=stats)
+
+
+_refine = refine  # (generate's own `refine` argument shadows the name there)
 
 
 # ------------------------------------------------------------------------------------------------ plain forward

@@ -30,9 +30,9 @@ from pdecode.checkpoint.hf import block_rules, params_to_tensors, tensors_to_par
 from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, stored_path, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
-from pdecode.model.heads import EagleConfig, MedusaConfig, MTPConfig
+from pdecode.model.heads import EagleConfig, EditConfig, MedusaConfig, MTPConfig
 
-KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig}
+KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig, "edit": EditConfig}
 
 
 def head_config(kind: str, config: dict):

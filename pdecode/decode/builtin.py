@@ -503,3 +503,29 @@ register(Method("mask_predict", _prepare_mask_predict, wants_max_new=True, needs
                 options={"iterations": Option(10, "int", "T: fill all, then re-mask the N (T - t) / T least probable "
                                                          "tokens and predict them again"), **_LENGTH},
                 summary="Mask-Predict (CMLM): iterative refinement at predicted lengths, T forwards per length beam"))
+
+
+def _prepare_edit(model, draft, opts, samp, max_new=None):
+    from pdecode.decode import edit
+    from pdecode.errors import InputError
+
+    if "edit" not in model.extras:
+        raise InputError(f"method 'edit' needs a model with edit heads, such as code-edit; {model.name or 'this model'} "
+                         "has none")
+    mask_id = _diffusion_model(model, "edit")
+    ecfg, ep = model.extras["edit"]
+    eos = model.cfg.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ())
+    pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    return Plan(fn=edit.generate, params=(model.params, ep),
+                static={"cfg": model.cfg, "ecfg": ecfg, "mask_id": mask_id, "eos_id": int(eos[0]), "pad": int(pad),
+                        "context": _int_opt(opts, "context", lo=0), "max_iterations": _int_opt(opts, "iterations")},
+                extra_len=1, finish_stats=_mask_predict_stats)
+
+
+register(Method("edit", _prepare_edit, wants_max_new=True, needs="edit model (code-edit)",
+                lossless="no: the edit model's rewrite of the text",
+                options={"context": Option(0, "int", "leading tokens of each prompt kept as they are (the rest is the "
+                                                      "draft refined)"),
+                         "iterations": Option(4, "int", "the most delete / insert / fill iterations")},
+                summary="Levenshtein-style refinement of the given text: delete, insert placeholders, fill, until "
+                        "nothing changes (max_new_tokens: room to grow)"))

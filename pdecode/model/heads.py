@@ -169,3 +169,38 @@ def mtp_module(mp: dict, mcfg: MTPConfig, cfg: ModelConfig, target_params, h_pre
         x = h_prev_BTD
     out, cache, _ = run_layers(mcfg.block_cfg(cfg), mp["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
     return unembed(target_params, cfg, rms_norm(out, mp["norm"], cfg.rms_norm_eps)), out, cache
+
+
+# ------------------------------------------------------------------------------------------------ edit heads
+@dataclasses.dataclass(frozen=True)
+class EditConfig:
+    """Levenshtein-style edit heads on a bidirectional (masked) model's final hidden states: for every token,
+    delete or keep (two classes); for every pair of neighbours (t, t + 1), how many tokens to insert between them
+    (0 .. ``max_insert``). The inserted tokens are the model's own masked predictions (its LM head, on a canvas with
+    mask tokens in the gaps). Each head is an MLP: ``W2 silu(W1 x + b1) + b2`` with ``x`` the token's state (delete)
+    or the two neighbours' states side by side (insert)."""
+
+    max_insert: int = 8
+    hidden: int = 512
+
+    def specs(self, cfg: ModelConfig) -> dict:
+        d, h, k = cfg.hidden_size, self.hidden, self.max_insert + 1
+        return {"del_w1": ParamSpec((d, h), ("embed", "mlp")), "del_b1": ParamSpec((h,), (None,), "zeros"),
+                "del_w2": ParamSpec((h, 2), ("mlp", None)), "del_b2": ParamSpec((2,), (None,), "zeros"),
+                "ins_w1": ParamSpec((2 * d, h), (None, "mlp")), "ins_b1": ParamSpec((h,), (None,), "zeros"),
+                "ins_w2": ParamSpec((h, k), ("mlp", None)), "ins_b2": ParamSpec((k,), (None,), "zeros")}
+
+
+def edit_delete_logits(ep: dict, h_BTD: jax.Array) -> jax.Array:
+    """[B, T, 2]: keep (0) or delete (1) each token."""
+    x = jax.nn.silu(h_BTD.astype(jnp.float32) @ ep["del_w1"].astype(jnp.float32) + ep["del_b1"])
+    return x @ ep["del_w2"].astype(jnp.float32) + ep["del_b2"]
+
+
+def edit_insert_logits(ep: dict, h_BTD: jax.Array) -> jax.Array:
+    """[B, T, max_insert + 1]: at index t, how many tokens go between t and t + 1 (the last index pairs the last
+    token with itself and is never used)."""
+    nxt = jnp.concatenate([h_BTD[:, 1:], h_BTD[:, -1:]], axis=1)
+    x = jnp.concatenate([h_BTD, nxt], axis=-1).astype(jnp.float32)
+    x = jax.nn.silu(x @ ep["ins_w1"].astype(jnp.float32) + ep["ins_b1"])
+    return x @ ep["ins_w2"].astype(jnp.float32) + ep["ins_b2"]
