@@ -51,7 +51,38 @@ SAMPLERS = {
     "dico": ("dico", lambda g: {}),
     "dico-seeds2": ("dico", lambda g: dict(num_seeds=2)),
     "dico-canvas": ("dico", lambda g: dict(block_length=0)),
+    # ReMDM remasking on an adaptive rule and on DiCo (committed tokens re-masked so later steps can correct them)
+    "fast-dllm-0.9-remask": ("diffusion", lambda g: dict(block_length=_b(g), rule="threshold", threshold=0.9,
+                                                        remask="conf", remask_eta=0.1)),
+    "dico-remask": ("dico", lambda g: dict(remask="conf", remask_eta=0.1)),
+    # the rest of the non-AR family: one-shot at predicted lengths (or the full canvas), Mask-Predict, and the
+    # edit model (code-edit) refining their output (its forwards counted in NFE)
+    "oneshot": ("oneshot", lambda g: {}),
+    "oneshot-full": ("oneshot", lambda g: dict(length="full", beams=1)),
+    "mask-predict-4": ("mask_predict", lambda g: dict(iterations=4)),
+    "mask-predict-10": ("mask_predict", lambda g: dict(iterations=10)),
+    "oneshot+edit": ("oneshot", lambda g: dict(refine="edit", editor=_editor())),
+    "oneshot-full+edit": ("oneshot", lambda g: dict(length="full", beams=1, refine="edit", editor=_editor())),
+    "oneshot-full+edit-0.7": ("oneshot", lambda g: dict(length="full", beams=1, refine="edit", editor=_editor(0.7))),
+    "mask-predict-10+edit": ("mask_predict", lambda g: dict(iterations=10, refine="edit", editor=_editor())),
 }
+EDITOR = "code-edit"
+_EDITOR: list = []
+
+
+def _editor(confidence: float | None = None):
+    """The edit model (loaded once); ``confidence``: its decision threshold instead of the shipped default."""
+    import dataclasses
+
+    import pdecode
+
+    if not _EDITOR:
+        _EDITOR.append(pdecode.load(EDITOR, dtype="float32"))
+    e = _EDITOR[0]
+    if confidence is None:
+        return e
+    ecfg, ep = e.extras["edit"]
+    return dataclasses.replace(e, extras={**e.extras, "edit": (dataclasses.replace(ecfg, confidence=confidence), ep)})
 # knobs --tune-dico searches (the rest stay at DiCoOptions' defaults)
 DICO_GRID = {"num_seeds": (4, 8), "grow_threshold": (0.3, 0.6), "block_length": (0, 32)}
 TUNING_SLICE = slice(400, 432)
@@ -61,7 +92,12 @@ PICTURED = ("vanilla", "fast-dllm-0.9", "eb-0.1", "dico")  # held-out long items
 def _run(m, prompts, method, opts, g, seed=0):
     import pdecode
 
-    return pdecode.generate(m, prompts, method=method, max_new_tokens=g, seed=seed, **opts)
+    out = pdecode.generate(m, prompts, method=method, max_new_tokens=g, seed=seed, **opts)
+    if "refine" in opts:  # the edit model's forwards (a batch waits for its slowest row) and time; its tokens
+        out.stats["nfe"] += max(out.stats["refine"]["forwards"])
+        out.stats["wall_s"] += out.stats["refine"]["wall_s"]
+        out.stats["new_tokens"] = sum(len(t) for t in out.tokens)
+    return out
 
 
 def balanced(items: list, n: int) -> list:
@@ -393,7 +429,8 @@ def run(args) -> int:
             "bench_minutes": (time.perf_counter() - t0) / 60}
     meta["plot"] = str(pareto_plot(rows, code, out / "pareto.png"))
     meta["pictures"] = pictures(m, items, [s for s in PICTURED if s in samplers], max(args.gen_lengths), out)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "code": code}, indent=1))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "code": code}, indent=1,
+                                                 default=lambda o: getattr(o, "name", None) or str(o)))  # an editor: its name
     md = to_markdown(rows, code, meta)
     (out / "results.md").write_text(md)
     print(md)

@@ -585,12 +585,14 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
 
 # ------------------------------------------------------------------------------------------------ refine
 def refine(editor: Model, prompts, drafts, max_iterations: int = 4, room: int = 32,
-           keep_eos: bool = False) -> GenerateOutput:
+           keep_eos: bool = False, confidence: float | None = None) -> GenerateOutput:
     """Edit-based refinement of ``drafts`` (texts or token-id lists, one per prompt) with ``editor`` (a masked
     model with edit heads, e.g. ``pdecode.load("code-edit")``): per iteration the editor deletes draft tokens,
     inserts placeholders between neighbours and fills them (`pdecode.decode.edit`), until nothing changes or
     ``max_iterations``; the prompts are context, never edited. ``room``: positions a draft may grow by.
-    ``keep_eos``: a draft ending with EOS keeps it (`generate(refine="edit")`). Returns `GenerateOutput` with the
+    ``keep_eos``: a draft ending with EOS keeps it (`generate(refine="edit")`). ``confidence``: how sure the heads
+    must be to edit (delete a token: its delete probability; insert in a gap: 1 - its "none" probability); default
+    the edit model's own (``EditConfig.confidence``, chosen on held-out data when it was trained). Returns `GenerateOutput` with the
     refined drafts (texts, tokens) and stats (forwards per row, iterations, tokens deleted and inserted)."""
     from pdecode.decode import edit
 
@@ -619,7 +621,11 @@ def refine(editor: Model, prompts, drafts, max_iterations: int = 4, room: int = 
         x[i, : len(p) + len(d) + 1] = p + d + [eos[0]]
     ctx = np.asarray([len(p) for p in ids], np.int32)
     length = np.asarray([len(p) + len(d) + 1 for p, d in zip(ids, ds)], np.int32)
-    static = dict(cfg=editor.cfg, ecfg=ecfg, mask_id=int(mask_id), pad=int(pad), max_iterations=int(max_iterations))
+    conf = ecfg.confidence if confidence is None else confidence
+    if not 0.0 < float(conf) <= 1.0:
+        raise InputError(f"confidence must be in (0, 1], got {conf!r}")
+    static = dict(cfg=editor.cfg, ecfg=ecfg, mask_id=int(mask_id), pad=int(pad), max_iterations=int(max_iterations),
+                  confidence=float(conf))
     exe, compile_s = compiled(edit.refine, static, editor.params, ep, x, ctx, length)
     t0 = time.perf_counter()
     st = jax.block_until_ready(exe(editor.params, ep, x, ctx, length))

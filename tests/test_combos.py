@@ -101,3 +101,42 @@ def test_diffusion_draft_errors(models):  # noqa: F811
     with pytest.raises(ConfigError, match="refill"):
         pdecode.generate(t, PROMPTS[:1], method="diffusion_draft", draft=d, tree_top_k=2, refill=True,
                          max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------------ the README's matrix
+# Cells of the compatibility matrix that are not tested elsewhere: decomposition around the new methods, and
+# edit refinement after masked / one-shot generation and around decomposition (the zoo's code-target, code-dllm and
+# code-edit).
+@pytest.fixture(scope="module")
+def zoo3():
+    return (pdecode.load("code-target"), pdecode.load("code-dllm", dtype="float32"),
+            pdecode.load("code-edit", dtype="float32"))
+
+
+def test_matrix_decomposition_around_diffusion_draft_and_mtp(zoo3):
+    from tests.test_decompose import STUBS
+
+    t, dllm, _ = zoo3
+    out = pdecode.decompose(t, STUBS, method="diffusion_draft", draft=dllm, max_new_tokens=16)
+    assert out.stats["decision"]["mode"] == "parallel" and out.stats["prefix_tokens"] > 0
+    mtp = pdecode.load("code-target-mtp-posthoc")
+    out_mtp = pdecode.decompose(mtp, STUBS, method="mtp", max_new_tokens=16)
+    for o in (out, out_mtp):  # lossless inside: each point's fill is the target's own greedy continuation
+        for p, ft in zip(o.points, o.fill_tokens):
+            assert pdecode.generate(t, [o.prefix + p], max_new_tokens=16).tokens[0][: len(ft)] == ft
+
+
+def test_matrix_edit_refines_masked_one_shot_and_decomposed_output(zoo3):
+    from tests.test_decompose import STUBS
+
+    _, dllm, editor = zoo3
+    prompts = ["def add(a, b):\n", "import os\n\n\ndef main():\n"]
+    mask = dllm.cfg.mask_token_id
+    for method, opts in (("oneshot", {}), ("diffusion", {"steps": 8})):
+        plain = pdecode.generate(dllm, prompts, method=method, max_new_tokens=24, **opts)
+        out = pdecode.generate(dllm, prompts, method=method, max_new_tokens=24, refine="edit", editor=editor, **opts)
+        by_hand = pdecode.refine(editor, [dllm.tokenizer.encode(p) for p in prompts], plain.tokens, keep_eos=True)
+        assert out.tokens == by_hand.tokens and all(mask not in t for t in out.tokens)
+        assert out.stats["refine"]["iterations"] == by_hand.stats["iterations"]
+    dec = pdecode.decompose(dllm, STUBS, method="oneshot", max_new_tokens=16, refine="edit", editor=editor)
+    assert dec.stats["inner"]["refine"]["forwards"] and len(dec.fills) == len(dec.points)

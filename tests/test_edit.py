@@ -116,6 +116,17 @@ def test_refinement_inserts_fills_and_is_capped(editor_base):
     assert all(MASK not in t for t in out.tokens)
 
 
+def test_confidence_threshold_decides_edits(editor_base):
+    e = _editor(editor_base, delete_bias=1.0, insert_class=0)  # delete probability sigmoid(1) = 0.73 everywhere
+    assert pdecode.refine(e, PROMPTS, DRAFTS, max_iterations=1).tokens == [[], [], []]
+    sure = pdecode.refine(e, PROMPTS, DRAFTS, max_iterations=1, confidence=0.9)
+    assert sure.tokens == DRAFTS and sure.stats["deleted"] == [0, 0, 0]
+    from pdecode.errors import InputError
+
+    with pytest.raises(InputError, match="confidence"):
+        pdecode.refine(e, PROMPTS, DRAFTS, confidence=1.5)
+
+
 def test_generate_with_refine(editor_base):
     e = _editor(editor_base, delete_bias=10.0, insert_class=0)
     cfg, params = editor_base

@@ -2,6 +2,7 @@
 masked model ``code-dllm``, trained by imitating edit-distance expert actions on corrupted code.
 
     python -m train.edit                     # the shipped heads (zoo/code-edit, base code-dllm)
+    python -m train.edit --calibrate         # only re-choose their decision threshold on the held-out items
 
 A training item is a corpus window cut into a context (16-64 tokens) and a gold continuation (16-64 tokens, then
 EOS), and a corrupted continuation: either the gold one with random deletions, insertions and substitutions (each
@@ -16,7 +17,9 @@ actions the model has — and gives the labels of both passes:
 
 The loss is the cross-entropy of both heads on those labels (the base is frozen: its masked predictions fill the
 placeholders). Evaluation: the heads' accuracy on held-out items (delete, insert) and the edit distance to the
-gold continuation before and after one refinement iteration.
+gold continuation before and after one refinement iteration. The decision threshold the heads ship with
+(``confidence``: how sure a head must be to edit) is the one of `CONFIDENCES` with the smallest held-out edit
+distance after refinement.
 """
 
 from __future__ import annotations
@@ -204,6 +207,26 @@ def edit_distance(a, b) -> int:
     return len(a) + len(b) - 2 * int(lcs_table(a, b)[0, 0])
 
 
+CONFIDENCES = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def calibrate(editor, held: Items, n: int = 128, iterations: int = 4) -> tuple[float, dict]:
+    """The decision threshold (`EditConfig.confidence`) with the smallest mean edit distance to the gold
+    continuations of ``n`` held-out items after refinement (as `generate(refine="edit")` runs it); the table."""
+    import pdecode
+
+    ecfg, ep = editor.extras["edit"]
+    gold, bad = held.gold[:n], held.corrupted[:n]
+    table = {"none": float(np.mean([edit_distance(d, g) for d, g in zip(bad, gold)]))}
+    for c in CONFIDENCES:
+        e = dataclasses.replace(editor, extras={**editor.extras,
+                                                "edit": (dataclasses.replace(ecfg, confidence=c), ep)})
+        r = pdecode.refine(e, held.context[:n], bad, max_iterations=iterations)
+        table[str(c)] = float(np.mean([edit_distance(t, g) for t, g in zip(r.tokens, gold)]))
+    best = min(CONFIDENCES, key=lambda c: table[str(c)])
+    return best, table
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.edit", description=__doc__,
@@ -213,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--items", type=int, default=6000, help="training items built before training")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only choose the shipped heads' decision threshold on the held-out items (no training)")
     args = ap.parse_args(argv)
 
     import ml_dtypes
@@ -228,6 +253,20 @@ def main(argv=None) -> int:
     ecfg = EditConfig()
     s = 192
     rng = np.random.default_rng(0)
+    out = args.zoo / NAME
+    if args.calibrate:
+        held = build(va, 256, model, np.random.default_rng(1), s, ecfg)
+        editor = pdecode.load(out, dtype="float32")
+        ecfg, ep = editor.extras["edit"]
+        best, table = calibrate(editor, held)
+        save_heads(out, "edit", dataclasses.replace(ecfg, confidence=best), jax.device_get(ep), base_model=BASE,
+                   dtype=ml_dtypes.bfloat16, compress=True)
+        info = json.loads((out / "train_info.json").read_text())
+        info.update(confidence=best, calibration_edit_distance=table, config=dataclasses.asdict(
+            dataclasses.replace(ecfg, confidence=best)))
+        (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"{NAME}: confidence {best} (held-out edit distance per threshold: {table})", file=sys.stderr)
+        return 0
     print(f"{NAME}: building {args.items} training items (expert actions, one-shot fills) ...", file=sys.stderr,
           flush=True)
     items = build(tr, args.items, model, rng, s, ecfg)
@@ -254,16 +293,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ep, hist = train(loss, ep0, model.params, batch_fn, tc, eval_fn=eval_fn, desc=NAME)
     t_train = time.perf_counter() - t0
-    out = args.zoo / NAME
     save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     # one refinement on held-out corrupted items: edit distance to the gold continuation before and after
+    editor = pdecode.load(out, dtype="float32")
+    best, table = calibrate(editor, held)  # the shipped decision threshold
+    ecfg = dataclasses.replace(ecfg, confidence=best)
+    save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     editor = pdecode.load(out, dtype="float32")
     r = pdecode.refine(editor, held.context[:128], held.corrupted[:128], max_iterations=1)
     dist_before = float(np.mean([edit_distance(d, g) for d, g in zip(held.corrupted[:128], held.gold[:128])]))
     dist_after = float(np.mean([edit_distance(t, g) for t, g in zip(r.tokens, held.gold[:128])]))
     info = {"name": NAME, "command": "python -m train.edit", "base_model": BASE, "config": dataclasses.asdict(ecfg),
             "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(ep))), "steps": args.steps,
-            "items": args.items, "eval_before": before, "final_eval": hist["eval"][-1] if hist["eval"] else None,
+            "items": args.items, "confidence": best, "calibration_edit_distance": table, "eval_before": before, "final_eval": hist["eval"][-1] if hist["eval"] else None,
             "heldout_edit_distance_before_after_one_iteration": [dist_before, dist_after],
             "data_minutes": round(t_data / 60, 2), "train_minutes": round(t_train / 60, 2),
             "total_minutes": round((time.perf_counter() - t_start) / 60, 2),

@@ -76,8 +76,10 @@ def expand(x_BS, length_B, counts_BS, mask_id: int, pad: int):
 
 
 def refine_loop(params, ep, x_BS, context_B, length_B, *, cfg: ModelConfig, ecfg: EditConfig, mask_id: int, pad: int,
-                max_iterations: int) -> EditState:
-    """The refinement (module docstring); ``params`` in the decode layout, ``ep`` the edit heads."""
+                max_iterations: int, confidence: float = 0.5) -> EditState:
+    """The refinement (module docstring); ``params`` in the decode layout, ``ep`` the edit heads. A token is deleted
+    when the delete head gives it probability >= ``confidence``; a gap gets the insert head's most likely count when
+    that is not zero and the head gives "none" probability <= 1 - ``confidence`` (0.5: the heads' argmax)."""
     del ecfg
     b, s = x_BS.shape
     z = jnp.zeros((b,), jnp.int32)
@@ -90,12 +92,15 @@ def refine_loop(params, ep, x_BS, context_B, length_B, *, cfg: ModelConfig, ecfg
         # 1. delete (never the context, never the closing EOS)
         h = _hidden(params, cfg, st.x, st.length)
         editable = (pos >= context_B[:, None]) & (pos < st.length[:, None] - 1)
-        delete = editable & (sampling.argmax(edit_delete_logits(ep, h)) == 1) & live[:, None]
+        p_del = jax.nn.softmax(edit_delete_logits(ep, h).astype(jnp.float32), axis=-1)[..., 1]
+        delete = editable & (p_del >= confidence) & live[:, None]
         x1, len1 = compact(st.x, (pos < st.length[:, None]) & ~delete, pad)
         # 2. insert between (last context token, first draft token) ... (last draft token, EOS)
         h1 = _hidden(params, cfg, x1, len1)
         pairs = (pos >= context_B[:, None] - 1) & (pos < len1[:, None] - 1) & live[:, None]
-        counts = jnp.where(pairs, sampling.argmax(edit_insert_logits(ep, h1)), 0)
+        p_ins = jax.nn.softmax(edit_insert_logits(ep, h1).astype(jnp.float32), axis=-1)
+        best = sampling.argmax(p_ins)  # the most likely count, kept when sure enough that something is missing
+        counts = jnp.where(pairs & (best > 0) & ((1.0 - p_ins[..., 0]) >= confidence), best, 0)
         x2, len2, holes = expand(x1, len1, counts, mask_id, pad)
         # 3. fill the placeholders with the model's masked predictions
         lg = cvs.shift_logits(unembed(params, cfg, _hidden(params, cfg, x2, len2)), cfg.diffusion_shift)
@@ -112,16 +117,16 @@ def refine_loop(params, ep, x_BS, context_B, length_B, *, cfg: ModelConfig, ecfg
 
 
 def refine(params, ep, x_BS, context_B, length_B, *, cfg: ModelConfig, ecfg: EditConfig, mask_id: int, pad: int,
-           max_iterations: int, mesh=None):
+           max_iterations: int, confidence: float = 0.5, mesh=None):
     """`refine_loop` as one compiled call (`pdecode.refine`): returns the final state."""
     params = decode_layout(params, cfg, fuse=mesh is None)
     return refine_loop(params, ep, x_BS, context_B, length_B, cfg=cfg, ecfg=ecfg, mask_id=mask_id, pad=pad,
-                       max_iterations=max_iterations)
+                       max_iterations=max_iterations, confidence=confidence)
 
 
 def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, ecfg: EditConfig, mask_id: int,
              eos_id: int, pad: int, context: int, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp,
-             max_iterations: int, mesh=None):
+             max_iterations: int, confidence: float = 0.5, mesh=None):
     """``method="edit"``: each prompt is a draft to refine (its first ``context`` tokens kept as they are); the
     buffer leaves ``max_new`` positions of room for insertions. Returns (Outputs: the refined text after the
     context, its closing EOS not included, stats)."""
@@ -135,7 +140,7 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, ec
     x = x.at[jnp.arange(b), prompt_len_B].set(eos_id, mode="drop")  # the closing EOS
     ctx = jnp.minimum(jnp.full((b,), context, jnp.int32), prompt_len_B)
     st = refine_loop(mparams, ep, x, ctx, prompt_len_B + 1, cfg=cfg, ecfg=ecfg, mask_id=mask_id, pad=pad,
-                     max_iterations=max_iterations)
+                     max_iterations=max_iterations, confidence=confidence)
     n = st.length - 1 - ctx
     idx = jnp.minimum(ctx[:, None] + jnp.arange(s)[None, :], s - 1)
     toks = jnp.take_along_axis(st.x, idx, axis=1)

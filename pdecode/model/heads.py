@@ -182,6 +182,7 @@ class EditConfig:
 
     max_insert: int = 8
     hidden: int = 512
+    confidence: float = 0.5  # the default decision threshold (`pdecode.refine`); chosen on held-out data by training
 
     def specs(self, cfg: ModelConfig) -> dict:
         d, h, k = cfg.hidden_size, self.hidden, self.max_insert + 1
