@@ -121,9 +121,12 @@ def test_matrix_decomposition_around_diffusion_draft_and_mtp(zoo3):
     assert out.stats["decision"]["mode"] == "parallel" and out.stats["prefix_tokens"] > 0
     mtp = pdecode.load("code-target-mtp-posthoc")
     out_mtp = pdecode.decompose(mtp, STUBS, method="mtp", max_new_tokens=16)
-    for o in (out, out_mtp):  # lossless inside: each point's fill is the target's own greedy continuation
-        for p, ft in zip(o.points, o.fill_tokens):
-            assert pdecode.generate(t, [o.prefix + p], max_new_tokens=16).tokens[0][: len(ft)] == ft
+    assert out_mtp.points == out.points and out_mtp.prefix == out.prefix
+    # lossless inside: each point's fill is the target's own greedy continuation (rows decode as they would alone)
+    ref = pdecode.generate(t, [out.prefix + p for p in out.points], max_new_tokens=16).tokens
+    for o in (out, out_mtp):
+        for r, ft in zip(ref, o.fill_tokens):
+            assert r[: len(ft)] == ft
 
 
 def test_matrix_edit_refines_masked_one_shot_and_decomposed_output(zoo3):

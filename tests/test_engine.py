@@ -49,7 +49,8 @@ def _engine_case(models, method):  # noqa: F811
     return t, {}
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "lookup", "eagle", "pearl", "lookahead", "layerskip"])
+# (layerskip, also served by the engine, is left out of this run for CI time; its decoding is tested in test_selfdraft)
+@pytest.mark.parametrize("method", ["ar", "sd", "lookup", "eagle", "pearl", "lookahead"])
 def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  # noqa: F811
     t, opts = _engine_case(models, method)
     eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=3, **opts)
