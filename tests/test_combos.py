@@ -2,7 +2,6 @@
 identical to AR (chain, tree, several denoising steps, adaptive block, refill; batch 8, mixed lengths), sampling
 lossless against exact AR marginals, and a wrong rule the same test rejects."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode.verify import Rule
 from pdecode.model.transformer import init_params
-from tests.test_selfdraft import PROMPT, N_SAMPLES, _pvalues
+from tests.test_selfdraft import PROMPT, N_SAMPLES, _OverAccepting, _pvalues
 from tests.test_speculative import PROMPTS, models, small_vocab  # noqa: F401 (fixtures)
 
 
@@ -52,27 +51,6 @@ def test_diffusion_draft_sampling_matches_ar(small_vocab, opts):  # noqa: F811
     assert min(_pvalues(target, np.array(out.tokens), 3)) > 1e-4
 
 
-@dataclasses.dataclass(frozen=True)
-class _AsIfSampled:
-    """The diffusion drafter's deterministic block verified as if drawn from a uniform q (a wrong rule)."""
-
-    inner: object
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def init(self, *a, **k):
-        return self.inner.init(*a, **k)
-
-    def update(self, *a):
-        return self.inner.update(*a)
-
-    def propose(self, dparams, st, ctx, key, samp, warp):
-        prop, st = self.inner.propose(dparams, st, ctx, key, samp, warp)
-        b, n = prop.tokens.shape
-        return prop._replace(rule=Rule.CHAIN_SAMPLING, q=jnp.full((b, n, 16), 1.0 / 16)), st
-
-
 def test_a_wrong_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
     from pdecode.api import compiled
     from pdecode.decode import speculative
@@ -80,7 +58,8 @@ def test_a_wrong_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
 
     target, _ = small_vocab
     d = _dllm(target, True)
-    drafter = _AsIfSampled(DiffusionDrafter(d.cfg, mask_id=15, shift=True, gamma=3))
+    # the drafter's deterministic block verified as if drawn from a uniform q
+    drafter = _OverAccepting(DiffusionDrafter(d.cfg, mask_id=15, shift=True, gamma=3), rule=Rule.CHAIN_SAMPLING)
     prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
     plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
     args = ((target.params, d.params), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))

@@ -71,9 +71,10 @@ def test_sampling_matches_ar_distribution(small_vocab, method, opts):  # noqa: F
 @dataclasses.dataclass(frozen=True)
 class _OverAccepting:
     """Wraps a deterministic drafter but verifies it as if its candidates were drawn from a uniform q: accepting
-    x with min(1, p(x) / q(x)) over-accepts every candidate (a wrong rule)."""
+    x with min(1, p(x) / q(x)) over-accepts every candidate (a wrong rule); ``rule``: the verifier rule it claims."""
 
     inner: object
+    rule: Rule = Rule.TREE_MULTI
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -87,7 +88,7 @@ class _OverAccepting:
     def propose(self, dparams, st, ctx, key, samp, warp):
         prop, st = self.inner.propose(dparams, st, ctx, key, samp, warp)
         b, n = prop.tokens.shape
-        return prop._replace(rule=Rule.TREE_MULTI, q=jnp.full((b, n, 16), 1.0 / 16)), st
+        return prop._replace(rule=self.rule, q=jnp.full((b, n, 16), 1.0 / 16)), st
 
 
 @pytest.mark.parametrize("kind", ["lookahead", "layerskip", "pearl"])

@@ -203,8 +203,6 @@ def test_code_dllm_continues_code():
 def test_edit_model_repairs_one_shot_output():
     """code-edit (edit heads on the frozen code-dllm) turns code-dllm's one-shot output into text code-target finds
     far more likely per token and less repetitive; at a high confidence it leaves real code nearly untouched."""
-    import dataclasses
-
     from infer.diffusion_bench import code_prompts, text_quality
     from train import edit as tedit
 
@@ -219,7 +217,5 @@ def test_edit_model_repairs_one_shot_output():
                              refine="edit", editor=e)
     q0, q1 = text_quality(judge, prompts, raw.tokens, eos), text_quality(judge, prompts, fixed.tokens, eos)
     assert q1["judge_ppl"] < 0.8 * q0["judge_ppl"] and q1["distinct4"] > q0["distinct4"], (q0, q1)
-    ecfg, ep = e.extras["edit"]
-    careful = dataclasses.replace(e, extras={"edit": (dataclasses.replace(ecfg, confidence=0.9), ep)})
-    kept = pdecode.refine(careful, prompts, real, max_iterations=1).tokens
+    kept = pdecode.refine(e, prompts, real, max_iterations=1, confidence=0.9).tokens
     assert np.mean([tedit.edit_distance(k, r) for k, r in zip(kept, real)]) < 0.05 * 64

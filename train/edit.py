@@ -215,13 +215,10 @@ def calibrate(editor, held: Items, n: int = 128, iterations: int = 4) -> tuple[f
     continuations of ``n`` held-out items after refinement (as `generate(refine="edit")` runs it); the table."""
     import pdecode
 
-    ecfg, ep = editor.extras["edit"]
     gold, bad = held.gold[:n], held.corrupted[:n]
     table = {"none": float(np.mean([edit_distance(d, g) for d, g in zip(bad, gold)]))}
     for c in CONFIDENCES:
-        e = dataclasses.replace(editor, extras={**editor.extras,
-                                                "edit": (dataclasses.replace(ecfg, confidence=c), ep)})
-        r = pdecode.refine(e, held.context[:n], bad, max_iterations=iterations)
+        r = pdecode.refine(editor, held.context[:n], bad, max_iterations=iterations, confidence=c)
         table[str(c)] = float(np.mean([edit_distance(t, g) for t, g in zip(r.tokens, gold)]))
     best = min(CONFIDENCES, key=lambda c: table[str(c)])
     return best, table
