@@ -71,6 +71,17 @@ def test_batches_depend_only_on_step():
     assert b.batch(0).shape == (4, 17)
 
 
+def test_validation_loss_on_fewer_windows_than_a_batch_is_finite():
+    from train.zoo import make_eval
+
+    windows = data.TokenBatches(_stream(200), 16, 1).fixed_eval(3)
+    assert [len(b) for b in data.eval_batches(windows, 8)] == [3]  # all of them, not none
+    assert [len(b) for b in data.eval_batches(np.zeros((17, 5)), 8)] == [8, 8]  # full batches as before
+    assert data.eval_batches(windows[:0], 8) == []
+    loss = make_eval(CFG, windows)(init_params(CFG, jax.random.PRNGKey(0)))["val_loss"]
+    assert np.isfinite(loss) and loss > 0
+
+
 def test_self_distillation_stream(tiny):
     stream = np.arange(3, 90, dtype=np.int32).repeat(3)
     out = data.self_distillation_stream(tiny, stream, 150, prompt_len=8, new_tokens=12, batch=4, seed=1)

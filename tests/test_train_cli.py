@@ -1,8 +1,15 @@
 """`pdecode train heads --base DIR` and `pdecode train draft --base DIR`: heads and drafts for any base model, trained
 from the user's text files, and the results decode (greedy speculative output equals AR)."""
 
+import contextlib
+import io
 import json
+import math
+import re
+import shlex
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -65,6 +72,7 @@ def test_train_draft_for_own_base(base_dir, tmp_path):
     assert d.tokenizer.fingerprint() == base.tokenizer.fingerprint()
     info = json.loads((out / "train_info.json").read_text())
     assert info["teacher"] == str(base_dir) and info["steps"] == 3
+    assert "--seq-len 64 --batch-size 4" in info["command"]
     assert pdecode.generate(base, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(base)
 
 
@@ -73,6 +81,8 @@ def test_train_draft_for_own_base(base_dir, tmp_path):
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--fsdp"], "--fsdp needs --mesh"),
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--accum", "3"],
      "--accum 3 must divide --batch-size 16"),
+    (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--val-fraction", "1.5"],
+     "--val-fraction must be between 0 and 1"),
     (["draft", "--data", "x", "--out", "o"], "--base DIR is required"),
 ])
 def test_train_cli_rejects_bad_flags(argv, msg, capsys):
@@ -86,3 +96,78 @@ def test_train_heads_missing_data_is_one_line(tmp_path, capsys):
                    "--out", str(tmp_path / "o"), "--steps", "1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == f"error: --data {tmp_path / 'nope'}: no such file or directory"
+
+
+@pytest.fixture(scope="module")
+def small_corpus_run(tmp_path_factory):
+    """`pdecode train heads` on ~8 KB of Python: its held-out 5% is fewer windows than one evaluation batch.
+    Its argv, exit code, stderr, warnings raised, train_info.json and the corpus directory."""
+    d = tmp_path_factory.mktemp("small")
+    text = "".join(f.read_text() for f in sorted((ROOT / "pdecode" / "decode").glob("*.py")))
+    (d / "corpus" / "pkg").mkdir(parents=True)
+    (d / "corpus" / "pkg" / "a.py").write_text(text[:8000])
+    argv = ["--base", "code-target", "--kind", "eagle", "--data", str(d / "corpus"), "--out", str(d / "heads"),
+            "--steps", "2", "--seq-len", "64", "--batch-size", "4", "--lr", "0.002", "--work", str(d / "work")]
+    err = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
+        warnings.simplefilter("always")
+        rc = cli.main(["train", "heads", *argv])
+    return SimpleNamespace(argv=argv, rc=rc, err=err.getvalue(), warnings=[str(w.message) for w in caught],
+                           info=json.loads((d / "heads" / "train_info.json").read_text()), corpus=d / "corpus")
+
+
+def test_small_held_out_part_is_measured_and_named(small_corpus_run):
+    rc, err, info = small_corpus_run.rc, small_corpus_run.err, small_corpus_run.info
+    assert rc in (0, None)
+    assert "nan" not in err.lower() and not any("empty slice" in w for w in small_corpus_run.warnings)
+    values = [e["depth1_agreement"] for e in info["evals"]] + [info["final_eval"]["depth1_agreement"]]
+    assert values and all(math.isfinite(v) and 0 <= v <= 1 for v in values)
+    # one line before training says how small the held-out part is and what to pass
+    warn = [line for line in err.splitlines() if "held-out part" in line]
+    assert len(warn) == 1 and err.index(warn[0]) < err.index("eval at step")
+    assert re.search(r"is \d+ tokens, [1-7] window\(s\) of 65 tokens", warn[0]), warn[0]
+    assert "--seq-len" in warn[0] and "--val-fraction" in warn[0]
+
+
+def test_suggested_val_fraction_gives_a_full_evaluation_batch(small_corpus_run):
+    from train import data
+    from train.heads import EVAL_BATCH, held_out_note
+
+    frac = float(re.search(r"--val-fraction ([0-9.]+)", small_corpus_run.err).group(1))
+    tr, va = data.user_streams(pdecode.load("code-target").tokenizer, [small_corpus_run.corpus], 64, frac)
+    assert (len(va) - 1) // 65 >= EVAL_BATCH and held_out_note(len(tr), len(va), 64, frac) is None
+
+
+def test_train_info_records_the_command_as_given(small_corpus_run):
+    command = small_corpus_run.info["command"]
+    assert command == "pdecode train heads " + shlex.join(small_corpus_run.argv)
+    assert "--seq-len 64 --batch-size 4 --lr 0.002" in command
+    from train.heads import command_line  # what a run from Python (no argv) records: every option spelled out
+
+    assert command_line("pdecode train heads", data=["a b", "c"], seq_len=128, fsdp=True, mesh=None, seed=0) == \
+        "pdecode train heads --data 'a b' c --seq-len 128 --fsdp --seed 0"
+
+
+def test_train_heads_help_names_the_command_and_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "heads", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: pdecode train heads [-h]")
+    flat = " ".join(out.split())
+    assert "--seq-len SEQ_LEN tokens per training window (default: 256)" in flat
+    assert "--batch-size BATCH_SIZE windows per step (default: 16)" in flat
+    assert "(default: 500 with --base" in flat
+    from train.heads import build_parser
+
+    for a in build_parser()._actions:  # every option with a default shows it
+        if a.option_strings and a.default is not None and a.default is not False and a.default != "==SUPPRESS==":
+            assert f"(default: {a.default})" in flat, a.option_strings
+
+
+def test_train_draft_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "draft", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert flat.startswith("usage: pdecode train draft")
+    for want in ("(default: 256)", "(default: 0.05)", "--steps STEPS training steps (default: 1000)"):
+        assert want in flat

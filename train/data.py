@@ -118,6 +118,15 @@ def user_streams(tok, paths: list, seq_len: int, val_fraction: float = 0.05) -> 
     return stream[:-n_val], stream[-n_val:]
 
 
+def eval_batches(windows: np.ndarray, batch: int = 8) -> list[np.ndarray]:
+    """The held-out ``windows`` in batches of ``batch`` (a remainder dropped, so every batch has one shape), or all
+    of them as one batch when there are fewer than ``batch``: a metric averaged over these is never empty (nan)
+    while any window exists."""
+    if len(windows) < batch:
+        return [windows] if len(windows) else []
+    return [windows[i: i + batch] for i in range(0, len(windows) - batch + 1, batch)]
+
+
 class TokenBatches:
     """Random windows of ``seq_len + 1`` tokens from a stream; batch ``i`` depends only on (seed, i)."""
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import sys
 from pathlib import Path
 
 from pdecode.config import ModelConfig
 from pdecode.errors import InputError
 from train import data
-from train.heads import add_base_arguments, check_base_arguments
+from train.heads import HelpFormatter, add_base_arguments, check_base_arguments, command_line, held_out_note
 from train.loop import TrainConfig
 from train.objectives import distill_loss
 
@@ -41,9 +42,10 @@ def draft_config(base: ModelConfig, layers: int | None = None, hidden: int | Non
 def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int = 1000, seq_len: int = 256,
                 batch_size: int = 16, lr: float = 2e-3, self_distill: int = 0, mesh=None, fsdp: bool = False,
                 accum: int = 1, compute_dtype: str | None = None, base_dtype: str = "auto", seed: int = 0,
-                **shape) -> dict:
-    """Distil a draft for ``base`` (an HF directory or zoo name) on the text files ``data_paths``; writes an HF model
-    directory ``out`` (bf16 weights, config.json, the base's tokenizer, train_info.json)."""
+                val_fraction: float = 0.05, command: str | None = None, **shape) -> dict:
+    """Distil a draft for ``base`` (an HF directory or zoo name) on the text files ``data_paths`` (the last
+    ``val_fraction`` held out); writes an HF model directory ``out`` (bf16 weights, config.json, the base's
+    tokenizer, train_info.json, which records ``command``: by default one with every option spelled out)."""
     import pdecode
     from pdecode.model.transformer import param_specs
     from train.loop import MeshPlan
@@ -56,7 +58,10 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
     tc = TrainConfig(steps=steps, lr=lr, warmup=max(1, min(60, steps // 10)), eval_every=max(1, steps // 2),
                      ckpt_every=max(1, min(100, steps)), log_every=max(1, min(10, steps)), seed=seed, accum=accum,
                      compute_dtype=compute_dtype)
-    tr, va = data.user_streams(m.tokenizer, data_paths, seq_len)
+    tr, va = data.user_streams(m.tokenizer, data_paths, seq_len, val_fraction)
+    note = held_out_note(len(tr), len(va), seq_len, val_fraction)
+    if note:
+        print(note, file=sys.stderr)
     gen = None
     if self_distill:
         print(f"self-distillation: generating {self_distill} tokens with {base}", file=sys.stderr)
@@ -65,9 +70,13 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
     mesh_plan = MeshPlan(mesh, param_specs(cfg), param_specs(m.cfg), fsdp) if mesh is not None else None
     out = Path(out)
     sig = hashlib.sha1(repr((cfg, tc, seq_len, batch_size, str(base), [str(p) for p in data_paths],
-                             self_distill)).encode()).hexdigest()[:10]
-    command = " ".join(["pdecode train draft", "--base", str(base), "--data", *map(str, data_paths), "--out", str(out),
-                        "--steps", str(steps)] + (["--self-distill", str(self_distill)] if self_distill else []))
+                             self_distill) + ((val_fraction,) if val_fraction != 0.05 else ())
+                        ).encode()).hexdigest()[:10]
+    if command is None:
+        command = command_line("pdecode train draft", base=base, data=data_paths, out=out, work=work, steps=steps,
+                               seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, val_fraction=val_fraction,
+                               self_distill=self_distill, mesh=mesh, fsdp=fsdp, accum=accum,
+                               compute_dtype=compute_dtype, base_dtype=base_dtype, **shape)
     extra = {"teacher": str(base), "self_distill_tokens": self_distill, "data": [str(p) for p in data_paths]}
     return fit_and_save_lm(cfg, tc, seq_len, batch_size, tr, va, out, work / "ckpt" / f"draft-{out.name}-{sig}",
                            distill_loss(cfg, m.cfg), m.params, m.path, command, f"draft for {Path(str(base)).name}",
@@ -75,10 +84,10 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="pdecode train draft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(prog="pdecode train draft", description=__doc__, formatter_class=HelpFormatter)
     add_base_arguments(ap, "the draft", lr=2e-3)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=1000, help="training steps")
     ap.add_argument("--work", type=Path, default=Path("runs/draft"), help="checkpoints (a rerun resumes)")
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="half of every batch from N tokens of the base's own continuations")
@@ -96,6 +105,7 @@ def main(argv=None):
                        batch_size=args.batch_size, lr=args.lr,
                        self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
                        compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
+                       val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
                        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                        intermediate=args.intermediate)
 

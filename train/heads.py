@@ -1,9 +1,11 @@
-"""Recipes for the drafting heads of the zoo, all trained with the one loop and objectives module.
+"""Drafting heads: the zoo's recipes, or heads for your own base model, all trained with the one loop and
+objectives module (`pdecode train heads` and `python -m train.heads` are the same command).
 
-    python -m train.heads --only code-target-medusa      # one recipe
-    python -m train.heads --self-distill 1500000         # every head recipe on the frozen code-target, trained on
+    pdecode train heads --only code-target-medusa        # one recipe
+    pdecode train heads --self-distill 1500000           # every head recipe on the frozen code-target, trained on
                                                          # 1.5M tokens code-target generated itself (as shipped)
-    python -m train.heads --only code-target-mtp         # the target trained natively with an MTP module
+    pdecode train heads --only code-target-mtp           # the target trained natively with an MTP module
+    pdecode train heads --base DIR --kind eagle --data FILES... --out DIR    # heads for your own base
 
 Target hidden states are computed on the fly in each step (nothing is dumped to disk). Each result lands in
 ``zoo/<name>/`` (heads.json + heads.safetensors, or a full model for the native MTP one) with a train_info.json.
@@ -15,6 +17,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -75,6 +78,10 @@ def _objective(r: HeadRecipe, cfg):
     return mtp_loss(cfg, r.hcfg)
 
 
+EVAL_BATCH = 8  # held-out windows per evaluation batch; fewer held-out windows than this make a noisy metric
+EVAL_WINDOWS = 96  # held-out windows the metric reads at most
+
+
 def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
     """Held-out metric of the heads: top-1 agreement with the target's own greedy next-next token (Medusa head 0,
     EAGLE / MTP depth 1), i.e. the depth-1 acceptance rate under greedy verification."""
@@ -101,7 +108,7 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
         return jnp.mean(jnp.argmax(lg, -1) == t_next[:, 1:])
 
     def eval_fn(hp):
-        vals = [float(agree(hp, tparams, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
+        vals = [float(agree(hp, tparams, jnp.asarray(w))) for w in data.eval_batches(windows, EVAL_BATCH)]
         return {"depth1_agreement": float(np.mean(vals))}
 
     return eval_fn
@@ -117,7 +124,10 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     if r.kind == "medusa":
         hp = H.medusa_init_zero(hp)
     batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
-    val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(96)
+    val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(EVAL_WINDOWS) if len(va) > r.seq_len + 1 else []
+    if not len(val_windows):
+        raise InputError(f"the held-out part is {len(va)} tokens, less than one window of {r.seq_len + 1}: add text "
+                         "or lower --seq-len")
     eval_fn = _eval_heads(r, cfg, tparams, val_windows)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(hp))
     print(f"{desc}: {r.kind} heads, {n_params / 1e6:.2f}M params on frozen {base_model}, {tc.steps} steps of "
@@ -181,10 +191,13 @@ def head_config(kind: str, cfg) -> tuple[object, int]:
 def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Path, steps: int = 500,
                     seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, self_distill: int = 0,
                     mesh=None, fsdp: bool = False, accum: int = 1, compute_dtype: str | None = None,
-                    base_dtype: str = "auto", seed: int = 0, calibrate: bool = True) -> dict:
+                    base_dtype: str = "auto", seed: int = 0, calibrate: bool = True, val_fraction: float = 0.05,
+                    command: str | None = None) -> dict:
     """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
-    user's text files (``data_paths``; the base's tokenizer), or on ``self_distill`` tokens of the base's own
-    continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``) with the base tensor-parallel."""
+    user's text files (``data_paths``; the base's tokenizer; the last ``val_fraction`` held out), or on
+    ``self_distill`` tokens of the base's own continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``)
+    with the base tensor-parallel. ``command`` (recorded in train_info.json): the command line as given, by default
+    one with every option spelled out."""
     import pdecode
     from pdecode.model.transformer import param_specs
     from train.loop import MeshPlan
@@ -197,17 +210,24 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                      ckpt_every=max(1, min(100, steps)), log_every=max(1, min(10, steps)), seed=seed, accum=accum,
                      compute_dtype=compute_dtype)
     r = HeadRecipe("eagle" if kind == "eagle3" else kind, hcfg, tc, seq_len, batch_size, ttt, base=str(base))
-    tr, va = data.user_streams(m.tokenizer, data_paths, seq_len)
+    tr, va = data.user_streams(m.tokenizer, data_paths, seq_len, val_fraction)
+    note = held_out_note(len(tr), len(va), seq_len, val_fraction)
+    if note:
+        print(note, file=sys.stderr)
     if self_distill:
         print(f"self-distillation: generating {self_distill} tokens with {base}", file=sys.stderr)
         tr = data.self_distillation_stream(m, tr, self_distill, batch=min(64, batch_size * 4),
                                            temperature=data.SELF_DISTILL_TEMPERATURE, seed=seed)
     base_model = str(base) if not Path(base).is_dir() else str(Path(base).resolve())
     mesh_plan = MeshPlan(mesh, hcfg.specs(m.cfg), param_specs(m.cfg), fsdp) if mesh is not None else None
-    sig = hashlib.sha1(repr((r, base_model, [str(p) for p in data_paths], self_distill)).encode()).hexdigest()[:10]
-    command = " ".join(["pdecode train heads", "--base", str(base), "--kind", kind, "--data",
-                        *map(str, data_paths), "--out", str(out), "--steps", str(steps)]
-                       + (["--self-distill", str(self_distill)] if self_distill else []))
+    held = (val_fraction,) if val_fraction != 0.05 else ()  # (the default keeps earlier runs' checkpoint names)
+    sig = hashlib.sha1(repr((r, base_model, [str(p) for p in data_paths], self_distill) + held
+                            ).encode()).hexdigest()[:10]
+    if command is None:
+        command = command_line("pdecode train heads", base=base, kind=kind, data=data_paths, out=out, work=work,
+                               steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
+                               val_fraction=val_fraction, self_distill=self_distill, mesh=mesh, fsdp=fsdp,
+                               accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype)
     out = Path(out)
     info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model, command,
                         f"heads:{kind}", mesh_plan)
@@ -216,6 +236,43 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
         info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
                                                    command + " (tree calibrated after training)")
     return info
+
+
+def held_out_note(n_train: int, n_val: int, seq_len: int, val_fraction: float) -> str | None:
+    """A warning line when the held-out stream of `data.user_streams` has fewer windows than one evaluation batch
+    (the metric is then measured on those few, and noisy), saying what to pass; None when it has enough."""
+    window = seq_len + 1
+    n_win = (n_val - 1) // window
+    if n_win >= EVAL_BATCH:
+        return None
+    need = EVAL_BATCH * window + 1  # tokens for EVAL_BATCH windows
+    total = n_train + n_val
+    fixes = ["add text to --data", f"lower --seq-len (now {seq_len})"]
+    frac = -(-(need + 1) * 100 // total) / 100  # rounded up to a percent
+    if frac < 1 and total - int(total * frac) > 2 * window:  # what data.user_streams needs left to train on
+        fixes.append(f"hold out more with --val-fraction {frac:g}")
+    return (f"warning: the held-out part (last {val_fraction * 100:g}% of --data) is {n_val} tokens, {n_win} window(s) "
+            f"of {window} tokens; the held-out metric is measured on those but is noisy below {EVAL_BATCH} windows "
+            f"({need} tokens): {', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
+def command_line(prog: str, **options) -> str:
+    """``prog`` with every option spelled out (``seq_len=128`` -> ``--seq-len 128``; lists as several values; True
+    as a bare flag; None and False left out; a mesh as DATAxMODEL): a command that repeats a run."""
+    parts = [prog]
+    for k, v in options.items():
+        if v is None or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            parts.append(flag)
+        elif isinstance(v, (list, tuple)):
+            parts += [flag, *map(str, v)]
+        elif hasattr(v, "devices") and hasattr(v, "shape"):  # a jax Mesh
+            parts += [flag, "x".join(str(n) for n in v.shape.values())]
+        else:
+            parts += [flag, str(v)]
+    return parts[0] + " " + shlex.join(parts[1:])
 
 
 def _load_saved(out: Path, cfg):
@@ -240,7 +297,7 @@ def _saved_heads(name: str, zoo: Path, work: Path):
 def reevaluate(name: str, zoo: Path, work: Path) -> dict:
     """Recompute the held-out depth-1 agreement of saved heads and record it in their train_info.json."""
     r, (_, va), cfg, tparams, _, hp, _ = _saved_heads(name, zoo, work)
-    ev = _eval_heads(r, cfg, tparams, data.TokenBatches(va, r.seq_len, 1).fixed_eval(96))(hp)
+    ev = _eval_heads(r, cfg, tparams, data.TokenBatches(va, r.seq_len, 1).fixed_eval(EVAL_WINDOWS))(hp)
     f = zoo / name / "train_info.json"
     info = json.loads(f.read_text())
     info["final_eval"] = ev
@@ -273,7 +330,7 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
             rows.append(jnp.mean(top[k, :, start:n, :] == t_next[:, start + k + 1:, None], axis=(0, 1)))
         return jnp.stack(rows)
 
-    accs = [np.asarray(counts(hp, tparams, jnp.asarray(windows[i: i + 8]))) for i in range(0, len(windows) - 7, 8)]
+    accs = [np.asarray(counts(hp, tparams, jnp.asarray(w))) for w in data.eval_batches(windows, EVAL_BATCH)]
     return np.mean(accs, axis=0)
 
 
@@ -352,12 +409,14 @@ def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3)
     g = ap.add_argument_group(f"{what} for your own base model (instead of a zoo recipe)")
     g.add_argument("--base", help="an HF model directory (config.json, *.safetensors, tokenizer.json) or zoo name")
     g.add_argument("--data", nargs="+", metavar="PATH", help="text files or directories to train on (tokenized "
-                   "with the base's tokenizer; the last 5%% held out)")
+                   "with the base's tokenizer; the last --val-fraction of the tokens held out)")
     g.add_argument("--out", type=Path, help="where to write the result")
-    g.add_argument("--seq-len", type=int, default=256)
-    g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    g.add_argument("--batch-size", type=int, default=16, help="windows per step")
+    g.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                   help="the part of --data's tokens held out for the validation metric (at least two windows' worth)")
+    g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    g.add_argument("--seed", type=int, default=0, help="initialization and batch order")
     g.add_argument("--mesh", default=None, metavar="DATAxMODEL", help="train on a mesh: data-parallel over DATA, "
                    "the base tensor-parallel over MODEL")
     g.add_argument("--fsdp", action="store_true", help="with --mesh: also split the trained weights over DATA")
@@ -379,15 +438,31 @@ def check_base_arguments(ap: argparse.ArgumentParser, args, extra_required=()) -
             ap.error(f"--{n.replace('_', '-')} must be >= 1")
     if args.batch_size % args.accum:
         ap.error(f"--accum {args.accum} must divide --batch-size {args.batch_size}")
+    if not 0 < args.val_fraction < 1:
+        ap.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction:g}")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m train.heads", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", action="append", choices=sorted(RECIPES) + [NATIVE_MTP])
-    ap.add_argument("--zoo", type=Path, default=None)
-    ap.add_argument("--work", type=Path, default=Path("runs/zoo"))
-    ap.add_argument("--steps", type=int, default=None)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's help ends with its default (unless None or False; argparse
+    shows nothing for an option without help, so every option with a default needs one)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if action.option_strings and not (d is None or d is False or d == argparse.SUPPRESS) and "%(default)" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdecode train heads", description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--only", action="append", choices=sorted(RECIPES) + [NATIVE_MTP], metavar="RECIPE",
+                    help=f"train this zoo recipe (repeatable; default: every one but {NATIVE_MTP}): "
+                         f"{', '.join(sorted(RECIPES) + [NATIVE_MTP])}")
+    ap.add_argument("--zoo", type=Path, default=None, help="the zoo directory (default: pdecode's own)")
+    ap.add_argument("--work", type=Path, default=Path("runs/zoo"), help="data and checkpoints (a rerun resumes)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps (default: 500 with --base, the recipe's own with --only)")
     ap.add_argument("--eval-only", action="store_true", help="re-measure saved heads' depth-1 agreement")
     ap.add_argument("--calibrate-tree", type=int, default=None, metavar="NODES",
                     help="(Medusa heads) only calibrate and store a static tree of NODES nodes in heads.json")
@@ -395,6 +470,12 @@ def main(argv=None):
                     help="train heads on N tokens generated by the target itself instead of the corpus")
     ap.add_argument("--kind", choices=KINDS, help="(with --base) which heads to train")
     add_base_arguments(ap, "heads")
+    return ap
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser()
     args = ap.parse_args(argv)
     from pdecode.api import zoo_dir
 
@@ -409,7 +490,8 @@ def main(argv=None):
         return train_heads_for(args.base, args.kind, args.data, args.out, args.work, steps=args.steps or 500,
                                seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
-                               compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed)
+                               compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
+                               val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}")
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):

@@ -119,8 +119,7 @@ def make_eval(cfg: ModelConfig, val_windows: np.ndarray, batch: int = 8):
         return cross_entropy(unembed(params, cfg, h), w[:, 1:])
 
     def eval_fn(params):
-        vals = [float(ce_batch(params, jnp.asarray(val_windows[i: i + batch])))
-                for i in range(0, len(val_windows) - batch + 1, batch)]
+        vals = [float(ce_batch(params, jnp.asarray(w))) for w in data.eval_batches(val_windows, batch)]
         return {"val_loss": float(np.mean(vals))}
 
     return eval_fn
