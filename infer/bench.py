@@ -347,11 +347,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve"], default="decode",
+    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve", "ties"], default="decode",
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
                          "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
                          "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py); serve: "
-                         "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py)")
+                         "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py); ties: every lossless method against AR "
+                         "at the stored bfloat16, divergences checked for near-ties (infer/tie_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=None,
@@ -368,7 +369,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None,
+                    help="params' dtype: float32, bfloat16 or auto (as stored); default float32 (ties suite: auto)")
     ap.add_argument("--no-limit", action="store_true", help="skip the CPU-limit measurement")
     ap.add_argument("--verify-cost", action="store_true",
                     help="measure one forward over k tokens vs k = 1 (zoo target and a ~150M random config) and "
@@ -490,6 +492,12 @@ def run_from_args(args) -> int:
         args.methods = args.methods or ["ar", "sd"]
         args.new_tokens = 96 if args.new_tokens == 128 else args.new_tokens  # budgets 32-96 (mean 64)
         return serve_bench.run_suite(args)
+    if args.suite == "ties":
+        from infer import tie_bench
+
+        args.dtype = args.dtype or "auto"
+        return tie_bench.run(args)
+    args.dtype = args.dtype or "float32"
     if args.suite == "decompose":
         from infer import decompose_bench
 

@@ -14,6 +14,7 @@ devices cannot hold, a non-empty convert --dst) exits with status 2 and one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ def cmd_generate(args) -> int:
     import pdecode
 
     from pdecode.decode import registry
-    from pdecode.errors import InputError
+    from pdecode.errors import InputError, PdecodeError
 
     prompts = _read_prompts(args)
     options = parse_options(args.option)
@@ -109,6 +110,10 @@ def cmd_generate(args) -> int:
     mesh = _parse_mesh(args.mesh) if args.mesh else None
     compare = _compare_specs(args.compare or [], bool(args.draft))  # checked before anything loads or runs
     if args.plot:
+        if _plot_kind(args.method) is None or args.decompose:
+            raise InputError(f"--plot draws the decoding order of diffusion / dico and the acceptance of the draft-"
+                             f"and-verify methods; {'--decompose' if args.decompose else f'method {args.method!r}'} "
+                             "has neither: drop --plot")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -132,8 +137,18 @@ def cmd_generate(args) -> int:
     out = run(m, args.method, options, draft)
     rows = [_row(args.method, out, None)] if compare else []
     for spec, method, heads, opts in compare:
-        o = run(load(heads) if heads else m, method, opts, draft if registry.get(method).needs_draft else None)
+        cm = load(heads) if heads else m
+        try:
+            o = run(cm, method, opts, draft if registry.get(method).needs_draft else None)
+        except PdecodeError as e:
+            raise type(e)(f"--compare {spec}: {e}", cli=f"--compare {spec}: {e.for_cli()}") from None
         rows.append(_row(spec, o, o.tokens == out.tokens))
+        if o.tokens != out.tokens and args.method == "ar" and not args.temperature:  # greedy: a tie, or a bug?
+            from pdecode.divergence import first_divergences
+
+            divs = [d for d in first_divergences(cm, prompts, out.tokens, o.tokens) if d is not None]
+            rows[-1]["divergences"] = [dataclasses.asdict(d) | {"tie": d.tie} for d in divs]
+            rows[-1]["all_ties"] = all(d.tie for d in divs)
     if args.json:
         for p, text, toks in zip(prompts, out.texts, out.tokens):
             print(json.dumps({"prompt": p, "text": text, "tokens": toks, "stats": out.stats}))
@@ -149,12 +164,38 @@ def cmd_generate(args) -> int:
               f"compile {s['compile_s']:.2f}s", file=sys.stderr)
         if rows:
             print(_compare_table(rows))
-    if getattr(args, "plot", None) and "commit_step" in out.stats:
-        from infer.plots import commit_order_plot
+            from pdecode.divergence import Divergence
 
-        commit_order_plot(out.stats["commit_step"], args.plot, title=f"{args.method}: step each position was decoded")
+            for r in rows:
+                for d in r.get("divergences", []):
+                    print(f"  {r['method']} differs from {rows[0]['method']} at "
+                          f"{Divergence(**{k: d[k] for k in ('row', 'position', 'margin', 'tolerance')}).describe()}")
+            if any("divergences" in r for r in rows):
+                print("  (a lossless method equals AR token for token until the first floating-point near-tie; "
+                      "--activation-dtype float32 makes ties rarer; docs/methods.md#identical-to-ar)")
+    if args.plot:
+        from infer import plots
+
+        if _plot_kind(args.method) == "commit order":
+            plots.commit_order_plot(out.stats["commit_step"], args.plot,
+                                    title=f"{args.method}: step each position was decoded")
+        else:
+            s = out.stats
+            plots.acceptance_plot(s["accepted_histogram"], s["acceptance_per_depth"], args.plot,
+                                  title=f"{args.method}: {s['tokens_per_forward']:.2f} tokens per target forward, "
+                                        f"{s['target_forwards']} target forwards")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _plot_kind(method: str) -> str | None:
+    """What ``--plot`` draws for ``method``: the commit order of a masked sampler that records it, the acceptance of
+    a draft-and-verify method (every causal method but ar), else None."""
+    from pdecode.decode import registry
+
+    if method in ("diffusion", "dico"):
+        return "commit order"
+    return "acceptance" if registry.get(method).target == "causal" and method != "ar" else None
 
 
 def _decompose(args, m, draft, prompts, options, mesh, compare) -> int:
@@ -209,12 +250,22 @@ def _row(label: str, o, same) -> dict:
             "tokens_per_s": s["tokens_per_s"], "new_tokens": s["new_tokens"], "same_tokens": same}
 
 
+def _verdict(r: dict, first: str) -> str:
+    if r["same_tokens"] is None:
+        return "(shown above)"
+    if r["same_tokens"]:
+        return "identical to " + first
+    if "all_ties" not in r:
+        return "differs from " + first
+    return f"identical to {first} up to a near-tie" if r["all_ties"] else f"DIFFERS from {first} at a non-tie"
+
+
 def _compare_table(rows: list[dict]) -> str:
     first = rows[0]["method"]
     w = max(len(r["method"]) for r in rows) + 2
     lines = [f"{'method':{w}s}{'tokens/forward':>16s}{'target forwards':>17s}{'tok/s':>9s}   text",
              *(f"{r['method']:{w}s}{r['tokens_per_forward']:16.2f}{r['target_forwards']:17d}{r['tokens_per_s']:9.1f}"
-               f"   {'(shown above)' if r['same_tokens'] is None else 'identical to ' + first if r['same_tokens'] else 'differs from ' + first}"
+               f"   {_verdict(r, first)}"
                for r in rows)]
     return "\n".join(lines)
 
@@ -256,14 +307,54 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def cmd_zoo(args) -> int:
+# what each shipped model is for, as `pdecode zoo` prints it and docs/zoo.md tabulates it (tests check both against
+# the registry and the zoo folder); a model that is not listed gets what its files say (`_serves_from_files`)
+ZOO_SERVES = {
+    "code-target": "ar, lookup, jacobi, lookahead; target of sd / tree / pearl (--draft code-draft) and of "
+                   "diffusion_draft (--draft code-dllm)",
+    "code-draft": "draft of sd / tree / pearl for code-target (--draft code-draft)",
+    "code-target-eagle": "eagle (--model code-target-eagle, or --compare eagle@code-target-eagle)",
+    "code-target-eagle3": "eagle, EAGLE-3 fused layers (--model code-target-eagle3)",
+    "code-target-medusa": "medusa (--model code-target-medusa)",
+    "code-target-mtp-posthoc": "mtp, a module trained on the frozen code-target (--model code-target-mtp-posthoc)",
+    "code-target-mtp": "mtp, trained natively with the model (--model code-target-mtp); also ar",
+    "code-target-layerskip": "layerskip, early exit trained (--model code-target-layerskip); also ar",
+    "code-dllm": "diffusion, dico, oneshot, mask_predict (--model code-dllm); draft of diffusion_draft "
+                 "(--draft code-dllm)",
+    "code-edit": "edit (--model code-edit), and refine='edit' after any method",
+}
+
+
+def _serves_from_files(d: Path) -> str:
+    """What a zoo folder serves, read from its files, for models `ZOO_SERVES` does not list."""
+    if (d / "heads.json").exists():
+        kind = json.loads((d / "heads.json").read_text()).get("kind", "?")
+        return f"{kind} (--model {d.name})"
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    if cfg.get("pdecode_causal") is False:
+        return f"diffusion, dico, oneshot, mask_predict (--model {d.name})"
+    return "ar, lookup, jacobi, lookahead, layerskip; target or draft of sd / tree / pearl"
+
+
+def zoo_table() -> list[tuple[str, float, str, str]]:
+    """(name, params in millions, validation loss or head kind, what it serves) per shipped model."""
     import pdecode
 
+    rows = []
     for name in pdecode.zoo_names():
         info_f = pdecode.zoo_dir() / name / "train_info.json"
         info = json.loads(info_f.read_text()) if info_f.exists() else {}
         extra = f"val_loss {info['val_loss']:.3f}" if "val_loss" in info else info.get("kind", "")
-        print(f"{name:24s} {info.get('params', 0) / 1e6:6.2f}M params  {extra}")
+        rows.append((name, info.get("params", 0) / 1e6, extra,
+                     ZOO_SERVES.get(name) or _serves_from_files(pdecode.zoo_dir() / name)))
+    return rows
+
+
+def cmd_zoo(args) -> int:
+    rows = zoo_table()
+    print(f"{'model':24s} {'params':>7s}  {'':15s} serves")
+    for name, params, extra, serves in rows:
+        print(f"{name:24s} {params:6.2f}M  {extra:15s} {serves}")
     return 0
 
 
@@ -329,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt with text and stats")
-    g.add_argument("--plot", default=None, help="PNG of the step each position was decoded (diffusion methods)")
+    g.add_argument("--plot", default=None, help="PNG: the step each position was decoded (diffusion, dico) or the acceptance per verify step "
+                        "and depth (draft-and-verify methods); other methods refuse it")
     g.add_argument("--compare", nargs="+", default=None, metavar="METHOD",
                    help="also run these methods (name, name:key=value,..., or name@heads-model such as "
                         "eagle@code-target-eagle) on the same prompts: tokens per forward, forwards and tok/s side by "
@@ -404,7 +496,7 @@ def main(argv=None) -> int:
 
             return plan_run(args)
     except PdecodeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.for_cli()}", file=sys.stderr)
         return 2
     return 1
 

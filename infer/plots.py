@@ -1,4 +1,5 @@
-"""Pictures: the step at which each canvas position was decoded (diffusion samplers, DiCo clusters)."""
+"""Pictures: the step at which each canvas position was decoded (diffusion samplers, DiCo clusters), and the
+acceptance of draft-and-verify methods (tokens per verify step, acceptance by depth)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,39 @@ def commit_order_plot(commit_step, path: str | Path, title: str = "", labels: li
     import matplotlib.pyplot as plt
 
     fig = commit_order_figure(commit_step, title=title, labels=labels)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def acceptance_plot(histogram, per_depth, path: str | Path, title: str = "") -> Path:
+    """Draft-and-verify at a glance: left, how many verify steps committed 1, 2, ... tokens (the accepted draft
+    tokens plus the target's own); right, the fraction of steps whose draft survived to each depth, given it reached
+    the depth before. Written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = np.asarray(histogram, dtype=float)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+    a1.bar(np.arange(1, len(hist) + 1), hist, color="tab:blue")
+    a1.set_xlabel("tokens committed by one verify step")
+    a1.set_ylabel("verify steps")
+    a1.set_xticks(np.arange(1, len(hist) + 1))
+    from matplotlib.ticker import MaxNLocator
+
+    a1.yaxis.set_major_locator(MaxNLocator(integer=True))
+    depth = [np.nan if v is None else v for v in per_depth]
+    a2.plot(np.arange(1, len(depth) + 1), depth, marker="o", color="tab:orange")
+    a2.set_ylim(0, 1.02)
+    a2.set_xlabel("draft depth")
+    a2.set_ylabel("accepted | reached")
+    a2.set_xticks(np.arange(1, max(2, len(depth) + 1)))
+    a2.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -111,7 +111,11 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     avail = ", ".join(zoo_names()) or "none shipped"
     if p.exists():
         raise CheckpointError(f"{p} is a file; pass the model directory (config.json + *.safetensors)")
-    raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name (zoo: {avail})")
+    import difflib
+
+    close = difflib.get_close_matches(str(name_or_path), zoo_names(), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name; {hint}(zoo: {avail})")
 
 
 def methods() -> dict[str, registry.Method]:
@@ -173,6 +177,17 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
     return m
+
+
+def as_model(x, what: str = "model", optional: bool = False) -> Model | None:
+    """``x`` as a `Model`: a Model as it is, a zoo name or a checkpoint directory loaded (`load`); anything else is
+    one line saying what to pass."""
+    if isinstance(x, Model) or (optional and x is None):
+        return x
+    if isinstance(x, (str, os.PathLike)):
+        return load(x)
+    raise InputError(f"{what} must be a pdecode.Model (pdecode.load(...)), a zoo name or a checkpoint directory; "
+                     f"got {type(x).__name__}")
 
 
 def attach_heads(m: Model, path: str | os.PathLike) -> Model:
@@ -318,10 +333,19 @@ def _bucket(n: int, quantum: int = 32) -> int:
 def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
+    what = "prompts must be a text, a list of texts or a list of token-id lists"
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise InputError(f"{what}; got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise InputError("no prompts given")
+    if all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
+        raise InputError(f"{what}; got one flat list of ints: wrap it as [ids] for one prompt")
     out = []
     for p in prompts:
+        if not isinstance(p, (str, Sequence, np.ndarray)) or (
+                not isinstance(p, str) and not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                   for t in p)):
+            raise InputError(f"{what}; got an item of type {type(p).__name__}: {str(p)[:40]!r}")
         if isinstance(p, str):
             if m.tokenizer is None:
                 raise InputError(f"model {m.name!r} has no tokenizer.json; pass token ids instead of text")
@@ -442,6 +466,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
+    m, draft, editor = as_model(m), as_model(draft, "draft", optional=True), as_model(editor, "editor", optional=True)
+    registry.check_models(meth, m, draft)
     own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))
     opts = registry.resolve_options(meth, method_options, near=own)
     if isinstance(stop_token_ids, (int, np.integer)):
@@ -465,7 +491,9 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     samp = ctl.sampling(m.cfg.vocab_size)
     kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
-        raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
+        raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",
+                             cli=f"method {method!r} needs a draft model: add --draft (a zoo name such as "
+                                 "code-draft, or a model directory)")
     if draft is not None:
         _check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
@@ -596,6 +624,7 @@ def refine(editor: Model, prompts, drafts, max_iterations: int = 4, room: int = 
     refined drafts (texts, tokens) and stats (forwards per row, iterations, tokens deleted and inserted)."""
     from pdecode.decode import edit
 
+    editor = as_model(editor, "editor")
     if "edit" not in editor.extras:
         raise InputError(f"{editor.name or 'this model'} has no edit heads: load an edit model such as code-edit")
     ecfg, ep = editor.extras["edit"]
@@ -653,6 +682,7 @@ def _forward_logits(params, tokens, lengths, *, cfg):
 
 def forward_logits(m: Model, ids) -> jax.Array:
     """Plain pass over token ids [B, T] -> float32 logits [B, T, V] (causal unless the model is bidirectional)."""
+    m = as_model(m)
     tokens = jnp.asarray(ids, jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]

@@ -334,6 +334,9 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
     """
     from pdecode import api
 
+    model = api.as_model(model)
+    if "draft" in generate_options:
+        generate_options["draft"] = api.as_model(generate_options["draft"], "draft", optional=True)
     if model.tokenizer is None:
         raise InputError(f"model {model.name!r} has no tokenizer.json: decompose plans over text")
     if not isinstance(prompt, str):

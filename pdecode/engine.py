@@ -121,13 +121,17 @@ class Engine:
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise InputError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
         meth = registry.get(method)
+        model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
+        registry.check_models(meth, model, draft)
         not_here = InputError(f"method {method!r} does not run in the serving engine: it takes ar and the "
                               f"draft-and-verify methods (sd, lookup, tree, eagle, medusa, mtp, ...)")
         if meth.wants_max_new:  # a masked-diffusion canvas, not a token loop
             raise not_here
         opts = registry.resolve_options(meth, method_options)
         if meth.needs_draft and draft is None:
-            raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)")
+            raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",
+                             cli=f"method {method!r} needs a draft model: add --draft (a zoo name such as "
+                                 "code-draft, or a model directory)")
         if draft is not None:
             api._check_same_tokenizer(model, draft)
         if not isinstance(admit_rows, int) or admit_rows < 1:

@@ -2,7 +2,15 @@
 
 
 class PdecodeError(ValueError):
-    """Base class: invalid input or configuration detected before any computation runs."""
+    """Base class: invalid input or configuration detected before any computation runs. ``cli``: the same advice in
+    the terms of the ``pdecode`` command (flags instead of Python calls), which the command prints instead."""
+
+    def __init__(self, message: str = "", cli: str | None = None):
+        super().__init__(message)
+        self.cli = cli
+
+    def for_cli(self) -> str:
+        return self.cli or str(self)
 
 
 class ConfigError(PdecodeError):

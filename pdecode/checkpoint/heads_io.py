@@ -78,8 +78,7 @@ def _unflatten_like(flat: dict, template):
             raise CheckpointError(f"heads checkpoint lacks tensor {name!r}")
         a = flat[name]
         if tuple(a.shape) != tuple(t.shape):
-            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the config needs {t.shape} "
-                                  "(heads trained for another model?)")
+            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the model needs {t.shape}")
         return a
 
     return build(template, "")
@@ -112,7 +111,14 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
     kind = meta.get("kind")
     hcfg = head_config(kind, meta.get("config", {}))
     flat = read_safetensors(path / "heads.safetensors")
-    params = _unflatten_like(flat, _template(hcfg, cfg))
+    try:
+        params = _unflatten_like(flat, _template(hcfg, cfg))
+    except CheckpointError as e:
+        base = meta.get("base_model")
+        raise CheckpointError(f"{path}: {e}: these {kind} heads belong to another model"
+                              f"{f' ({base!r})' if base and base != '.' else ''}, not this {cfg.family} model "
+                              f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers); train heads for it with "
+                              f"`pdecode train heads --base <this model>`") from None
     params = jax.tree.map(lambda a: np.asarray(a, dtype), params)
     return kind, hcfg, params, meta
 

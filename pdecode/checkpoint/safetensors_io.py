@@ -58,6 +58,9 @@ def _load(path: Path, spans: dict | None = None) -> tuple[dict[str, np.ndarray],
     if len(buf) < 8:
         raise CheckpointError(f"{path} is not a safetensors file (too short)")
     (n,) = struct.unpack("<Q", buf[:8])
+    if 8 + n > len(buf):
+        raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims {n} bytes, the file "
+                              f"has {len(buf)}; copy or download it again")
     try:
         header = json.loads(bytes(buf[8: 8 + n]))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -71,6 +74,12 @@ def _load(path: Path, spans: dict | None = None) -> tuple[dict[str, np.ndarray],
         if dt is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         lo, hi = info["data_offsets"]
+        if base + hi > len(buf):
+            raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {base + hi}, the file has "
+                                  f"{len(buf)} bytes; copy or download it again")
+        if hi - lo != int(np.prod(info["shape"])) * np.dtype(dt).itemsize:
+            raise CheckpointError(f"{path} is corrupt: tensor {name} spans {hi - lo} bytes, its shape "
+                                  f"{info['shape']} and dtype {info['dtype']} need {int(np.prod(info['shape'])) * np.dtype(dt).itemsize}")
         arr = np.frombuffer(buf, dtype=dt, count=(hi - lo) // np.dtype(dt).itemsize, offset=base + lo)
         out[name] = arr.reshape(info["shape"])
         if spans is not None:

@@ -242,7 +242,7 @@ def _prepare_diffusion_draft(model, draft, opts, samp):
     return plan
 
 
-register(Method("diffusion_draft", _prepare_diffusion_draft, needs_draft=True, needs="masked-diffusion draft model",
+register(Method("diffusion_draft", _prepare_diffusion_draft, draft="masked", needs_draft=True, needs="masked-diffusion draft model",
                 options={"gamma": Option(8, "int", "masked positions the draft fills per step (the block)"),
                          "steps": Option(1, "int", "denoising forwards per block (each commits the most confident "
                                                    "masked positions; 1: one forward fills the block)"),
@@ -266,7 +266,10 @@ def _heads(model, kind: str):
     if kind not in model.extras:
         raise InputError(f"method {kind!r} needs {kind} heads on the model: load a heads directory "
                          f"(e.g. pdecode.load('code-target-{kind}')) or attach them with "
-                         f"pdecode.attach_heads(model, path)")
+                         f"pdecode.attach_heads(model, path)",
+                         cli=f"method {kind!r} needs {kind} heads on the model: pass a heads directory as the model "
+                             f"(--model code-target-{kind}: it loads its base model too), or in --compare name it "
+                             f"after the method ({kind}@code-target-{kind})")
     return model.extras[kind]
 
 
@@ -399,7 +402,7 @@ def _diffusion_stats(s):
 
 
 NOT_AR = "no: a masked-diffusion model's own distribution"
-register(Method("diffusion", _prepare_diffusion, wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
                 options={
                     "block_length": Option(None, "int", "semi-AR block length (None: the whole canvas, one block)"),
                     "steps": Option(None, "int", "schedule rule: total denoising steps (None: one per token)"),
@@ -464,7 +467,7 @@ def _dico_options():
             for f in fields}
 
 
-register(Method("dico", _prepare_dico, wants_max_new=True, options=_dico_options(), needs="diffusion model",
+register(Method("dico", _prepare_dico, target="masked", wants_max_new=True, options=_dico_options(), needs="diffusion model",
                 lossless=NOT_AR,
                 summary="DiCo: Divide picks spread-out seeds and grows clusters, Conquer decodes them in parallel, "
                         "Finalize fills the last masks"))
@@ -496,10 +499,11 @@ _LENGTH = {"beams": Option(3, "int", "length beams: the most likely answer lengt
            "length": Option("eos", "str", "eos: lengths from one pass's EOS probabilities over a canvas of masks; "
                                           "full: the whole canvas (beams 1)", choices=("eos", "full"))}
 register(Method("oneshot", lambda m, d, o, s, max_new=None: _prepare_mask_predict(m, d, o, s, max_new, oneshot=True),
+                target="masked",
                 wants_max_new=True, options=dict(_LENGTH), needs="diffusion model", lossless=NOT_AR,
                 summary="one-shot non-autoregressive: one forward fills the answer at a predicted length (length "
                         "beams from the model's EOS probabilities)"))
-register(Method("mask_predict", _prepare_mask_predict, wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+register(Method("mask_predict", _prepare_mask_predict, target="masked", wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
                 options={"iterations": Option(10, "int", "T: fill all, then re-mask the N (T - t) / T least probable "
                                                          "tokens and predict them again"), **_LENGTH},
                 summary="Mask-Predict (CMLM): iterative refinement at predicted lengths, T forwards per length beam"))
@@ -522,7 +526,7 @@ def _prepare_edit(model, draft, opts, samp, max_new=None):
                 extra_len=1, finish_stats=_mask_predict_stats)
 
 
-register(Method("edit", _prepare_edit, wants_max_new=True, needs="edit model (code-edit)",
+register(Method("edit", _prepare_edit, target="masked", wants_max_new=True, needs="edit model (code-edit)",
                 lossless="no: the edit model's rewrite of the text",
                 options={"context": Option(0, "int", "leading tokens of each prompt kept as they are (the rest is the "
                                                       "draft refined)"),

@@ -77,8 +77,12 @@ class Method:
     wants_max_new: bool = False  # prepare() also takes max_new (diffusion: the canvas length)
     needs: str = "nothing"  # what it needs beyond the target: "draft model", "medusa heads", "diffusion model", ...
     lossless: str = "yes"  # "yes" (output distribution = AR's), or why not
+    target: str = "causal"  # the model it decodes with: "causal" (autoregressive) or "masked" (masked diffusion)
+    draft: str = "causal"  # likewise for its draft model, when it takes one
 
     def __post_init__(self):
+        if self.target not in _KINDS or self.draft not in _KINDS:
+            raise TypeError(f"method {self.name!r}: target and draft must be one of {', '.join(_KINDS)}")
         for k, o in self.options.items():
             if not isinstance(o, Option):
                 raise TypeError(f"method {self.name!r}: option {k!r} must be a registry.Option, got {o!r}")
@@ -91,7 +95,34 @@ class Method:
         return {k: o.default for k, o in self.options.items()}
 
 
+_KINDS = ("causal", "masked")
 METHODS: dict[str, Method] = {}
+_MASKED_HINT = "a masked method (diffusion, dico, oneshot, mask_predict)"
+
+
+def check_models(method: Method, model, draft=None) -> None:
+    """Refuse a model of the wrong kind for ``method`` (an autoregressive method over a masked-diffusion model
+    decodes garbage, not an error) with one line saying which kind it needs."""
+
+    def name(m):
+        return repr(m.name) if getattr(m, "name", "") else "this model"
+
+    if method.target == "causal" and not model.cfg.causal:
+        raise InputError(f"method {method.name!r} decodes left to right with an autoregressive model; {name(model)} "
+                         f"is a masked-diffusion (bidirectional) model: use {_MASKED_HINT}, or an autoregressive "
+                         "model such as code-target")
+    if method.target == "masked" and model.cfg.causal:
+        raise InputError(f"method {method.name!r} needs a masked-diffusion (bidirectional) model such as code-dllm; "
+                         f"{name(model)} is autoregressive")
+    if draft is None or not method.needs_draft:
+        return
+    if method.draft == "causal" and not draft.cfg.causal:
+        hint = " (a masked-diffusion draft drafts with method diffusion_draft)" if method.target == "causal" else ""
+        raise InputError(f"method {method.name!r} needs an autoregressive draft model such as code-draft; the draft "
+                         f"{name(draft)} is a masked-diffusion (bidirectional) model{hint}")
+    if method.draft == "masked" and draft.cfg.causal:
+        raise InputError(f"method {method.name!r} needs a masked-diffusion draft model such as code-dllm; the draft "
+                         f"{name(draft)} is autoregressive")
 
 
 def register(method: Method) -> Method:
@@ -102,7 +133,11 @@ def register(method: Method) -> Method:
 def get(name: str) -> Method:
     _load_builtin()
     if name not in METHODS:
-        raise InputError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+        import difflib
+
+        close = difflib.get_close_matches(str(name), sorted(METHODS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InputError(f"unknown method {name!r}; {hint}available: {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
 

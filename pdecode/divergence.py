@@ -1,0 +1,86 @@
+"""What "identical to AR" means at reduced precision, as a check.
+
+At greedy, a lossless method picks exactly the token AR picks *from the logits its own forward computed*. A verify
+forward over k tokens adds up the same numbers as AR's one-token forward in another order (other matmul shapes,
+other tilings), so in bfloat16 the two sets of logits differ in their last bits. Where AR's top two tokens are
+that close, the two runs can take different tokens and then continue from different texts. In float32 they agree
+token for token (the tests assert it); at reduced precision the claim is: **identical until the first
+floating-point near-tie**, a position where the model's exact (float32) top-2 log-probabilities lie within
+`TIE_TOLERANCE` of each other.
+
+`first_divergences` finds, per row, the first position where two generations differ and measures that margin with
+a float32 pass of the same weights, so a user (``pdecode generate --compare``) and the tests can tell a rounding
+tie from a real disagreement (a bug).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+# nats between the top-2 float32 log-probs under which a divergence counts as a rounding tie, per activation dtype:
+# about 2^-(mantissa bits - 3) of a typical logit spread (bfloat16: 8 bits; float16: 11; float32: 24)
+TIE_TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Row ``row`` first differs at new token ``position``; ``margin``: the float32 top-2 log-prob gap there."""
+
+    row: int
+    position: int
+    margin: float
+    tolerance: float
+
+    @property
+    def tie(self) -> bool:
+        return self.margin <= self.tolerance
+
+    def describe(self) -> str:
+        what = "a near-tie" if self.tie else "NOT a tie"
+        return (f"row {self.row}, new token {self.position}: {what} (AR's top-2 log-probs {self.margin:.4f} apart, "
+                f"tolerance {self.tolerance:g})")
+
+
+def tie_tolerance(m) -> float:
+    """The tolerance for ``m``'s activation dtype (its params' dtype unless set apart)."""
+    return TIE_TOLERANCE[str(jnp.dtype(m.cfg.activation_dtype or m.dtype))]
+
+
+def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
+                      tokens: Sequence[Sequence[int]]) -> list[Divergence | None]:
+    """Per row, None where ``tokens`` equals ``reference`` (AR's greedy new tokens), else the first `Divergence`;
+    a row that is a strict prefix of the other (one stopped earlier) diverges where the shorter ends. The margin
+    comes from one float32 forward of ``m``'s weights over prompt + ``reference`` up to that position."""
+    from pdecode.api import Model, encode_prompts, forward_logits
+    from pdecode.model.transformer import cast_params
+
+    ids = encode_prompts(m, prompts)
+    if not (len(ids) == len(reference) == len(tokens)):
+        raise ValueError(f"{len(ids)} prompts, {len(reference)} reference rows and {len(tokens)} rows")
+    found = []
+    for i, (a, b) in enumerate(zip(reference, tokens)):
+        a, b = list(a), list(b)
+        if a == b:
+            continue
+        n = min(len(a), len(b))
+        found.append((i, next((k for k in range(n) if a[k] != b[k]), n)))
+    out: list[Divergence | None] = [None] * len(ids)
+    if not found:
+        return out
+    contexts = [ids[i] + list(reference[i][:p]) for i, p in found]
+    width = max(32, -(-max(map(len, contexts)) // 32) * 32)  # one compile per 32-token bucket
+    batch = np.zeros((len(contexts), width), np.int32)
+    for r, c in enumerate(contexts):
+        batch[r, :len(c)] = c  # right padding: a causal pass reads only what lies before each row's last token
+    exact = Model(cfg=m.cfg.replace(activation_dtype="float32"), params=cast_params(m.params, jnp.float32))
+    logits = np.asarray(forward_logits(exact, batch), np.float64)
+    tol = tie_tolerance(m)
+    for r, (i, p) in enumerate(found):
+        lg = logits[r, len(contexts[r]) - 1]
+        top2 = np.sort(lg)[-2:]  # a gap of logits is the gap of their log-probs
+        out[i] = Divergence(row=i, position=p, margin=float(top2[1] - top2[0]), tolerance=tol)
+    return out
