@@ -151,12 +151,18 @@ def cmd_generate(args) -> int:
             rows[-1]["all_ties"] = all(d.tie for d in divs)
     if args.json:
         for p, text, toks in zip(prompts, out.texts, out.tokens):
-            print(json.dumps({"prompt": p, "text": text, "tokens": toks, "stats": out.stats}))
+            row = {"prompt": p, "text": text, "tokens": toks, "stats": out.stats}
+            if args.method == "edit":
+                row["edited"] = _edited(m, p, text, options.get("context", 0))
+            print(json.dumps(row))
         if rows:
             print(json.dumps({"compare": rows}))
     else:
         for p, text in zip(prompts, out.texts):
-            print(p + text)
+            if args.method == "edit":  # the output replaces the prompt (all of it past -o context=N tokens)
+                print(_edit_diff(m, p, text, options.get("context", 0)))
+            else:
+                print(p + text)
             print("-" * 60)
         s = out.stats
         print(f"[{s['method']}] {s['new_tokens']} new tokens, {s['tokens_per_s']:.1f} tok/s, "
@@ -186,6 +192,24 @@ def cmd_generate(args) -> int:
                                         f"{s['target_forwards']} target forwards")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _edited(m, prompt: str, text: str, context: int) -> str:
+    """The whole edited text: the ``context`` tokens of ``prompt`` kept as they are, then the refined rest."""
+    return (m.tokenizer.decode(m.tokenizer.encode(prompt)[:context]) if context else "") + text
+
+
+def _edit_diff(m, prompt: str, text: str, context: int) -> str:
+    """A unified diff of ``prompt`` (the input) against the edited text, then the edited text in full."""
+    import difflib
+
+    new = _edited(m, prompt, text, context)
+    if new == prompt:
+        return f"(no edits)\n{new}"
+    diff = difflib.unified_diff(prompt.splitlines(keepends=True), new.splitlines(keepends=True), "input", "edited",
+                                lineterm="")
+    lines = [ln if ln.endswith("\n") else ln + "\n" for ln in diff]
+    return "".join(lines) + "=" * 20 + " edited text " + "=" * 20 + "\n" + new
 
 
 def _plot_kind(method: str) -> str | None:
