@@ -12,8 +12,12 @@ a usage chunk. Beyond OpenAI's fields a request may give ``top_k``, ``min_p``, `
 
 A request the server cannot serve as asked gets a 400 whose message says what to change (invalid JSON, an unknown
 or out-of-range field, a prompt too long for the context, ``n`` > 1, top logprobs, ...): never a 500, never a stuck
-slot. A client that disconnects frees its slot at the next engine round. SIGTERM (or SIGINT) stops accepting, lets
-requests in flight finish for up to ``--drain`` seconds, cancels the rest and exits.
+slot; an unexpected failure is a 500 with a JSON error and a traceback in the log. A client that disconnects frees
+its slot at the next engine round. SIGTERM starts a drain: new requests get a 503 (with ``Retry-After``) while the
+ones in flight finish for up to ``--drain`` seconds; a request still running at the deadline is cut (a 503, or a
+stream that ends with an ``error`` event and no ``[DONE]``) and the server exits. SIGINT stops listening first, then
+drains the same way. Every request logs one access line (logger ``pdecode.serve``, ``--log-level``): method, path,
+status, prompt and completion tokens, time to first token, total time, tokens per target forward.
 
 Built on aiohttp (the optional ``serve`` extra): one package gives the asyncio HTTP server, streamed responses for
 server-sent events and graceful shutdown on signals, with no ASGI layer to configure; the engine runs in one
@@ -24,7 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import logging
+import math
+import signal
 import sys
 import threading
 import time
@@ -39,17 +47,43 @@ CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "parallel_tool_calls"}
 
 
+logger = logging.getLogger("pdecode.serve")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
 
 
-def _error(e: BadRequest):
+class Cut(Exception):
+    """A request still running at the drain deadline, cut by the server."""
+
+
+_CUT = object()  # put on a request's event queue when the drain deadline cuts it
+CUT_MESSAGE = "the server shut down before this request finished (the drain deadline passed): retry it"
+
+
+def _error(e: BadRequest, kind: str = "invalid_request_error", headers=None):
     from aiohttp import web
 
-    body = {"error": {"message": str(e), "type": "invalid_request_error", "param": e.param, "code": None}}
-    return web.json_response(body, status=e.status)
+    body = {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}
+    return web.json_response(body, status=e.status, headers=headers)
+
+
+@dataclasses.dataclass
+class Stats:
+    """One request's figures for its access-log line (``request["pdecode"]``)."""
+
+    t0: float
+    generates: bool = False  # a completion endpoint: the line has token counts
+    prompt: int = 0
+    completion: int = 0
+    forwards: int = 0  # target forwards of its requests (tokens per forward = completion / forwards)
+    ttft: float | None = None  # seconds from arrival to the first token
+    finish: list = dataclasses.field(default_factory=list)
+    error: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ the engine thread
@@ -123,9 +157,7 @@ class Worker:
                 self.engine.run_once()
         except BaseException as e:  # an engine failure: every waiting request learns of it (a 500)
             self.error = e
-            import traceback
-
-            traceback.print_exc()
+            logger.exception("the engine failed: every request from now on gets a 500")
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -148,7 +180,11 @@ class Server:
         self.engine, self.name, self.drain_s = engine, name, drain_s
         self.gen = dict(engine.model.generation_config)
         self.worker: Worker | None = None
-        self.accepting = True
+        self.draining = False  # SIGTERM (or SIGINT) seen: new requests get a 503
+        self.drain_end = math.inf  # when requests still in flight are cut (time.monotonic)
+        self.cut = False  # the deadline passed: requests still running were cut
+        self.active = 0  # requests inside a handler
+        self._runs: dict[int, tuple] = {}  # id -> (engine holder, event queue) of each request submitted
         self.created = int(time.time())
 
     # -------------------------------------------------------------------------------------- parsing
@@ -277,8 +313,7 @@ class Server:
 
     # -------------------------------------------------------------------------------------- handlers
     async def _body(self, request) -> dict:
-        if not self.accepting:
-            raise BadRequest("the server is shutting down", status=503)
+        request["pdecode"].generates = True
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -289,9 +324,15 @@ class Server:
 
     async def _run(self, request, prompt, ctl, seed, on_event):
         """Submit one request and feed its events to ``on_event`` until it finishes; a client that goes away
-        cancels it."""
+        cancels it; the drain deadline raises `Cut`."""
+        if self.cut:
+            raise Cut()
+        st: Stats = request["pdecode"]
         queue: asyncio.Queue = asyncio.Queue()
         holder = self.worker.submit(prompt, ctl, seed, queue)
+        key = id(queue)
+        self._runs[key] = (holder, queue)
+        last = None  # the latest event (its counts are the request's so far)
         try:
             while True:
                 try:
@@ -301,25 +342,56 @@ class Server:
                         raise RuntimeError(f"the engine failed: {self.worker.error!r}") from None
                     if request.transport is None or request.transport.is_closing():
                         self.worker.cancel(holder)
+                        st.error = "client disconnected"
                         return
                     continue
+                if ev is _CUT or ev.finish_reason == "cancelled":  # only the server cancels a request it waits on
+                    raise Cut()
+                last = ev
+                if st.ttft is None and ev.tokens:
+                    st.ttft = time.perf_counter() - st.t0
                 await on_event(ev)
                 if ev.finish_reason is not None:
+                    st.finish.append(ev.finish_reason)
                     return
         except (asyncio.CancelledError, ConnectionResetError):
             self.worker.cancel(holder)
+            st.error = "client disconnected"
             raise
+        finally:
+            self._runs.pop(key, None)
+            if last is not None:
+                st.completion += last.completion_tokens
+                st.forwards += last.forwards
+
+    @staticmethod
+    async def _all(coros):
+        """``asyncio.gather`` that lets every coroutine finish (a cut reaches them all) and raises the first
+        error."""
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def _retry_after(self) -> dict:
+        return {"Retry-After": str(max(1, math.ceil(self.drain_end - time.monotonic())))}
+
+    def _cut_response(self, request):
+        request["pdecode"].error = "server_shutdown"
+        return _error(BadRequest(CUT_MESSAGE, status=503), "server_shutdown", headers=self._retry_after())
 
     async def completions(self, request):
-        try:
-            body = await self._body(request)
-            ids, checked, c, logprobs = self.parse_completion(body)
-        except BadRequest as e:
-            return _error(e)
+        body = await self._body(request)
+        ids, checked, c, logprobs = self.parse_completion(body)
+        request["pdecode"].prompt = sum(len(p) for p in ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if c["stream"]:
             return await self._stream(request, rid, "text_completion", ids, checked, c, logprobs, chat=False)
-        results = await asyncio.gather(*(self._collect(request, p, ctl, c["seed"]) for p, ctl in zip(ids, checked)))
+        try:
+            results = await self._all(self._collect(request, p, ctl, c["seed"]) for p, ctl in zip(ids, checked))
+        except Cut:
+            return self._cut_response(request)
         choices = []
         for i, (text, reason, toks, lps) in enumerate(results):
             lp = None
@@ -334,15 +406,16 @@ class Server:
                       "choices": choices, "usage": _usage(n_prompt, n_out)})
 
     async def chat_completions(self, request):
-        try:
-            body = await self._body(request)
-            prompt, ctl, c, logprobs = self.parse_chat(body)
-        except BadRequest as e:
-            return _error(e)
+        body = await self._body(request)
+        prompt, ctl, c, logprobs = self.parse_chat(body)
+        request["pdecode"].prompt = len(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if c["stream"]:
             return await self._stream(request, rid, "chat.completion.chunk", [prompt], [ctl], c, logprobs, chat=True)
-        text, reason, toks, lps = await self._collect(request, prompt, ctl, c["seed"])
+        try:
+            text, reason, toks, lps = await self._collect(request, prompt, ctl, c["seed"])
+        except Cut:
+            return self._cut_response(request)
         lp = None
         if logprobs:
             tok = self.engine.model.tokenizer
@@ -409,12 +482,20 @@ class Server:
                     if ev.text or ev.tokens:
                         await send(chunk(i, ev.text, None, ev))
                     usage["completion"] += ev.completion_tokens
-                    await send(chunk(i, "", "stop" if ev.finish_reason == "cancelled" else ev.finish_reason))
+                    await send(chunk(i, "", ev.finish_reason))
 
             await self._run(request, prompt, ctl, c["seed"], on_event)
 
+        st: Stats = request["pdecode"]
+
+        async def fail(message, kind, code):
+            """End the stream with an error event and no ``[DONE]``: the openai client raises `APIError`."""
+            st.error = kind
+            await send({"error": {"message": message, "type": kind, "param": None, "code": code}})
+            await resp.write_eof()
+
         try:
-            await asyncio.gather(*(one(i, p, ctl) for i, (p, ctl) in enumerate(zip(ids, checked))))
+            await self._all(one(i, p, ctl) for i, (p, ctl) in enumerate(zip(ids, checked)))
             if c["include_usage"]:
                 await send({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
                             "usage": _usage(usage["prompt"], usage["completion"])})
@@ -422,6 +503,17 @@ class Server:
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             pass  # the client went away: `_run` cancelled its requests
+        except Cut:
+            try:
+                await fail(CUT_MESSAGE, "server_shutdown", 503)
+            except ConnectionResetError:
+                pass
+        except Exception as e:  # the response is under way: the error goes in the stream, its traceback in the log
+            logger.exception("%s %s: unexpected error while streaming", request.method, request.path)
+            try:
+                await fail(f"internal server error: {type(e).__name__}: {e}", "server_error", 500)
+            except ConnectionResetError:
+                pass
         return resp
 
     async def models(self, request):
@@ -430,26 +522,97 @@ class Server:
 
     async def health(self, request):
         ok = self.worker is not None and self.worker.error is None
-        return _json({"status": "ok" if ok else "failed", "method": self.engine.method,
+        status = "draining" if ok and self.draining else "ok" if ok else "failed"
+        return _json({"status": status, "method": self.engine.method,
                       "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0,
-                      "compiles_since_warmup": XLA_COMPILES["n"]}, status=200 if ok else 500)
+                      "compiles_since_warmup": XLA_COMPILES["n"]}, status={"ok": 200, "draining": 503}.get(status, 500))
+
+    # -------------------------------------------------------------------------------------- shutdown
+    async def drain(self):
+        """Answer 503 to new requests, let the ones in flight finish until ``drain_s`` from the first call, then
+        cut the rest (each ends with a 503 or a stream error event) and wait briefly for their handlers."""
+        if not self.draining:
+            self.draining = True
+            self.drain_end = time.monotonic() + self.drain_s
+            logger.info("draining: %d request(s) in flight, new ones get 503 for up to %.1fs", self.active,
+                        self.drain_s)
+        while self.active and time.monotonic() < self.drain_end:
+            await asyncio.sleep(0.02)
+        if self.active and not self.cut:
+            self.cut = True
+            runs = list(self._runs.values())
+            logger.warning("drain deadline: cutting %d request(s) still in flight", len(runs))
+            for holder, queue in runs:
+                queue.put_nowait(_CUT)
+                self.worker.cancel(holder)
+        t_end = time.monotonic() + 5
+        while self.active and time.monotonic() < t_end:
+            await asyncio.sleep(0.02)
+
+    async def _handle(self, request, handler, st: Stats):
+        """503 while draining; errors as JSON: a 4xx with its message, anything unexpected a 500 with its traceback
+        in the log."""
+        from aiohttp import web
+
+        if self.draining and request.path != "/health":
+            st.error = "draining"
+            return _error(BadRequest("the server is shutting down: retry on another replica or after it restarts",
+                                     status=503), "server_shutdown", headers=self._retry_after())
+        self.active += 1
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            st.error = f"{e.reason}: {request.method} {request.path}"
+            return _error(BadRequest(st.error, status=e.status))
+        except BadRequest as e:
+            st.error = str(e)
+            return _error(e)
+        except Exception as e:
+            logger.exception("%s %s: unexpected error", request.method, request.path)
+            st.error = "server_error"
+            return _error(BadRequest(f"internal server error: {type(e).__name__}: {e}", status=500), "server_error")
+        finally:
+            self.active -= 1
+
+    def _access(self, request, status: int, st: Stats):
+        """The request's access-log line (a 5xx a warning; health checks that pass at debug level)."""
+        parts = [request.method, request.path, str(status)]
+        if st.generates:
+            parts += [f"prompt_tokens={st.prompt}", f"completion_tokens={st.completion}",
+                      "ttft=" + ("-" if st.ttft is None else f"{st.ttft:.3f}s")]
+        parts.append(f"time={time.perf_counter() - st.t0:.3f}s")
+        if st.generates:
+            parts.append("tokens_per_forward=" + (f"{st.completion / st.forwards:.2f}" if st.forwards else "-"))
+        if st.finish:
+            parts.append("finish=" + ",".join(st.finish))
+        if st.error:
+            parts.append("error=" + json.dumps(st.error))
+        parts.append(f"from={request.remote}")
+        level = logging.WARNING if status >= 500 else \
+            logging.DEBUG if request.path == "/health" and status == 200 else logging.INFO
+        logger.log(level, " ".join(parts))
 
     # -------------------------------------------------------------------------------------- app
     def app(self):
         from aiohttp import web
 
         @web.middleware
-        async def errors(request, handler):  # anything that escapes a handler unexpectedly: JSON, not HTML
+        async def serve(request, handler):  # one access-log line per request, whatever happens
+            st = request["pdecode"] = Stats(t0=time.perf_counter())
+            status = 499  # the client went away before an answer (nginx's code)
             try:
-                return await handler(request)
-            except web.HTTPException as e:
-                if e.status >= 400:
-                    return _error(BadRequest(f"{e.reason}: {request.method} {request.path}", status=e.status))
+                resp = await self._handle(request, handler, st)
+                status = resp.status
+                return resp
+            except web.HTTPException as e:  # < 400: not an error (none of the routes redirects)
+                status = e.status
                 raise
-            except BadRequest as e:
-                return _error(e)
+            finally:
+                self._access(request, status, st)
 
-        app = web.Application(middlewares=[errors], client_max_size=16 * 2**20)
+        app = web.Application(middlewares=[serve], client_max_size=16 * 2**20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -459,19 +622,8 @@ class Server:
             self.worker = Worker(self.engine, asyncio.get_running_loop())
             self.worker.start()
 
-        async def on_shutdown(app):  # SIGTERM / SIGINT: drain, then cancel what is left
-            self.accepting = False
-            t_end = time.monotonic() + self.drain_s
-            while self.worker.in_flight() and time.monotonic() < t_end:
-                await asyncio.sleep(0.05)
-            left = self.worker.in_flight()
-            if left:
-                print(f"pdecode serve: cancelling {left} request(s) still in flight", file=sys.stderr, flush=True)
-                for r in list(self.engine.queue) + list(self.engine.running.values()):
-                    self.engine.cancel(r)
-                t_end = time.monotonic() + 5
-                while self.worker.in_flight() and time.monotonic() < t_end:
-                    await asyncio.sleep(0.05)
+        async def on_shutdown(app):  # after the site stopped listening (SIGINT); SIGTERM has drained already
+            await self.drain()
 
         async def on_cleanup(app):
             self.worker.stop()
@@ -519,7 +671,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--served-name", default=None, help="the model name clients use (default: --model)")
-    ap.add_argument("--drain", type=float, default=10.0, help="seconds SIGTERM waits for requests in flight")
+    ap.add_argument("--drain", type=float, default=10.0,
+                    help="seconds SIGTERM waits for requests in flight (new ones get 503), then cuts the rest")
+    ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="the server's log (stderr): info has one line per request; debug adds passing health checks")
     ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
 
 
@@ -530,28 +685,65 @@ def run_from_args(args) -> int:
 
     try:
         import aiohttp  # noqa: F401
-        from aiohttp import web
     except ImportError:
         print("pdecode serve needs aiohttp: pip install 'pdecode[serve]'", file=sys.stderr)
         return 2
+    _setup_logging(args.log_level)
     options = parse_options(args.option)
     load = lambda name: pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype)  # noqa: E731
     model = load(args.model)
     draft = load(args.draft) if args.draft else None
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
                     steps_per_call=args.steps_per_call, **options)
-    print(f"pdecode serve: {args.model} ({args.method}, {args.slots} slots x {args.max_len}) warming up ...",
-          file=sys.stderr, flush=True)
+    logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
     secs = engine.warmup()
     _count_compiles()
     XLA_COMPILES["on"] = True
-    print(f"pdecode serve: {engine.compiles} programs compiled in {secs:.1f}s; listening on "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    logger.info("%d programs compiled in %.1fs", engine.compiles, secs)
     server = Server(engine, args.served_name or args.model, drain_s=args.drain)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, shutdown_timeout=args.drain + 10,
-                handle_signals=True)
-    print("pdecode serve: stopped", file=sys.stderr, flush=True)
+    asyncio.run(_serve(server, args.host, args.port))
+    logger.info("stopped")
     return 0
+
+
+def _setup_logging(level: str) -> None:
+    """The server's log on stderr: the ``pdecode.serve`` logger at ``level`` (other loggers untouched)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s pdecode serve: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+async def _serve(server: Server, host: str, port: int) -> None:
+    """Serve until a signal. SIGTERM: drain while still listening (new requests get 503), then stop. SIGINT: stop
+    listening, then drain (the app's on_shutdown)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app(), handle_signals=False, access_log=None, shutdown_timeout=server.drain_s + 10)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        tasks = []
+
+        def on_sigterm():
+            if not tasks:
+                logger.info("SIGTERM")
+                tasks.append(loop.create_task(server.drain()))
+                tasks[0].add_done_callback(lambda _: stop.set())
+
+        def on_sigint():
+            logger.info("SIGINT: no longer listening")
+            stop.set()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        logger.info("listening on http://%s:%d", host, port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()  # stops listening, on_shutdown (the drain), closes connections, on_cleanup
 
 
 def main(argv=None) -> int:

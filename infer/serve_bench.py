@@ -199,7 +199,8 @@ def run_suite(args) -> int:
         name, _, optstr = method.partition(":")
         sargs = ["--model", args.model or "code-target", "--dtype", dtype, "--activation-dtype", act, "--method", name,
                  "--slots", str(args.slots), "--max-len", str(args.max_len), "--chunk", "128",
-                 "--steps-per-call", str(args.steps_per_call)]
+                 "--steps-per-call", str(args.steps_per_call),
+                 "--log-level", "warning"]  # no access line per request: stderr is a pipe read only at exit
         if name in ("sd", "tree", "pearl"):
             sargs += ["--draft", args.draft or "code-draft"]
         for kv in filter(None, optstr.split(",")):

@@ -85,12 +85,15 @@ class Request:
     cancelled: bool = False
     t_submit: float = 0.0
     t_first: float | None = None
+    forwards: int = 0  # target forwards while decoding it (its prefill's counts one), as of its last event
 
 
 @dataclasses.dataclass
 class Event:
     """What `Engine.run_once` reports for a request: new text (and tokens), then a last event with
-    ``finish_reason`` ("stop": EOS, a stop id or string; "length": the budget; "cancelled")."""
+    ``finish_reason`` ("stop": EOS, a stop id or string; "length": the budget; "cancelled"). ``forwards``: the
+    target forwards the request has taken so far (its prefill's one included; ``completion_tokens / forwards`` is
+    its tokens per forward)."""
 
     request_id: int
     text: str
@@ -99,6 +102,7 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    forwards: int = 0
 
 
 class Engine:
@@ -250,7 +254,7 @@ class Engine:
         each prompt's last chunk prefilled (the whole prompt when ``pre`` is None; else, for one request, after the
         chunks in ``pre``, the whole prompt in ``prompt``), the loop state started (first token drawn, drafter state
         initialised) and written over the slot's row, its sampling values set. Returns (state, (first tokens, their
-        logprobs, done) per row)."""
+        logprobs, done, target forwards) per row)."""
         cfg = self.model.cfg
         tp = self._tparams(params)
         a = tokens_AC.shape[0]
@@ -278,11 +282,11 @@ class Engine:
             loop = jax.tree.map(put, loop, rows, axes)
             warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
         out = rows.out
-        return EngineState(loop=loop, warp=warp), (out.tokens[:, 0], out.logprobs[:, 0], out.done)
+        return EngineState(loop=loop, warp=warp), (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards)
 
     def _step_fn(self, params, st: EngineState, *, samp, k: int):
         """``k`` steps; returns (state, (count before, count after, done, the tokens and logprobs from the count
-        before: [slots, W]))."""
+        before: [slots, W], each row's target forwards since its admission))."""
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         if self.drafter is None:
@@ -302,7 +306,7 @@ class Engine:
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
-        return EngineState(loop=loop, warp=st.warp), (c0, out.count, out.done, new, lps)
+        return EngineState(loop=loop, warp=st.warp), (c0, out.count, out.done, new, lps, out.row_forwards)
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
@@ -532,9 +536,10 @@ class Engine:
         kind, reqs, outs = item
         events = []
         if kind == "admit":
-            tok, lp, done = (np.asarray(x) for x in outs)
+            tok, lp, done, fw = (np.asarray(x) for x in outs)
             for i, r in enumerate(reqs):
                 if r.finish_reason is None:
+                    r.forwards = int(fw[i])
                     r.tokens.append(int(tok[i]))
                     if r.controls.logprobs:
                         r.logprobs.append(float(lp[i]))
@@ -542,12 +547,13 @@ class Engine:
                     if ev is not None:
                         events.append(ev)
             return events
-        c0, c1, done, new, lps = (np.asarray(x) for x in outs)
+        c0, c1, done, new, lps, fw = (np.asarray(x) for x in outs)
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue
             s = r.slot
             k = int(c1[s] - c0[s])
+            r.forwards = int(fw[s])
             r.tokens += new[s, :k].tolist()
             if r.controls.logprobs:
                 r.logprobs += lps[s, :k].tolist()
@@ -589,7 +595,7 @@ class Engine:
         r.tok_sent = len(r.tokens)
         return Event(request_id=r.id, text=delta, tokens=toks,
                      logprobs=r.logprobs[n_before:] if r.controls.logprobs else None, finish_reason=reason,
-                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens))
+                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards)
 
     def _finish(self, r: Request, text: str, reason: str, release: bool) -> Event:
         self._free(r.slot, release)
@@ -599,7 +605,7 @@ class Engine:
     def _final(self, r: Request, reason: str) -> Event:
         r.finish_reason = reason
         return Event(request_id=r.id, text="", tokens=[], logprobs=None, finish_reason=reason,
-                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens))
+                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards)
 
     def _free(self, slot: int, release: bool = True):
         """Forget the slot's request; ``release``: also stop the slot on the device (it was still decoding)."""
@@ -615,7 +621,8 @@ class Engine:
         while not self.idle:
             self.run_once()
         return [Event(request_id=r.id, text=r.text, tokens=r.tokens, logprobs=r.logprobs or None,
-                      finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens))
+                      finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
+                      forwards=r.forwards)
                 for r in reqs]
 
 

@@ -72,6 +72,9 @@ def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  #
     for i, (r, p) in enumerate(zip(reqs, PROMPTS)):
         assert r.tokens == ref.tokens[i], (method, p)
         assert r.finish_reason == ref.finish_reasons[i]
+    # each request's target forwards (its prefill's one included) add up to generate's
+    assert all(1 <= r.forwards <= len(r.tokens) for r in reqs)
+    assert sum(r.forwards for r in reqs) == ref.stats["row_forwards"], method
     assert not eng.running and not eng.queue
 
 

@@ -1,10 +1,15 @@
 """`pdecode serve` as a client sees it: the official `openai` client (completions, chat, both streamed), concurrent
 clients whose greedy answers equal `pdecode.generate`'s, every bad request a 4xx with a message, a client that
-disconnects mid-stream frees its slot, SIGTERM drains and exits. Servers bind 127.0.0.1 and are stopped by pid."""
+disconnects mid-stream frees its slot, an access-log line per request, an unexpected error a JSON 500 with its
+traceback logged, SIGTERM drains (503 to new requests meanwhile) and cuts what outlasts --drain so that the client
+sees an error, then exits. Servers bind 127.0.0.1 and are stopped by pid."""
 
+import asyncio
 import concurrent.futures as cf
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +39,8 @@ class ServerProc:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pdecode-serve-{self.port}.log", "w+")
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdecode-serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", *ARGS, *extra, "--port", str(self.port)],
                                      cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         t_end = time.time() + 300
@@ -50,10 +56,12 @@ class ServerProc:
         self.stop()
         raise RuntimeError(f"the server did not come up: {self.output()}")
 
+    def log_text(self) -> str:
+        """Everything the server wrote (read through a file of its own: the server's offset is not moved)."""
+        return self.log_path.read_text()
+
     def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-3000:]
+        return self.log_text()[-3000:]
 
     def stop(self, timeout=60) -> int:
         if self.proc.poll() is None:
@@ -65,14 +73,16 @@ class ServerProc:
             raise
 
 
-def request(url, body=None, raw: bytes | None = None, method="POST"):
+def request(url, body=None, raw: bytes | None = None, method="POST", headers=False):
+    """(status, body text), and the response headers when ``headers``."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
+            out = r.status, r.read().decode(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        out = e.code, e.read().decode(), e.headers
+    return out if headers else out[:2]
 
 
 def get(url):
@@ -84,6 +94,18 @@ def server():
     s = ServerProc()
     yield s
     assert s.stop() == 0, s.output()
+
+
+@pytest.fixture
+def shutdown_server(request):
+    """A server of its own for a test that stops it: 2 slots over 1024 positions (a request of up to ~1000 tokens
+    takes seconds here), --drain from the test's parameter (default 0.5 s), debug log."""
+    drain = getattr(request, "param", 0.5)
+    s = ServerProc(extra=["--slots", "2", "--max-len", "1024", "--drain", str(drain), "--log-level", "debug"])
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +229,116 @@ def test_disconnect_mid_stream_frees_the_slot(server, model):
         == _ref(model, "import os\n", 6)
 
 
-def test_sigterm_drains_requests_in_flight_and_exits():
-    srv = ServerProc(extra=["--slots", "2"])
+def _wait_in_flight(srv, n):
+    t_end = time.time() + 30
+    while json.loads(get(srv.url + "/health")[1])["in_flight"] < n and time.time() < t_end:
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shutdown_server", [30], indirect=True)
+def test_sigterm_drains_requests_in_flight_and_exits(shutdown_server):
+    """While it drains the server still listens and answers new requests 503 with Retry-After; the requests in
+    flight (two decoding, one queued for a slot) finish normally; then it exits 0."""
+    srv = shutdown_server
+    body = {"prompt": "def f():", "max_tokens": 150, "temperature": 0}
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(request, srv.url + "/v1/completions", body) for _ in range(3)]
+        _wait_in_flight(srv, 3)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        t_end = time.time() + 10
+        while (h := get(srv.url + "/health"))[0] != 503 and time.time() < t_end:
+            time.sleep(0.02)
+        assert h[0] == 503 and json.loads(h[1])["status"] == "draining", h
+        status, text, headers = request(srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers=True)
+        assert json.loads(get(srv.url + "/health")[1])["in_flight"] > 0  # the 503 came while they ran
+        assert status == 503 and int(headers["Retry-After"]) >= 1, (status, text, dict(headers))
+        assert json.loads(text)["error"]["type"] == "server_shutdown"
+        results = [f.result(timeout=120) for f in futs]
+    for status, text in results:
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 150, text
+        assert json.loads(text)["choices"][0]["finish_reason"] == "length"
+    assert srv.proc.wait(timeout=60) == 0, srv.output()
+    log = srv.log_text()
+    assert "stopped" in log and "cutting" not in log
+    assert "GET /health 200" in log  # --log-level debug logs passing health checks too
+
+
+def test_requests_past_the_drain_deadline_are_cut_with_an_error(shutdown_server):
+    """A stream still running at the --drain deadline ends with an error event and no [DONE] (the openai client
+    raises, not a normal end); a plain request gets a 503; the server exits 0."""
+    openai = pytest.importorskip("openai")
+    srv = shutdown_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(request, srv.url + "/v1/completions", {"prompt": "def f():", "max_tokens": 150,
-                                                               "temperature": 0})
-        t_end = time.time() + 30
-        while json.loads(get(srv.url + "/health")[1])["in_flight"] == 0 and time.time() < t_end:
-            time.sleep(0.05)
-        assert srv.stop() == 0, srv.output()
-        status, text = fut.result(timeout=60)
-    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 150
-    assert "stopped" in srv.output()
+        plain = ex.submit(request, srv.url + "/v1/completions",
+                          {"prompt": "def f():", "max_tokens": 1000, "temperature": 0}, headers=True)
+        stream = iter(client.completions.create(model="code-target", prompt="def f():", max_tokens=1000,
+                                                temperature=0, stream=True))
+        pieces = [next(stream).choices[0].text for _ in range(3)]
+        _wait_in_flight(srv, 2)
+        t0 = time.time()
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="drain deadline"):
+            for c in stream:
+                pieces.append(c.choices[0].text)
+        waited = time.time() - t0
+        status, text, headers = plain.result(timeout=60)
+    assert waited >= 0.4 and len(pieces) > 3  # cut at the deadline (0.5 s), not at the signal
+    assert status == 503 and json.loads(text)["error"]["type"] == "server_shutdown" and headers["Retry-After"]
+    assert srv.proc.wait(timeout=60) == 0, srv.output()
+    assert "cutting 2 request(s)" in srv.log_text()
+
+
+def test_access_log_line_per_request(server, model):
+    """One line per request on the server's log: method, path, status, token counts, times, tokens per forward;
+    a rejected request's line has its status and message."""
+    before = len(server.log_text())
+    prompt = "import sys\n"
+    assert request(server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0})[0] == 200
+    assert request(server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "top_p": 0})[0] == 400
+    lines = [ln for ln in server.log_text()[before:].splitlines() if "POST /v1/" in ln]
+    n = len(model.tokenizer.encode(prompt))
+    assert len(lines) == 2, lines
+    assert re.search(rf"INFO .*POST /v1/completions 200 prompt_tokens={n} completion_tokens=5 ttft=0\.\d+s "
+                     rf"time=\d+\.\d+s tokens_per_forward=1\.00 finish=length", lines[0]), lines[0]
+    assert re.search(r"POST /v1/completions 400 prompt_tokens=0 completion_tokens=0 .*"
+                     r'error="top_p must be > 0', lines[1]), lines[1]
+    assert "GET /health 200" not in server.log_text()  # passing health checks only at --log-level debug
+
+
+class _FailingEngine:
+    """Enough of an `Engine` for the server, whose device fails at the first request."""
+
+    class model:
+        generation_config: dict = {}
+        tokenizer = None
+
+    method, slots, queue, running, idle = "ar", 1, (), {}, True
+
+    def check(self, prompt, **controls):
+        return controls
+
+    def submit(self, *args, **kwargs):
+        raise RuntimeError("device lost")
+
+
+def test_unexpected_error_is_a_json_500_with_a_traceback_in_the_log(caplog):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from infer.serve import Server
+
+    async def go():
+        async with TestClient(TestServer(Server(_FailingEngine(), "broken").app())) as client:
+            r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            s = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
+            return r.status, await r.json(), s.status, await s.text()
+
+    with caplog.at_level(logging.INFO, logger="pdecode.serve"):
+        status, body, s_status, s_text = asyncio.run(go())
+    assert status == 500 and body["error"]["type"] == "server_error" and "device lost" in body["error"]["message"]
+    frames = [ln[6:] for ln in s_text.splitlines() if ln.startswith("data: ")]
+    assert s_status == 200 and json.loads(frames[-1])["error"]["type"] == "server_error" and "[DONE]" not in frames
+    recs = [r for r in caplog.records if r.name == "pdecode.serve"]
+    tracebacks = [r for r in recs if r.exc_info and "POST /v1/completions" in r.getMessage()]
+    assert len(tracebacks) == 2 and "Traceback" in caplog.text and "RuntimeError: the engine failed" in caplog.text
+    assert any(r.getMessage().startswith("POST /v1/completions 500 ") for r in recs)
