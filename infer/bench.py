@@ -351,8 +351,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
                          "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
                          "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py); serve: "
-                         "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py); ties: every lossless method against AR "
-                         "at the stored bfloat16, divergences checked for near-ties (infer/tie_bench.py)")
+                         "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py); ties: every lossless "
+                         "method against AR at the stored bfloat16, divergences checked for near-ties (infer/tie_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=None,

@@ -444,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt with text and stats")
-    g.add_argument("--plot", default=None, help="PNG: the step each position was decoded (diffusion, dico) or the acceptance per verify step "
+    g.add_argument("--plot", default=None,
+                   help="PNG: the step each position was decoded (diffusion, dico) or the acceptance per verify step "
                         "and depth (draft-and-verify methods); other methods refuse it")
     g.add_argument("--compare", nargs="+", default=None, metavar="METHOD",
                    help="also run these methods (name, name:key=value,..., or name@heads-model such as "

@@ -78,7 +78,8 @@ def _unflatten_like(flat: dict, template):
             raise CheckpointError(f"heads checkpoint lacks tensor {name!r}")
         a = flat[name]
         if tuple(a.shape) != tuple(t.shape):
-            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the model needs {t.shape}")
+            raise CheckpointError(f"heads tensor {name!r} has shape {tuple(a.shape)}, the model needs {t.shape} "
+                                  "(heads trained for another model?)")
         return a
 
     return build(template, "")

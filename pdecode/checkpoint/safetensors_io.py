@@ -77,9 +77,10 @@ def _load(path: Path, spans: dict | None = None) -> tuple[dict[str, np.ndarray],
         if base + hi > len(buf):
             raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {base + hi}, the file has "
                                   f"{len(buf)} bytes; copy or download it again")
-        if hi - lo != int(np.prod(info["shape"])) * np.dtype(dt).itemsize:
+        need = int(np.prod(info["shape"])) * np.dtype(dt).itemsize
+        if hi - lo != need:
             raise CheckpointError(f"{path} is corrupt: tensor {name} spans {hi - lo} bytes, its shape "
-                                  f"{info['shape']} and dtype {info['dtype']} need {int(np.prod(info['shape'])) * np.dtype(dt).itemsize}")
+                                  f"{info['shape']} and dtype {info['dtype']} need {need}")
         arr = np.frombuffer(buf, dtype=dt, count=(hi - lo) // np.dtype(dt).itemsize, offset=base + lo)
         out[name] = arr.reshape(info["shape"])
         if spans is not None:

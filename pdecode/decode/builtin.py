@@ -242,7 +242,8 @@ def _prepare_diffusion_draft(model, draft, opts, samp):
     return plan
 
 
-register(Method("diffusion_draft", _prepare_diffusion_draft, draft="masked", needs_draft=True, needs="masked-diffusion draft model",
+register(Method("diffusion_draft", _prepare_diffusion_draft, draft="masked", needs_draft=True,
+                needs="masked-diffusion draft model",
                 options={"gamma": Option(8, "int", "masked positions the draft fills per step (the block)"),
                          "steps": Option(1, "int", "denoising forwards per block (each commits the most confident "
                                                    "masked positions; 1: one forward fills the block)"),
@@ -402,7 +403,8 @@ def _diffusion_stats(s):
 
 
 NOT_AR = "no: a masked-diffusion model's own distribution"
-register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=True, needs="diffusion model",
+                lossless=NOT_AR,
                 options={
                     "block_length": Option(None, "int", "semi-AR block length (None: the whole canvas, one block)"),
                     "steps": Option(None, "int", "schedule rule: total denoising steps (None: one per token)"),
@@ -467,7 +469,8 @@ def _dico_options():
             for f in fields}
 
 
-register(Method("dico", _prepare_dico, target="masked", wants_max_new=True, options=_dico_options(), needs="diffusion model",
+register(Method("dico", _prepare_dico, target="masked", wants_max_new=True, options=_dico_options(),
+                needs="diffusion model",
                 lossless=NOT_AR,
                 summary="DiCo: Divide picks spread-out seeds and grows clusters, Conquer decodes them in parallel, "
                         "Finalize fills the last masks"))
@@ -503,7 +506,8 @@ register(Method("oneshot", lambda m, d, o, s, max_new=None: _prepare_mask_predic
                 wants_max_new=True, options=dict(_LENGTH), needs="diffusion model", lossless=NOT_AR,
                 summary="one-shot non-autoregressive: one forward fills the answer at a predicted length (length "
                         "beams from the model's EOS probabilities)"))
-register(Method("mask_predict", _prepare_mask_predict, target="masked", wants_max_new=True, needs="diffusion model", lossless=NOT_AR,
+register(Method("mask_predict", _prepare_mask_predict, target="masked", wants_max_new=True,
+                needs="diffusion model", lossless=NOT_AR,
                 options={"iterations": Option(10, "int", "T: fill all, then re-mask the N (T - t) / T least probable "
                                                          "tokens and predict them again"), **_LENGTH},
                 summary="Mask-Predict (CMLM): iterative refinement at predicted lengths, T forwards per length beam"))
