@@ -347,12 +347,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve", "ties"], default="decode",
+    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve", "ties", "edit"], default="decode",
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
                          "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
                          "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py); serve: "
                          "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py); ties: every lossless "
-                         "method against AR at the stored bfloat16, divergences checked for near-ties (infer/tie_bench.py)")
+                         "method against AR at the stored bfloat16, divergences checked for near-ties "
+                         "(infer/tie_bench.py); edit: edit distance to clean code before / after edit refinement per "
+                         "corruption level and threshold (infer/edit_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=None,
@@ -392,6 +394,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="diffusion suite: only choose DiCo's knobs on the tuning slice (dico_tuning.json)")
     ap.add_argument("--devices", type=int, default=None,
                     help="force this many CPU devices before JAX starts (e.g. 2 for pearl:placement=split)")
+    ap.add_argument("--confidences", nargs="+", type=float, default=None,
+                    help="edit suite: decision thresholds (default train.edit.CONFIDENCES)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="edit suite: reuse --out/results.json's per-item distances, measure only what is missing")
     ap.add_argument("--requests", type=int, default=96, help="serve suite: requests per load row")
     ap.add_argument("--slots", type=int, default=16, help="serve suite: the server's decode slots")
     ap.add_argument("--clients", type=int, default=16, help="serve suite: closed-loop concurrent clients")
@@ -492,6 +498,10 @@ def run_from_args(args) -> int:
         args.methods = args.methods or ["ar", "sd"]
         args.new_tokens = 96 if args.new_tokens == 128 else args.new_tokens  # budgets 32-96 (mean 64)
         return serve_bench.run_suite(args)
+    if args.suite == "edit":
+        from infer import edit_bench
+
+        return edit_bench.run(args)
     if args.suite == "ties":
         from infer import tie_bench
 

@@ -121,6 +121,14 @@ def test_confidence_threshold_decides_edits(editor_base):
     assert pdecode.refine(e, PROMPTS, DRAFTS, max_iterations=1).tokens == [[], [], []]
     sure = pdecode.refine(e, PROMPTS, DRAFTS, max_iterations=1, confidence=0.9)
     assert sure.tokens == DRAFTS and sure.stats["deleted"] == [0, 0, 0]
+    # method="edit" decides at the edit model's own threshold too (it used to run at 0.5 whatever the model's)
+    import dataclasses
+
+    ecfg, ep = e.extras["edit"]
+    e9 = pdecode.Model(cfg=e.cfg, params=e.params, name="tiny-editor-0.9",
+                       extras={"edit": (dataclasses.replace(ecfg, confidence=0.9), ep)})
+    assert pdecode.generate(e9, DRAFTS, method="edit", iterations=1, max_new_tokens=8).tokens == DRAFTS
+    assert pdecode.generate(e, DRAFTS, method="edit", iterations=1, max_new_tokens=8).tokens == [[], [], []]
     from pdecode.errors import InputError
 
     with pytest.raises(InputError, match="confidence"):
@@ -174,3 +182,50 @@ def test_edit_objective_learns_the_expert(editor_base):
     after = loss(ep, params, probe, None)
     assert float(after[0]) < 0.7 * float(before[0])
     assert float(after[1]["delete_acc"]) > 0.8
+
+
+# ------------------------------------------------------------------------------------------------ no harm (issue 27)
+def test_typos_are_character_slips():
+    rng = np.random.default_rng(0)
+    text = "def add(a, b):\n    return a + b\n" * 4
+    slipped = [tedit.typos(text, rng) for _ in range(50)]
+    assert all(s != text for s in slipped)  # at least one slip each
+    assert all(abs(len(s) - len(text)) <= 8 for s in slipped)  # about one per 40 characters, one character each
+    assert all(s.split() != [] for s in slipped) and any("+ +" in s for s in slipped)  # doubled operators among them
+    assert tedit.typos(text, np.random.default_rng(3)) == tedit.typos(text, np.random.default_rng(3))
+
+
+def test_threshold_rule_rejects_a_harmful_threshold():
+    """The calibration rule: the lowest training-distribution distance wins only among thresholds that do no harm
+    on the guards (clean text must stay clean); noise (one item damaged of 64) is not harm."""
+    n = 64
+    clean = {"before": [0] * n, 0.5: [3] * 20 + [0] * 44, 0.7: [1] + [0] * 63, 0.9: [0] * n}
+    typo = {"before": [4] * n, 0.5: [2] * n, 0.7: [3] * n, 0.9: [4] * n}
+    best, verdicts = tedit.choose_confidence({0.5: 10.0, 0.7: 12.0, 0.9: 14.0}, {"clean": clean, "typos": typo})
+    assert best == 0.7 and verdicts[0.5]["clean"]["harms"] and not verdicts[0.7]["clean"]["harms"]
+    assert verdicts[0.7]["clean"]["worse"] == 1 and verdicts[0.5]["typos"]["better"] == n
+    typo[0.7] = [6] * n  # worse on typos too: only the abstaining threshold is left
+    assert tedit.choose_confidence({0.5: 10.0, 0.7: 12.0, 0.9: 14.0}, {"clean": clean, "typos": typo})[0] == 0.9
+    typo[0.9] = [5] * n
+    assert tedit.choose_confidence({0.5: 10.0, 0.7: 12.0, 0.9: 14.0}, {"clean": clean, "typos": typo})[0] is None
+
+
+# the most total edit distance to the clean text the shipped threshold may add over the test's 12 windows (measured
+# at 0.95: 0 on both; at the former 0.5: +99 on clean text, +48 on typos; the slack is for float rounding)
+BOUND = {"clean": 2, "typos": 2}
+
+
+def test_shipped_threshold_does_no_harm():
+    """code-edit at its shipped threshold, 4 iterations (as generate(refine="edit") runs them), on validation
+    windows (32 tokens of context, the next 32 the clean text): clean code stays clean and typo-corrupted code gets
+    no further from the clean text (`pdecode bench --suite edit` measures the same on 64 windows)."""
+    e = pdecode.load("code-edit", dtype="float32")
+    assert e.extras["edit"][0].confidence in tedit.CONFIDENCES
+    tok = e.tokenizer.backend
+    ctx, gold = tedit.validation_windows(tok, 12)
+    levels = tedit.corruption_levels(tok, gold, e.cfg.vocab_size)
+    for name in ("clean", "typos"):
+        r = pdecode.refine(e, ctx, levels[name], max_iterations=4)
+        before = [tedit.edit_distance(d, g) for d, g in zip(levels[name], gold)]
+        after = [tedit.edit_distance(t, g) for t, g in zip(r.tokens, gold)]
+        assert sum(after) <= sum(before) + BOUND[name], (name, before, after)

@@ -2,7 +2,7 @@
 masked model ``code-dllm``, trained by imitating edit-distance expert actions on corrupted code.
 
     python -m train.edit                     # the shipped heads (zoo/code-edit, base code-dllm)
-    python -m train.edit --calibrate         # only re-choose their decision threshold on the held-out items
+    python -m train.edit --calibrate         # only re-choose their decision threshold (validation windows)
 
 A training item is a corpus window cut into a context (16-64 tokens) and a gold continuation (16-64 tokens, then
 EOS), and a corrupted continuation: either the gold one with random deletions, insertions and substitutions (each
@@ -18,8 +18,12 @@ actions the model has — and gives the labels of both passes:
 The loss is the cross-entropy of both heads on those labels (the base is frozen: its masked predictions fill the
 placeholders). Evaluation: the heads' accuracy on held-out items (delete, insert) and the edit distance to the
 gold continuation before and after one refinement iteration. The decision threshold the heads ship with
-(``confidence``: how sure a head must be to edit) is the one of `CONFIDENCES` with the smallest held-out edit
-distance after refinement.
+(``confidence``: how sure a head must be to edit) is chosen by `choose_confidence`: among the thresholds of
+`CONFIDENCES` that do no harm (`harm`: no paired-bootstrap-significant rise of the edit distance to the clean text)
+on clean, typo-corrupted and lightly corrupted validation windows (`corruption_levels`), the one with the
+smallest edit distance after refinement of the same windows corrupted as in training (issue 27: at the argmax
+threshold 0.5 the heads damaged clean code; the higher thresholds up to 0.99 are there for the heads to abstain).
+`pdecode bench --suite edit` (infer/edit_bench.py) measures the same rule on every corruption level.
 """
 
 from __future__ import annotations
@@ -91,9 +95,11 @@ def apply_actions(src: list[int], keep, gaps) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ items
-def corrupt(gold: list[int], rng: np.random.Generator, vocab: int, special: int = 3) -> list[int]:
-    """Random deletions, substitutions and insertions, each at a rate drawn from [0, 0.25]."""
-    p_del, p_sub, p_ins = rng.uniform(0, 0.25, size=3)
+def corrupt(gold: list[int], rng: np.random.Generator, vocab: int, special: int = 3,
+            rates: tuple[float, float, float] | None = None) -> list[int]:
+    """Random deletions, substitutions and insertions, each at a rate drawn from [0, 0.25] (the training
+    distribution), or at the given ``rates`` (deletion, substitution, insertion)."""
+    p_del, p_sub, p_ins = rng.uniform(0, 0.25, size=3) if rates is None else rates
     out = []
     for tok in gold:
         u = rng.random()
@@ -207,21 +213,134 @@ def edit_distance(a, b) -> int:
     return len(a) + len(b) - 2 * int(lcs_table(a, b)[0, 0])
 
 
-CONFIDENCES = (0.5, 0.6, 0.7, 0.8, 0.9)
+CONFIDENCES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99)  # the decision thresholds calibration chooses among
 
 
-def calibrate(editor, held: Items, n: int = 128, iterations: int = 4) -> tuple[float, dict]:
-    """The decision threshold (`EditConfig.confidence`) with the smallest mean edit distance to the gold
-    continuations of ``n`` held-out items after refinement (as `generate(refine="edit")` runs it); the table."""
+# ------------------------------------------------------------------------------------------------ no harm
+OPERATORS = "+-*/%=<>&|^~!:."
+
+
+def typos(text: str, rng: np.random.Generator, per_chars: int = 40) -> str:
+    """Character-level slips, about one per ``per_chars`` characters (at least one): a swap of two neighbouring
+    characters, a deleted or duplicated character, or a doubled operator (``a + + b``), never in whitespace."""
+    chars = list(text)
+    n = max(1, int(rng.binomial(len(chars), 1.0 / per_chars))) if chars else 0
+    for _ in range(n):
+        spots = [i for i, ch in enumerate(chars) if not ch.isspace()]
+        if not spots:
+            break
+        ops = [i for i in spots if chars[i] in OPERATORS]
+        kind = int(rng.integers(4))
+        if kind == 3 and ops:  # a doubled operator, spaced as written around it
+            i = ops[int(rng.integers(len(ops)))]
+            sep = " " if i + 1 < len(chars) and chars[i + 1] == " " else ""
+            chars[i + 1: i + 1] = list(sep + chars[i])
+            continue
+        i = spots[int(rng.integers(len(spots)))]
+        if kind == 0 and i + 1 < len(chars) and not chars[i + 1].isspace():
+            chars[i], chars[i + 1] = chars[i + 1], chars[i]
+        elif kind == 1:
+            del chars[i]
+        else:
+            chars.insert(i, chars[i])
+    return "".join(chars)
+
+
+LIGHT_RATES = (0.05, 0.05, 0.05)  # token-level deletion, substitution, insertion rates of the "light" level
+GUARDS = ("clean", "typos", "light")  # the levels on which the shipped threshold must do no harm
+
+
+def corruption_levels(tok, golds: list[list[int]], vocab: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    """The drafts the no-harm measurement refines, per level: ``clean`` (the gold text itself: it must stay
+    clean), ``typos`` (`typos` on the decoded text, re-tokenized), ``light`` (`corrupt` at `LIGHT_RATES`) and
+    ``train`` (`corrupt` as in training). ``tok``: a ``tokenizers.Tokenizer``."""
+    r_typo, r_light, r_train = (np.random.default_rng([seed, k]) for k in range(3))
+    return {
+        "clean": [list(g) for g in golds],
+        "typos": [tok.encode(typos(tok.decode(g), r_typo), add_special_tokens=False).ids for g in golds],
+        "light": [corrupt(g, r_light, vocab, rates=LIGHT_RATES) for g in golds],
+        "train": [corrupt(g, r_train, vocab) for g in golds],
+    }
+
+
+def validation_windows(tok, n: int = 64, context: int = 32, length: int = 32) -> tuple[list, list]:
+    """(contexts, golds): ``n`` windows of validation code (never trained on), each ``context`` tokens kept as
+    context and the next ``length`` tokens the clean text; several non-overlapping windows per file (offsets 0,
+    context + length, ...) when the files with one are too few."""
+    from train.data import validation_prompts
+
+    w, out, off = context + length, [], 0
+    while len(out) < n:
+        got = validation_prompts(tok, n - len(out), w, offset_tokens=off)
+        if not got:
+            break
+        out += got
+        off += w
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} validation windows of {w} tokens")
+    return [x[:context] for x in out], [x[context:] for x in out]
+
+
+def distances(editor, contexts, golds, drafts, confidences, iterations: int = 4) -> dict:
+    """Per-item token edit distances to ``golds``: "before" (the drafts), and after refinement at each threshold
+    (`pdecode.refine`, ``iterations`` as `generate(refine="edit")` runs it)."""
     import pdecode
 
-    gold, bad = held.gold[:n], held.corrupted[:n]
-    table = {"none": float(np.mean([edit_distance(d, g) for d, g in zip(bad, gold)]))}
-    for c in CONFIDENCES:
-        r = pdecode.refine(editor, held.context[:n], bad, max_iterations=iterations, confidence=c)
-        table[str(c)] = float(np.mean([edit_distance(t, g) for t, g in zip(r.tokens, gold)]))
-    best = min(CONFIDENCES, key=lambda c: table[str(c)])
-    return best, table
+    out = {"before": [edit_distance(d, g) for d, g in zip(drafts, golds)]}
+    for c in confidences:
+        r = pdecode.refine(editor, contexts, drafts, max_iterations=iterations, confidence=c)
+        out[c] = [edit_distance(t, g) for t, g in zip(r.tokens, golds)]
+    return out
+
+
+def harm(before, after, resamples: int = 2000, seed: int = 0) -> dict:
+    """Paired comparison of per-item distances after vs before: mean change, its 95% paired-bootstrap interval,
+    items made worse / better. ``harms``: the interval lies above zero (worse beyond resampling noise); on clean
+    text (before all zero) that is more than one or two items damaged out of 64."""
+    d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(resamples, len(d)))
+    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
+    return {"mean_change": float(d.mean()), "ci95": [float(lo), float(hi)], "worse": int((d > 0).sum()),
+            "better": int((d < 0).sum()), "harms": bool(lo > 0)}
+
+
+def choose_confidence(objective: dict, guards: dict) -> tuple[float | None, dict]:
+    """The shipped-threshold rule: among the thresholds of ``objective`` (threshold -> mean edit distance after
+    refinement on the training distribution) that do no harm (`harm`) on any guard (name -> per-item distances,
+    "before" and per threshold: clean and lightly corrupted validation windows), the one with the smallest
+    objective (ties: the higher threshold). None if every threshold harms. Also returns the harm verdicts."""
+    verdicts = {c: {name: harm(g["before"], g[c]) for name, g in guards.items()} for c in objective}
+    ok = [c for c in objective if not any(v["harms"] for v in verdicts[c].values())]
+    best = min(ok, key=lambda c: (objective[c], -c)) if ok else None
+    return best, verdicts
+
+
+CALIBRATION_RULE = ("the threshold with the smallest mean edit distance to the clean text after refinement (4 "
+                    "iterations) of training-distribution corruptions (corrupt) of 64 validation windows, among "
+                    "those doing no harm (paired-bootstrap 95% interval of the per-item change not above zero) on "
+                    "the same windows clean, with character typos and with light token-level corruption "
+                    "(corruption_levels)")
+
+
+def calibrate(editor, tok, iterations: int = 4, windows: int = 64) -> tuple[float, dict]:
+    """The decision threshold (`EditConfig.confidence`) by `choose_confidence` over `CONFIDENCES`: the smallest mean
+    edit distance to the clean text after refinement (as `generate(refine="edit")` runs it) of ``windows``
+    validation windows corrupted as in training, among the thresholds that do no harm on the same windows clean,
+    with typos and lightly corrupted (`GUARDS`, `corruption_levels`; the measurement `pdecode bench --suite edit`
+    repeats, with one more level). If
+    every threshold harms, the highest (the most abstaining) is returned and the table says so. ``tok``: a
+    ``tokenizers.Tokenizer``. Returns it and the table (per threshold: the objective and the guards' verdicts)."""
+    wc, wg = validation_windows(tok, windows)
+    levels = corruption_levels(tok, wg, editor.cfg.vocab_size)
+    d = {k: distances(editor, wc, wg, levels[k], CONFIDENCES, iterations) for k in ("train",) + GUARDS}
+    objective = {c: float(np.mean(d["train"][c])) for c in CONFIDENCES}
+    best, verdicts = choose_confidence(objective, {k: d[k] for k in GUARDS})
+    table: dict = {"rule": CALIBRATION_RULE, "train_before": float(np.mean(d["train"]["before"])),
+                   "train_after": {str(c): v for c, v in objective.items()},
+                   "no_harm": {str(c): {k: {"after": float(np.mean(d[k][c])), **v} for k, v in verdicts[c].items()}
+                               for c in CONFIDENCES},
+                   "every_threshold_harms": best is None}
+    return (best if best is not None else max(CONFIDENCES)), table
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -234,7 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--items", type=int, default=6000, help="training items built before training")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--calibrate", action="store_true",
-                    help="only choose the shipped heads' decision threshold on the held-out items (no training)")
+                    help="only choose the shipped heads' decision threshold on validation windows (no training)")
     args = ap.parse_args(argv)
 
     import ml_dtypes
@@ -252,17 +371,20 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     out = args.zoo / NAME
     if args.calibrate:
-        held = build(va, 256, model, np.random.default_rng(1), s, ecfg)
         editor = pdecode.load(out, dtype="float32")
         ecfg, ep = editor.extras["edit"]
-        best, table = calibrate(editor, held)
-        save_heads(out, "edit", dataclasses.replace(ecfg, confidence=best), jax.device_get(ep), base_model=BASE,
-                   dtype=ml_dtypes.bfloat16, compress=True)
+        best, table = calibrate(editor, tok)
+        meta = json.loads((out / "heads.json").read_text())  # the weights (heads.safetensors.xz) stay as they are
+        meta["config"] = dataclasses.asdict(dataclasses.replace(ecfg, confidence=best))
+        (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
         info = json.loads((out / "train_info.json").read_text())
         info.update(confidence=best, calibration_edit_distance=table, config=dataclasses.asdict(
             dataclasses.replace(ecfg, confidence=best)))
         (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
-        print(f"{NAME}: confidence {best} (held-out edit distance per threshold: {table})", file=sys.stderr)
+        print(f"{NAME}: confidence {best} (edit distance after refinement per threshold: {table['train_after']}; "
+              f"before {table['train_before']:.2f}; harm: "
+              f"{ {c: [k for k, v in g.items() if v['harms']] for c, g in table['no_harm'].items()} })",
+              file=sys.stderr)
         return 0
     print(f"{NAME}: building {args.items} training items (expert actions, one-shot fills) ...", file=sys.stderr,
           flush=True)
@@ -293,7 +415,7 @@ def main(argv=None) -> int:
     save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     # one refinement on held-out corrupted items: edit distance to the gold continuation before and after
     editor = pdecode.load(out, dtype="float32")
-    best, table = calibrate(editor, held)  # the shipped decision threshold
+    best, table = calibrate(editor, tok)  # the shipped decision threshold
     ecfg = dataclasses.replace(ecfg, confidence=best)
     save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     editor = pdecode.load(out, dtype="float32")

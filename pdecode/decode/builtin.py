@@ -526,7 +526,8 @@ def _prepare_edit(model, draft, opts, samp, max_new=None):
     pad = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     return Plan(fn=edit.generate, params=(model.params, ep),
                 static={"cfg": model.cfg, "ecfg": ecfg, "mask_id": mask_id, "eos_id": int(eos[0]), "pad": int(pad),
-                        "context": _int_opt(opts, "context", lo=0), "max_iterations": _int_opt(opts, "iterations")},
+                        "context": _int_opt(opts, "context", lo=0), "max_iterations": _int_opt(opts, "iterations"),
+                        "confidence": float(ecfg.confidence)},  # the edit model's shipped decision threshold
                 extra_len=1, finish_stats=_mask_predict_stats)
 
 
