@@ -605,7 +605,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
             raise InputError(f"refine must be 'edit' or None, got {refine!r}")
         if editor is None:
             raise InputError("refine='edit' needs an edit model: editor=pdecode.load('code-edit')")
-        r = _refine(editor, ids, toks, max_iterations=refine_iterations, keep_eos=True)
+        editor = as_model(editor, "editor")
+        ecfg = editor.extras["edit"][0] if "edit" in editor.extras else None
+        r = _refine(editor, ids, toks, max_iterations=refine_iterations, keep_eos=True,
+                    confidence=getattr(ecfg, "draft_confidence", None))
         toks, texts, lps = r.tokens, r.texts, None
         stats["refine"] = r.stats
     return GenerateOutput(texts=texts, tokens=toks, stats=stats, finish_reasons=reasons, logprobs=lps)

@@ -129,6 +129,14 @@ def test_confidence_threshold_decides_edits(editor_base):
                        extras={"edit": (dataclasses.replace(ecfg, confidence=0.9), ep)})
     assert pdecode.generate(e9, DRAFTS, method="edit", iterations=1, max_new_tokens=8).tokens == DRAFTS
     assert pdecode.generate(e, DRAFTS, method="edit", iterations=1, max_new_tokens=8).tokens == [[], [], []]
+    # generate(refine="edit") refines the method's own draft at draft_confidence when the heads have one
+    eb = pdecode.Model(cfg=e.cfg, params=e.params, name="tiny-editor-bold",
+                       extras={"edit": (dataclasses.replace(ecfg, confidence=0.9, draft_confidence=0.5), ep)})
+    assert pdecode.refine(eb, PROMPTS, DRAFTS, max_iterations=1).tokens == DRAFTS  # given text: 0.9 abstains
+    gen = pdecode.generate(e, PROMPTS, method="oneshot", max_new_tokens=4)
+    bold = pdecode.generate(e, PROMPTS, method="oneshot", max_new_tokens=4, refine="edit", editor=eb,
+                            refine_iterations=1)
+    assert bold.stats["refine"]["deleted"] != [0, 0, 0] and sum(map(len, bold.tokens)) < sum(map(len, gen.tokens))
     from pdecode.errors import InputError
 
     with pytest.raises(InputError, match="confidence"):

@@ -214,9 +214,11 @@ def test_edit_model_repairs_one_shot_output():
     prompts, real = code_prompts(dllm.tokenizer.backend, 8, 64, 64)
     eos = set(dllm.cfg.eos_token_ids)
     raw = pdecode.generate(dllm, prompts, method="oneshot", length="full", beams=1, max_new_tokens=64)
-    # at the heads' argmax threshold 0.5: the shipped one (chosen so that real code is left alone, issue 27)
-    # abstains, and `pdecode bench --suite edit` finds it no help on one-shot fills
-    fixed = pdecode.refine(e, prompts, raw.tokens, keep_eos=True, confidence=0.5)
+    # generate(refine="edit") refines a model's own draft at the heads' draft threshold (0.5), not at the one that
+    # leaves given text alone (0.95; issue 27): `pdecode bench --suite edit` finds only the former helps one-shot fills
+    assert e.extras["edit"][0].draft_confidence == 0.5 and e.extras["edit"][0].confidence == 0.95
+    fixed = pdecode.generate(dllm, prompts, method="oneshot", length="full", beams=1, max_new_tokens=64,
+                             refine="edit", editor=e)
     q0, q1 = text_quality(judge, prompts, raw.tokens, eos), text_quality(judge, prompts, fixed.tokens, eos)
     assert q1["judge_ppl"] < 0.8 * q0["judge_ppl"] and q1["distinct4"] > q0["distinct4"], (q0, q1)
     kept = pdecode.refine(e, prompts, real, max_iterations=1, confidence=0.9).tokens

@@ -343,6 +343,21 @@ def calibrate(editor, tok, iterations: int = 4, windows: int = 64) -> tuple[floa
     return (best if best is not None else max(CONFIDENCES)), table
 
 
+def calibrate_draft(editor, tok, iterations: int = 4, windows: int = 64) -> tuple[float, dict]:
+    """`EditConfig.draft_confidence`: the threshold of `CONFIDENCES` with the smallest mean edit distance to the clean
+    text after refining code-dllm's own one-shot fills of ``windows`` validation windows (the drafts
+    `generate(method="oneshot", refine="edit")` refines). Returns it and the table (per threshold)."""
+    import pdecode
+
+    wc, wg = validation_windows(tok, windows)
+    fills = pdecode.generate(editor, wc, method="oneshot", length="full", beams=1, max_new_tokens=len(wg[0])).tokens
+    eos = set(editor.cfg.eos_token_ids)
+    drafts = [[t for t in f[: len(g)] if t not in eos] for f, g in zip(fills, wg)]
+    d = distances(editor, wc, wg, drafts, CONFIDENCES, iterations)
+    table = {"before": float(np.mean(d["before"])), **{str(c): float(np.mean(d[c])) for c in CONFIDENCES}}
+    return min(CONFIDENCES, key=lambda c: table[str(c)]), table
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.edit", description=__doc__,
@@ -374,12 +389,14 @@ def main(argv=None) -> int:
         editor = pdecode.load(out, dtype="float32")
         ecfg, ep = editor.extras["edit"]
         best, table = calibrate(editor, tok)
+        best_draft, table_draft = calibrate_draft(editor, tok)
+        ecfg = dataclasses.replace(ecfg, confidence=best, draft_confidence=best_draft)
         meta = json.loads((out / "heads.json").read_text())  # the weights (heads.safetensors.xz) stay as they are
-        meta["config"] = dataclasses.asdict(dataclasses.replace(ecfg, confidence=best))
+        meta["config"] = dataclasses.asdict(ecfg)
         (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
         info = json.loads((out / "train_info.json").read_text())
-        info.update(confidence=best, calibration_edit_distance=table, config=dataclasses.asdict(
-            dataclasses.replace(ecfg, confidence=best)))
+        info.update(confidence=best, calibration_edit_distance=table, draft_confidence=best_draft,
+                    draft_calibration_edit_distance=table_draft, config=dataclasses.asdict(ecfg))
         (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"{NAME}: confidence {best} (edit distance after refinement per threshold: {table['train_after']}; "
               f"before {table['train_before']:.2f}; harm: "
@@ -415,8 +432,9 @@ def main(argv=None) -> int:
     save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     # one refinement on held-out corrupted items: edit distance to the gold continuation before and after
     editor = pdecode.load(out, dtype="float32")
-    best, table = calibrate(editor, tok)  # the shipped decision threshold
-    ecfg = dataclasses.replace(ecfg, confidence=best)
+    best, table = calibrate(editor, tok)  # the shipped decision thresholds: repairing text, refining drafts
+    best_draft, table_draft = calibrate_draft(editor, tok)
+    ecfg = dataclasses.replace(ecfg, confidence=best, draft_confidence=best_draft)
     save_heads(out, "edit", ecfg, jax.device_get(ep), base_model=BASE, dtype=ml_dtypes.bfloat16, compress=True)
     editor = pdecode.load(out, dtype="float32")
     r = pdecode.refine(editor, held.context[:128], held.corrupted[:128], max_iterations=1)

@@ -183,6 +183,9 @@ class EditConfig:
     max_insert: int = 8
     hidden: int = 512
     confidence: float = 0.5  # the default decision threshold (`pdecode.refine`); chosen on held-out data by training
+    # the threshold for refining a model's own draft (`generate(refine="edit")`, e.g. one-shot fills), which needs
+    # bolder edits than repairing given text does no harm with; None: ``confidence``
+    draft_confidence: float | None = None
 
     def specs(self, cfg: ModelConfig) -> dict:
         d, h, k = cfg.hidden_size, self.hidden, self.max_insert + 1
