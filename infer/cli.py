@@ -136,6 +136,8 @@ def cmd_generate(args) -> int:
         return _decompose(args, m, draft, prompts, options, mesh, compare)
     out = run(m, args.method, options, draft)
     rows = [_row(args.method, out, None)] if compare else []
+    greedy = not pdecode.generation.resolve(m.generation_config, m.cfg.vocab_size,
+                                            {"temperature": args.temperature}).temperature  # a tie, or a bug?
     for spec, method, heads, opts in compare:
         cm = load(heads) if heads else m
         try:
@@ -143,7 +145,7 @@ def cmd_generate(args) -> int:
         except PdecodeError as e:
             raise type(e)(f"--compare {spec}: {e}", cli=f"--compare {spec}: {e.for_cli()}") from None
         rows.append(_row(spec, o, o.tokens == out.tokens))
-        if o.tokens != out.tokens and args.method == "ar" and not args.temperature:  # greedy: a tie, or a bug?
+        if o.tokens != out.tokens and args.method == "ar" and greedy and registry.get(method).lossless == "yes":
             from pdecode.divergence import first_divergences
 
             divs = [d for d in first_divergences(cm, prompts, out.tokens, o.tokens) if d is not None]
@@ -357,7 +359,7 @@ def _serves_from_files(d: Path) -> str:
     cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
     if cfg.get("pdecode_causal") is False:
         return f"diffusion, dico, oneshot, mask_predict (--model {d.name})"
-    return "ar, lookup, jacobi, lookahead, layerskip; target or draft of sd / tree / pearl"
+    return "ar, lookup, jacobi, lookahead; target or draft of sd / tree / pearl"
 
 
 def zoo_table() -> list[tuple[str, float, str, str]]:

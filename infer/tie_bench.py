@@ -71,7 +71,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Greedy, {meta['n_prompts']} validation prompts x {meta['prompt_tokens']} tokens, {meta['new_tokens']} "
              f"new tokens, weights and activations {meta['dtype']}; command: `{meta['command']}`.", "",
              "| target | method | draft | rows identical to AR | diverged at a near-tie | diverged elsewhere | "
-             "float32 top-2 margins at the divergences (nats) | tokens/forward |", "|---|---|---|---|---|---|---|---|"]
+             "float32 log-prob gap of the two tokens at the divergences (nats) | tokens/forward |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['target']} | {r['method']} | {r['draft'] or '-'} | {r['identical']}/{r['rows']} | "
                      f"{r['ties']} | {r['non_ties']} | {', '.join(f'{m:.4f}' for m in r['margins']) or '-'} | "
@@ -86,13 +86,22 @@ def run(args) -> int:
     import pdecode
     from infer.bench import default_prompts
 
+    from pdecode.errors import InputError
+
     n = args.prompts or 24
+    cases = [c for c in CASES if not args.methods or c[1] in args.methods]
+    if not cases:
+        raise InputError(f"--suite ties: --methods {' '.join(args.methods)} names no lossless method it runs "
+                         f"({', '.join(sorted({c[1] for c in CASES}))})")
+    if args.model or args.draft:
+        raise InputError("--suite ties runs each method on the zoo model it is trained for: drop --model / --draft")
     prompts = default_prompts(pdecode.load("code-target"), n, args.prompt_tokens)
-    rows = sweep(prompts, args.new_tokens, dtype=args.dtype, log=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = sweep(prompts, args.new_tokens, cases=cases, dtype=args.dtype,
+                 log=lambda s: print(s, file=sys.stderr, flush=True))
     meta = {"n_prompts": n, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "dtype": "as stored (bfloat16)" if args.dtype == "auto" else args.dtype,
             "command": "pdecode " + " ".join(sys.argv[1:])}
-    out = Path(args.out) if args.out else Path("docs/bench/ties")
+    out = Path("docs/bench/ties") if Path(args.out) == Path("bench_out/latest") else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = to_markdown(rows, meta)

@@ -334,6 +334,10 @@ def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -
     if isinstance(prompts, str):
         prompts = [prompts]
     what = "prompts must be a text, a list of texts or a list of token-id lists"
+    if hasattr(prompts, "__array__") and not isinstance(prompts, np.ndarray):  # a jax array of token ids
+        prompts = np.asarray(prompts)
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2 and prompts.dtype.kind in "iu":
+        prompts = prompts.tolist()
     if not isinstance(prompts, (Sequence, np.ndarray)):
         raise InputError(f"{what}; got {type(prompts).__name__}")
     if len(prompts) == 0:
@@ -466,7 +470,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
-    m, draft, editor = as_model(m), as_model(draft, "draft", optional=True), as_model(editor, "editor", optional=True)
+    m, draft = as_model(m), as_model(draft, "draft", optional=True)
     registry.check_models(meth, m, draft)
     own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))
     opts = registry.resolve_options(meth, method_options, near=own)
@@ -607,8 +611,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
             raise InputError("refine='edit' needs an edit model: editor=pdecode.load('code-edit')")
         editor = as_model(editor, "editor")
         ecfg = editor.extras["edit"][0] if "edit" in editor.extras else None
-        r = _refine(editor, ids, toks, max_iterations=refine_iterations, keep_eos=True,
-                    confidence=getattr(ecfg, "draft_confidence", None))
+        # a masked method's own draft (one-shot fills, ...) is refined boldly (draft_confidence); an AR method's
+        # output is text like any given text, refined at the threshold that does it no harm
+        bold = getattr(ecfg, "draft_confidence", None) if meth.target == "masked" else None
+        r = _refine(editor, ids, toks, max_iterations=refine_iterations, keep_eos=True, confidence=bold)
         toks, texts, lps = r.tokens, r.texts, None
         stats["refine"] = r.stats
     return GenerateOutput(texts=texts, tokens=toks, stats=stats, finish_reasons=reasons, logprobs=lps)

@@ -5,11 +5,11 @@ forward over k tokens adds up the same numbers as AR's one-token forward in anot
 other tilings), so in bfloat16 the two sets of logits differ in their last bits. Where AR's top two tokens are
 that close, the two runs can take different tokens and then continue from different texts. In float32 they agree
 token for token (the tests assert it); at reduced precision the claim is: **identical until the first
-floating-point near-tie**, a position where the model's exact (float32) top-2 log-probabilities lie within
+floating-point near-tie**, a position where the exact (float32) log-probabilities of the two tokens taken lie within
 `TIE_TOLERANCE` of each other.
 
-`first_divergences` finds, per row, the first position where two generations differ and measures that margin with
-a float32 pass of the same weights, so a user (``pdecode generate --compare``) and the tests can tell a rounding
+`first_divergences` finds, per row, the first position where two generations differ and measures, with a float32
+pass of the same weights, how far apart the two tokens taken there are, so a user (``pdecode generate --compare``) and the tests can tell a rounding
 tie from a real disagreement (a bug).
 """
 
@@ -21,14 +21,15 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-# nats between the top-2 float32 log-probs under which a divergence counts as a rounding tie, per activation dtype:
+# nats between the two tokens' float32 log-probs under which a divergence counts as a rounding tie, per activation dtype:
 # about 2^-(mantissa bits - 3) of a typical logit spread (bfloat16: 8 bits; float16: 11; float32: 24)
 TIE_TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
 
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """Row ``row`` first differs at new token ``position``; ``margin``: the float32 top-2 log-prob gap there."""
+    """Row ``row`` first differs at new token ``position``; ``margin``: how far apart the float32 log-probs of the
+    two tokens taken there are (AR's and the method's; where one row simply ended, AR's top two)."""
 
     row: int
     position: int
@@ -41,8 +42,8 @@ class Divergence:
 
     def describe(self) -> str:
         what = "a near-tie" if self.tie else "NOT a tie"
-        return (f"row {self.row}, new token {self.position}: {what} (AR's top-2 log-probs {self.margin:.4f} apart, "
-                f"tolerance {self.tolerance:g})")
+        return (f"row {self.row}, new token {self.position}: {what} (the two tokens' float32 log-probs "
+                f"{self.margin:.4f} apart, tolerance {self.tolerance:g})")
 
 
 def tie_tolerance(m) -> float:
@@ -54,7 +55,9 @@ def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
                       tokens: Sequence[Sequence[int]]) -> list[Divergence | None]:
     """Per row, None where ``tokens`` equals ``reference`` (AR's greedy new tokens), else the first `Divergence`;
     a row that is a strict prefix of the other (one stopped earlier) diverges where the shorter ends. The margin
-    comes from one float32 forward of ``m``'s weights over prompt + ``reference`` up to that position."""
+    comes from one float32 forward of ``m``'s weights over prompt + ``reference`` up to that position: the gap
+    between the log-probs of AR's token and the method's token there (a method that took a token far below AR's is
+    no tie, however close AR's own top two are)."""
     from pdecode.api import Model, encode_prompts, forward_logits
     from pdecode.model.transformer import cast_params
 
@@ -80,7 +83,12 @@ def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
     logits = np.asarray(forward_logits(exact, batch), np.float64)
     tol = tie_tolerance(m)
     for r, (i, p) in enumerate(found):
-        lg = logits[r, len(contexts[r]) - 1]
-        top2 = np.sort(lg)[-2:]  # a gap of logits is the gap of their log-probs
-        out[i] = Divergence(row=i, position=p, margin=float(top2[1] - top2[0]), tolerance=tol)
+        lg = logits[r, len(contexts[r]) - 1]  # a gap of logits is the gap of their log-probs
+        a, b = list(reference[i]), list(tokens[i])
+        if p < len(a) and p < len(b):
+            gap = abs(float(lg[a[p]] - lg[b[p]]))
+        else:  # one row ended here: how close AR came to another token
+            top2 = np.sort(lg)[-2:]
+            gap = float(top2[1] - top2[0])
+        out[i] = Divergence(row=i, position=p, margin=gap, tolerance=tol)
     return out

@@ -125,12 +125,12 @@ class Engine:
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise InputError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
         meth = registry.get(method)
-        model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
-        registry.check_models(meth, model, draft)
         not_here = InputError(f"method {method!r} does not run in the serving engine: it takes ar and the "
                               f"draft-and-verify methods (sd, lookup, tree, eagle, medusa, mtp, ...)")
         if meth.wants_max_new:  # a masked-diffusion canvas, not a token loop
             raise not_here
+        model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
+        registry.check_models(meth, model, draft)
         opts = registry.resolve_options(meth, method_options)
         if meth.needs_draft and draft is None:
             raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",

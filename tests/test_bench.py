@@ -119,10 +119,11 @@ def test_diffusion_suite_runs_end_to_end(tmp_path):
 
     out = tmp_path / "d"
     model = tiny_hf(tmp_path / "dllm", causal=False)
+    ar = tiny_hf(tmp_path / "ar")  # the AR reference and the judge are autoregressive models
     samplers = ("vanilla", "dico")
     rc = bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16", "--batch", "1", "2",
                      "--items", "10", "--timing-items", "2", "--samplers", *samplers, "--repeats", "1",
-                     "--code-prompts", "2", "--prompt-tokens", "16", "--ar-reference", model, "--judge", model,
+                     "--code-prompts", "2", "--prompt-tokens", "16", "--ar-reference", ar, "--judge", ar,
                      "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

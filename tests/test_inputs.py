@@ -29,6 +29,16 @@ def test_wrong_types_are_one_line(model, prompts, match):
         pdecode.generate(model, prompts, max_new_tokens=2)
 
 
+def test_token_arrays_are_prompts():
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    ref = pdecode.generate("code-draft", ids, max_new_tokens=3).tokens
+    assert pdecode.generate("code-draft", jnp.asarray(ids), max_new_tokens=3).tokens == ref
+    assert pdecode.generate("code-draft", np.asarray(ids), max_new_tokens=3).tokens == ref
+
+
 def test_a_draft_of_the_wrong_type_is_one_line():
     with pytest.raises(InputError, match="draft must be a pdecode.Model"):
         pdecode.generate("code-target", ["x"], method="sd", draft=7, max_new_tokens=2)

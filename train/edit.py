@@ -442,7 +442,8 @@ def main(argv=None) -> int:
     dist_after = float(np.mean([edit_distance(t, g) for t, g in zip(r.tokens, held.gold[:128])]))
     info = {"name": NAME, "command": "python -m train.edit", "base_model": BASE, "config": dataclasses.asdict(ecfg),
             "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(ep))), "steps": args.steps,
-            "items": args.items, "confidence": best, "calibration_edit_distance": table, "eval_before": before, "final_eval": hist["eval"][-1] if hist["eval"] else None,
+            "items": args.items, "confidence": best, "calibration_edit_distance": table,
+            "draft_confidence": best_draft, "draft_calibration_edit_distance": table_draft, "eval_before": before, "final_eval": hist["eval"][-1] if hist["eval"] else None,
             "heldout_edit_distance_before_after_one_iteration": [dist_before, dist_after],
             "data_minutes": round(t_data / 60, 2), "train_minutes": round(t_train / 60, 2),
             "total_minutes": round((time.perf_counter() - t_start) / 60, 2),
