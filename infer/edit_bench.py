@@ -42,10 +42,7 @@ def measure(editor, n: int = 64, confidences=None, iterations: int = 4, seed: in
     contexts, golds = tedit.validation_windows(tok, n, CONTEXT, LENGTH)
     levels = tedit.corruption_levels(tok, golds, editor.cfg.vocab_size, seed)
     if oneshot:
-        fills = pdecode.generate(editor, contexts, method="oneshot", length="full", beams=1,
-                                 max_new_tokens=LENGTH).tokens
-        eos = set(editor.cfg.eos_token_ids)
-        levels["oneshot"] = [[t for t in f[:LENGTH] if t not in eos] for f in fills]
+        levels["oneshot"] = tedit.oneshot_drafts(editor, contexts, LENGTH)
     shipped = float(editor.extras["edit"][0].confidence)
     out = {}
     for name, drafts in levels.items():

@@ -343,16 +343,23 @@ def calibrate(editor, tok, iterations: int = 4, windows: int = 64) -> tuple[floa
     return (best if best is not None else max(CONFIDENCES)), table
 
 
+def oneshot_drafts(editor, contexts, length: int) -> list[list[int]]:
+    """The editor's base model's one-shot fills of ``contexts`` (``length`` tokens, EOS dropped): the drafts
+    `generate(method="oneshot", refine="edit")` refines."""
+    import pdecode
+
+    fills = pdecode.generate(editor, contexts, method="oneshot", length="full", beams=1,
+                             max_new_tokens=length).tokens
+    eos = set(editor.cfg.eos_token_ids)
+    return [[t for t in f[:length] if t not in eos] for f in fills]
+
+
 def calibrate_draft(editor, tok, iterations: int = 4, windows: int = 64) -> tuple[float, dict]:
     """`EditConfig.draft_confidence`: the threshold of `CONFIDENCES` with the smallest mean edit distance to the clean
     text after refining code-dllm's own one-shot fills of ``windows`` validation windows (the drafts
     `generate(method="oneshot", refine="edit")` refines). Returns it and the table (per threshold)."""
-    import pdecode
-
     wc, wg = validation_windows(tok, windows)
-    fills = pdecode.generate(editor, wc, method="oneshot", length="full", beams=1, max_new_tokens=len(wg[0])).tokens
-    eos = set(editor.cfg.eos_token_ids)
-    drafts = [[t for t in f[: len(g)] if t not in eos] for f, g in zip(fills, wg)]
+    drafts = oneshot_drafts(editor, wc, len(wg[0]))
     d = distances(editor, wc, wg, drafts, CONFIDENCES, iterations)
     table = {"before": float(np.mean(d["before"])), **{str(c): float(np.mean(d[c])) for c in CONFIDENCES}}
     return min(CONFIDENCES, key=lambda c: table[str(c)]), table
