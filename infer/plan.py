@@ -225,7 +225,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         draft_steps = opts["gamma"]
         mem["weights_and_caches"] = held(cfg, params) + held(draft.cfg, draft.params)
     elif method == "eagle":
-        one_layer = cfg.replace(num_layers=1)
+        one_layer = cfg.with_layers(1)
         kinds += [("target_verify", cfg, params, opts["total_tokens"]),
                   ("draft_1", one_layer, abstract_params(one_layer, jdt, mesh), opts["tree_top_k"])]
         draft_steps = opts["depth"]

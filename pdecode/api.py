@@ -685,7 +685,7 @@ _refine = refine  # (generate's own `refine` argument shadows the name there)
 def _forward_logits(params, tokens, lengths, *, cfg):
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = attention.padded_self_mask(lengths, t, causal=cfg.causal, window=cfg.sliding_window)
+    mask = attention.padded_self_mask(lengths, t, causal=cfg.causal)
     return unembed(params, cfg, forward(params, cfg, tokens, pos, mask).hidden)
 
 

@@ -19,28 +19,19 @@ DTYPES = ("float32", "bfloat16", "float16")
 # attention implementations (`pdecode.model.attention.attend`; docs/performance.md, "Attention implementations")
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas", "pallas_interpret")
 
-# HF `model_type` -> our family name. The family only decides naming and a few architectural switches.
-_HF_FAMILIES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
-_HF_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# per-layer attention kinds (`ModelConfig.layer_types`) and the activations of the MLPs
+LAYER_KINDS = ("full", "sliding")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (static under jit).
 
-    Families: ``llama`` (Llama 2/3, incl. ``llama3`` rope scaling), ``mistral`` (optional sliding window),
-    ``qwen2`` (q/k/v bias), ``qwen3`` (per-head q/k RMSNorm). ``causal=False`` makes the same network
-    bidirectional (masked diffusion models).
+    ``family`` names the model family (`pdecode.model.family`: the module that owns the block, its params and its
+    checkpoint names; the registry is keyed by HF ``model_type``). The fields below are the architectural facts the
+    families read; each family says which it supports. ``causal=False`` makes the network bidirectional (masked
+    diffusion models).
     """
 
     vocab_size: int
@@ -59,7 +50,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the "sliding" layers
+    # per-layer attention kind ("full" / "sliding"); None: every layer "sliding" when sliding_window is set (Mistral),
+    # else "full". Applied inside the model (`pdecode.model.transformer`); decode loops never build windows.
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    hidden_act: str = "silu"  # MLP activation (ACTIVATIONS)
+    attn_scale: float | None = None  # attention score scale; None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # mixture of experts (num_experts > 0): every layer's MLP is E experts of moe_intermediate_size, k per token
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_size: int = 0  # a shared expert beside the routed ones, with a sigmoid gate (Qwen2-MoE)
+    norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"
@@ -85,8 +90,22 @@ class ModelConfig:
             problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE (got {self.head_dim})")
-        if self.family not in ("llama", "mistral", "qwen2", "qwen3"):
-            problems.append(f"unknown family {self.family!r}; expected one of llama, mistral, qwen2, qwen3")
+        from pdecode.model.family import supported
+
+        if self.family not in supported():
+            problems.append(f"unknown family {self.family!r}; expected one of {', '.join(supported())}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            if any(k not in LAYER_KINDS for k in self.layer_types):
+                problems.append(f"layer_types must hold {' / '.join(LAYER_KINDS)} (got {self.layer_types})")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                problems.append("sliding layers need a sliding_window")
+        if self.hidden_act not in ACTIVATIONS:
+            problems.append(f"hidden_act must be one of {', '.join(ACTIVATIONS)} (got {self.hidden_act!r})")
+        if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            problems.append(f"a mixture of experts needs 0 < experts_per_tok <= num_experts and moe_intermediate_size "
+                            f"> 0 (got {self.experts_per_tok}, {self.num_experts}, {self.moe_intermediate_size})")
         if self.activation_dtype is not None and self.activation_dtype not in DTYPES:
             problems.append(f"activation_dtype must be {', '.join(DTYPES)} or None (got {self.activation_dtype!r})")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -106,23 +125,36 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The attention kind of every layer ("full" / "sliding"), `layer_types` resolved."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding" if self.sliding_window else "full",) * self.num_layers
+
+    def with_layers(self, n: int) -> "ModelConfig":
+        """This config with ``n`` layers (drafters built from the family's block: EAGLE, MTP). Mixed per-layer kinds
+        become full attention (a drafter reads its whole short cache); uniform ones are kept."""
+        kinds = set(self.layer_kinds())
+        return self.replace(num_layers=n, layer_types=None,
+                            sliding_window=self.sliding_window if kinds == {"sliding"} else None)
+
     def num_params(self) -> int:
-        d, f, v, l_ = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * qd * 2 + d * kd * 2 + 3 * d * f + 2 * d
-        if self.attention_bias:
-            per_layer += qd + 2 * kd
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        head = 0 if self.tie_word_embeddings else v * d
-        return v * d + l_ * per_layer + d + head
+        """Parameters of the network (every expert counted)."""
+        from pdecode.model.transformer import count_params
+
+        return count_params(self)
+
+    def active_params(self) -> int:
+        """Parameters one token runs through (a mixture of experts: k of E experts)."""
+        if not self.num_experts:
+            return self.num_params()
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params() - self.num_layers * (self.num_experts - self.experts_per_tok) * per_expert
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier tokens (2 per multiply-add)."""
-        d, f, l_ = self.hidden_size, self.intermediate_size, self.num_layers
-        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        matmul = l_ * (d * qd * 2 + d * kd * 2 + 3 * d * f) + d * self.vocab_size
-        attn = l_ * 2 * qd * max(context, 1)
+        matmul = self.active_params() - self.vocab_size * self.hidden_size * (0 if self.tie_word_embeddings else 1)
+        attn = self.num_layers * 2 * self.num_heads * self.head_dim * max(context, 1)
         return 2.0 * (matmul + attn)
 
     # ----------------------------------------------------------------------------------------------------
@@ -136,51 +168,30 @@ class ModelConfig:
             # Dream: a Qwen2 network run bidirectionally, logits shifted by one
             base = cls.from_hf({**hf, "model_type": "qwen2"})
             return base.replace(causal=False, diffusion_shift=True, layout="hf")
-        if model_type not in _HF_FAMILIES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r} in config.json; pdecode loads "
-                f"{', '.join(sorted(_HF_FAMILIES))}")
-        family = _HF_FAMILIES[model_type]
+        from pdecode.model.family import family_for_model_type
+
+        fam = family_for_model_type(model_type)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
             cfg_kw: dict[str, Any] = dict(
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
+                intermediate_size=int(hf.get("intermediate_size") or 0) or int(hf["moe_intermediate_size"]),
                 num_layers=int(hf["num_hidden_layers"]),
                 num_heads=heads,
             )
         except KeyError as e:
-            raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+            raise ConfigError(f"{model_type}: config.json lacks the required field {e.args[0]!r}") from None
         cfg_kw["num_kv_heads"] = int(hf.get("num_key_value_heads") or heads)
         cfg_kw["head_dim"] = int(hf.get("head_dim") or hidden // heads)
-        # transformers >= 5 nests rope settings in `rope_parameters`; older files use rope_theta/rope_scaling.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
-        scaling = hf.get("rope_scaling") or (rope if rope else None)
-        if scaling:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype == "default":
-                scaling = None
-            elif rtype not in ("llama3", "linear"):
-                raise ConfigError(f"unsupported rope scaling type {rtype!r}; pdecode supports llama3 and linear")
-            else:
-                scaling = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rtype}
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        window = hf.get("sliding_window") if family in ("mistral",) or hf.get("use_sliding_window") else None
         cfg_kw.update(
-            family=family,
+            family=fam.name_for(model_type),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            rope_theta=float(theta),
-            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
-            sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=hf.get("pad_token_id"),
@@ -189,6 +200,9 @@ class ModelConfig:
             diffusion_shift=bool(hf.get("pdecode_diffusion_shift", False)),
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
+        theta, scaling = rope_from_hf(model_type, hf)
+        cfg_kw.update(rope_theta=theta, rope_scaling=scaling)
+        fam.config_from_hf(model_type, hf, cfg_kw)
         return cls(**cfg_kw)
 
     @classmethod
@@ -211,8 +225,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dictionary that `transformers` loads (AutoConfig / AutoModelForCausalLM)."""
+        from pdecode.model.family import family_of
+
         out: dict[str, Any] = {
-            "architectures": [_HF_ARCH[self.family]],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -230,16 +245,7 @@ class ModelConfig:
             "attention_dropout": 0.0,
             "torch_dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3"):
-            out["attention_bias"] = self.attention_bias
-        if self.family == "llama":
-            out["mlp_bias"] = False
-        if self.family == "mistral":
-            out["sliding_window"] = self.sliding_window
-        if self.family in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = self.sliding_window is not None
-            out["sliding_window"] = self.sliding_window
-            out["max_window_layers"] = self.num_layers
+        family_of(self).config_to_hf(self, out)
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -266,13 +272,44 @@ class ModelConfig:
         return cls.from_hf(data)
 
 
-def rope_inv_freq(cfg: ModelConfig):
-    """Inverse RoPE frequencies [head_dim // 2] as numpy float64, with llama3/linear scaling applied."""
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_from_hf(model_type: str, hf: dict[str, Any], params: dict | None = None):
+    """(rope_theta, rope_scaling as the config's sorted tuple or None) from a config.json: transformers >= 5 nests
+    them in ``rope_parameters`` (``params`` when a family passes one of several), older files use
+    ``rope_theta`` / ``rope_scaling``. An unsupported scaling type is a ConfigError naming the family and value."""
+    rope = dict(params if params is not None else (hf.get("rope_parameters") or {}))
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer kind (Gemma 3): the global layers'
+        rope = dict(rope.get("full_attention") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    scaling = (hf.get("rope_scaling") if params is None else None) or (rope if rope else None)
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rtype = scaling.get("rope_type", scaling.get("type", "default"))
+        if rtype == "default":
+            scaling = None
+        elif rtype not in ROPE_TYPES:
+            raise ConfigError(f"{model_type}: rope_parameters.rope_type {rtype!r} is not supported (pdecode supports "
+                              f"{', '.join(ROPE_TYPES)})")
+        else:
+            scaling = {**{k: v for k, v in scaling.items() if k not in ("type", "partial_rotary_factor")},
+                       "rope_type": rtype}
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported (pdecode rotates the "
+                          "whole head)")
+    return float(theta), (tuple(sorted(scaling.items())) if scaling else None)
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True):
+    """Inverse RoPE frequencies [head_dim // 2] as numpy float64, with llama3/linear scaling applied (``scaled``);
+    ``theta``: another base (the sliding layers' `local_rope_theta`)."""
     import numpy as np
 
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    sc = cfg.rope_scaling_dict
+    inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    sc = cfg.rope_scaling_dict if scaled else None
     if not sc:
         return inv
     if sc["rope_type"] == "linear":

@@ -7,6 +7,35 @@ from pathlib import Path
 VOCAB = 97
 
 
+# the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _new_family(tf, family: str, common: dict):
+    c = {**common, "head_dim": 16}
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    three = ["sliding_attention", "full_attention", "sliding_attention"][:c["num_hidden_layers"]]
+    if family == "gemma":
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**c))
+    if family == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**c, sliding_window=8, query_pre_attn_scalar=24,
+                                                    attn_logit_softcapping=5.0, final_logit_softcapping=8.0))
+    if family == "gemma3":
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **c, sliding_window=8, query_pre_attn_scalar=24, layer_types=three,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**{**c, "intermediate_size": 32}, num_local_experts=4,
+                                                      num_experts_per_tok=2, sliding_window=8))
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**c, num_experts=4, shared_expert_intermediate_size=48,
+                                                        norm_topk_prob=False, **moe))
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**c, num_experts=4, norm_topk_prob=True, **moe))
+    raise ValueError(family)
+
+
 def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
     import torch
     import transformers as tf
@@ -29,6 +58,8 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**common, "head_dim": 32}))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**{**common, "sliding_window": 24}))
+    elif family in NEW_FAMILIES:
+        model = _new_family(tf, family, common)
     else:
         raise ValueError(family)
     model.eval()

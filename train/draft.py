@@ -34,7 +34,7 @@ def draft_config(base: ModelConfig, layers: int | None = None, hidden: int | Non
     hidden = hidden or max(64, base.hidden_size // 2)
     if heads % kv_heads:
         raise InputError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
-    return base.replace(num_layers=layers or max(2, base.num_layers // 4), hidden_size=hidden,
+    return base.with_layers(layers or max(2, base.num_layers // 4)).replace(hidden_size=hidden,
                         intermediate_size=intermediate or 3 * hidden, num_heads=heads, num_kv_heads=kv_heads,
                         tie_word_embeddings=True, activation_dtype=None)
 

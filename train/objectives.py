@@ -36,7 +36,7 @@ def causal_hidden(params, cfg: ModelConfig, tokens_BT: jax.Array, hidden_layers:
     """Full causal pass over unpadded windows: (final hidden [B,T,D], requested layer outputs)."""
     b, t = tokens_BT.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = CausalSelfMask(padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True, window=cfg.sliding_window))
+    mask = CausalSelfMask(padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True))
     out = forward(training_layout(params, cfg), cfg, tokens_BT, pos, mask, hidden_layers=hidden_layers)
     return out.hidden, out.layer_hidden
 
@@ -59,7 +59,7 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
     and an early-exit loss through the shared final norm and LM head after every layer up to ``exit_layer`` (weights
     rising with depth, normalised), added to the last layer's next-token loss with ``exit_weight``. Trains the early
     exit that `method="layerskip"` drafts with."""
-    from pdecode.model.transformer import _block, embed, rms_norm, rope_tables
+    from pdecode.model.transformer import _block, attention_for, embed, final_norm
 
     n = cfg.num_layers
     if not 1 <= exit_layer < n:
@@ -73,19 +73,19 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
         b, t = tokens.shape
         p = training_layout(params, cfg)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True, window=cfg.sliding_window)
-        rope = rope_tables(cfg, pos, p.get("rope_table"))
+        mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True)
+        att = attention_for(cfg, pos, mask, p.get("rope_tables"))
         drop_p = dropout_max * jnp.arange(n, dtype=jnp.float32) / max(n - 1, 1)
         keep = jax.random.uniform(rng, (n, b)) >= drop_p[:, None]
         x = embed(p, tokens, cfg)
         exit_ce = jnp.float32(0.0)
         for i, lp in enumerate(p["layers"]):
-            y, _ = _block(cfg, lp, x, rope, mask, None, i, None, fused=True)
+            y, _ = _block(cfg, lp, x, att, None, i, None, fused=True)
             x = jnp.where(keep[i][:, None, None], y, x)
             if i < exit_layer:
-                h = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+                h = final_norm(p, cfg, x)
                 exit_ce = exit_ce + weights[i] * cross_entropy(unembed(p, cfg, h), targets)
-        ce = cross_entropy(unembed(p, cfg, rms_norm(x, p["final_norm"], cfg.rms_norm_eps)), targets)
+        ce = cross_entropy(unembed(p, cfg, final_norm(p, cfg, x)), targets)
         return ce + exit_weight * exit_ce, {"ce": ce, "exit_ce": exit_ce}
 
     return loss

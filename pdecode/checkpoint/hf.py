@@ -57,6 +57,29 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     return rules
 
 
+def named_rules(cfg: ModelConfig, block: list[tuple[str, str, str]], prefix: str = "model.") -> list[Rule]:
+    """A family's rules from its block's (HF name under the layer prefix, our name, layout) triples: embedding,
+    final norm and lm_head (untied) named as transformers names them."""
+    p = prefix + "layers.{i}."
+    rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"),
+             *[Rule(p + hf, "layers/" + ours, layout) for hf, ours, layout in block],
+             Rule(prefix + "norm.weight", "final_norm", "plain")]
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("lm_head.weight", "lm_head", "linear"))
+    return rules
+
+
+def attention_names(cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """The attention weights' (HF name, ours, layout) under a layer, as Llama-style checkpoints name them."""
+    out = [(f"self_attn.{n}_proj.weight", f"w{n}", "heads_in") for n in "qkv"]
+    out.append(("self_attn.o_proj.weight", "wo", "heads_out"))
+    if cfg.attention_bias:
+        out += [(f"self_attn.{n}_proj.bias", f"b{n}", "bias_heads") for n in "qkv"]
+    if cfg.qk_norm:
+        out += [("self_attn.q_norm.weight", "q_norm", "plain"), ("self_attn.k_norm.weight", "k_norm", "plain")]
+    return out
+
+
 def llada_rules(cfg: ModelConfig) -> list[Rule]:
     """LLaDA's checkpoint names (``model.transformer.blocks.N.*``); the network is our Llama block, run
     bidirectionally."""
@@ -69,7 +92,10 @@ def llada_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def rules_for(cfg: ModelConfig) -> list[Rule]:
-    return llada_rules(cfg) if cfg.layout == "llada" else llama_rules(cfg)
+    """The tensor names of a config's checkpoint: its family's (`Family.hf_rules`), or LLaDA's."""
+    from pdecode.model.family import family_of
+
+    return llada_rules(cfg) if cfg.layout == "llada" else family_of(cfg).hf_rules(cfg)
 
 
 def _to_ours(a: np.ndarray, layout: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -113,14 +139,37 @@ def _set(tree: dict, path: str, value):
     tree[parts[-1]] = value
 
 
+def _lead(r: Rule) -> int:
+    """How many stacked leading axes a rule's param has: 0, 1 ("{i}": layers) or 2 ("{i}" and "{e}": experts)."""
+    return ("{i}" in r.hf) + ("{e}" in r.hf)
+
+
+def _names(r: Rule, shape: tuple, index: tuple = ()) -> list:
+    """The HF tensor names behind a param of ``shape`` (or the part ``index`` selects of its stacked axes): a name,
+    a list over layers, or a list over layers of lists over experts."""
+    lead = _lead(r)
+    if lead == 0:
+        return r.hf
+    index = tuple(index) + (slice(None),) * (2 - len(index))
+    layers = range(shape[0])[index[0]]
+    if lead == 1:
+        return [r.hf.format(i=i) for i in layers]
+    return [[r.hf.format(i=i, e=e) for e in range(shape[1])[index[1]]] for i in layers]
+
+
+def _flat(names) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    return [n for x in names for n in _flat(x)]
+
+
 def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str) -> None:
     """Every tensor the rules name is present with the element count its spec needs, or one CheckpointError."""
     missing, bad = [], []
     for r in rules:
         spec = _get(specs, r.ours)
-        layered = "{i}" in r.hf
-        per_shape = spec.shape[1:] if layered else spec.shape
-        for name in ([r.hf.format(i=i) for i in range(num_layers)] if layered else [r.hf]):
+        per_shape = spec.shape[_lead(r):]
+        for name in _flat(_names(r, spec.shape)):
             if name not in tensors:
                 missing.append(name)
             elif int(np.prod(tensors[name].shape)) != int(np.prod(per_shape)):
@@ -134,6 +183,14 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
         raise CheckpointError(f"{source} does not match its config.json: " + "; ".join(msg))
 
 
+def _gather(tensors, names, layout: str, per_shape: tuple, sub: tuple = (), dtype=None) -> np.ndarray:
+    """The param (part) behind ``names`` (`_names`), converted to our layout, ``sub`` applied to each tensor."""
+    if isinstance(names, str):
+        a = _to_ours(np.asarray(tensors[names]), layout, per_shape)[sub]
+        return a if dtype is None else a.astype(dtype)
+    return np.stack([_gather(tensors, n, layout, per_shape, sub, dtype) for n in names])
+
+
 def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[Rule], num_layers: int,
                       dtype=None, source: str = "checkpoint") -> dict:
     """Gather HF tensors into a params tree (numpy), checking every name and shape against the spec tree."""
@@ -141,12 +198,7 @@ def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[R
     params: dict = {}
     for r in rules:
         spec = _get(specs, r.ours)
-        layered = "{i}" in r.hf
-        per_shape = spec.shape[1:] if layered else spec.shape
-        names = [r.hf.format(i=i) for i in range(num_layers)] if layered else [r.hf]
-        parts = [_to_ours(np.asarray(tensors[n]), r.layout, per_shape) for n in names]
-        arr = np.stack(parts) if layered else parts[0]
-        _set(params, r.ours, arr.astype(dtype) if dtype is not None else arr)
+        _set(params, r.ours, _gather(tensors, _names(r, spec.shape), r.layout, spec.shape[_lead(r):], (), dtype))
     return params
 
 
@@ -202,9 +254,8 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
     params: dict = {}
     for r in rules:
         spec = _get(specs, r.ours)
-        layered = "{i}" in r.hf
-        per_shape = spec.shape[1:] if layered else spec.shape
-        names = [r.hf.format(i=i) for i in range(cfg.num_layers)] if layered else [r.hf]
+        lead = _lead(r)
+        per_shape = spec.shape[lead:]
         sharding = _get(shardings, r.ours) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
         by_index: dict = {}
         for dev, index in sharding.addressable_devices_indices_map(spec.shape).items():
@@ -212,19 +263,15 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
         shards = []
         for key, devs in by_index.items():
             index = tuple(slice(*k) for k in key)
-            if layered:
-                layers = range(cfg.num_layers)[index[0]]
-                host = np.empty((len(layers),) + _sliced_shape(per_shape, index[1:]), np_dtype)
-                for j, i in enumerate(layers):
-                    host[j] = _to_ours(src[names[i]], r.layout, per_shape)[index[1:]]
-            else:
-                host = np.asarray(_to_ours(src[names[0]], r.layout, per_shape)[index], np_dtype)
+            # only the layers (and experts) this slice holds are read: per-expert tensors go straight to the
+            # devices that own those experts
+            host = _gather(src, _names(r, spec.shape, index[:lead]), r.layout, per_shape, index[lead:], np_dtype)
             shards += [(d, jax.device_put(host, d)) for d in devs]
             del host
         order = {d: k for k, d in enumerate(sharding.addressable_devices_indices_map(spec.shape))}
         arrays = [a for _, a in sorted(shards, key=lambda da: order[da[0]])]
         _set(params, r.ours, jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
-        for n in names:
+        for n in _flat(_names(r, spec.shape)):
             src.release(n)
     return cfg.replace(layout="hf"), params
 
@@ -235,11 +282,16 @@ def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, 
         a = np.asarray(jax.device_get(_get(params, r.ours)))
         if dtype is not None:
             a = a.astype(dtype)
-        if "{i}" in r.hf:
-            for i in range(a.shape[0]):
-                out[r.hf.format(i=i)] = np.ascontiguousarray(_to_hf(a[i], r.layout))
-        else:
-            out[r.hf] = np.ascontiguousarray(_to_hf(a, r.layout))
+        names = _names(r, a.shape)
+
+        def put(names, a):
+            if isinstance(names, str):
+                out[names] = np.ascontiguousarray(_to_hf(a, r.layout))
+            else:
+                for n, x in zip(names, a):
+                    put(n, x)
+
+        put(names, a)
     return out
 
 
@@ -288,7 +340,7 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "f
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    tensors = params_to_tensors(params, llama_rules(cfg), np_dtype)
+    tensors = params_to_tensors(params, rules_for(cfg.replace(layout="hf")), np_dtype)
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, compress=compress)
     hf = cfg.replace(dtype=dtype).to_hf()
     if extra_config:

@@ -176,8 +176,7 @@ def prefill_at(params, cfg: ModelConfig, tokens_BT: jax.Array, start_B: jax.Arra
     b, t = tokens_BT.shape
     positions = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     fresh_valid = jnp.arange(t)[None, :] < n_B[:, None]
-    mask = attention.cache_mask(start_B, attention.causal_intra(t), cache.max_len, fresh_valid,
-                                window=cfg.sliding_window, query_pos_BT=positions)
+    mask = attention.cache_mask(start_B, attention.causal_intra(t), cache.max_len, fresh_valid)
     out = forward(params, cfg, tokens_BT, positions, mask, cache=cache, write_at_B=start_B,
                   hidden_layers=hidden_layers)
     last = jnp.take_along_axis(out.hidden, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -189,16 +188,14 @@ def _prefill_shared(params, cfg, prompt_BP, prompt_len_B, cache, hidden_layers, 
     b, p = prompt_BP.shape
     one = kvc.init_cache(cfg, 1, cache.max_len, cache.dtype, per_layer=cache.per_layer)
     pos1 = jnp.arange(n, dtype=jnp.int32)[None]
-    mask1 = attention.cache_mask(jnp.zeros((1,), jnp.int32), attention.causal_intra(n), cache.max_len,
-                                 window=cfg.sliding_window, query_pos_BT=pos1)
+    mask1 = attention.cache_mask(jnp.zeros((1,), jnp.int32), attention.causal_intra(n), cache.max_len)
     head = forward(params, cfg, prompt_BP[:1, :n], pos1, mask1, cache=one, write_at_B=jnp.zeros((1,), jnp.int32),
                    hidden_layers=hidden_layers)
     shared = kvc.broadcast_rows(kvc.set_lengths(head.cache, jnp.full((1,), n, jnp.int32)), b)
     t = p - n
     positions = jnp.broadcast_to(n + jnp.arange(t, dtype=jnp.int32), (b, t))
     start = jnp.full((b,), n, jnp.int32)
-    mask = attention.cache_mask(start, attention.causal_intra(t), cache.max_len, positions < prompt_len_B[:, None],
-                                window=cfg.sliding_window, query_pos_BT=positions)
+    mask = attention.cache_mask(start, attention.causal_intra(t), cache.max_len, positions < prompt_len_B[:, None])
     tail = forward(params, cfg, prompt_BP[:, n:], positions, mask, cache=shared, write_at_B=start,
                    hidden_layers=hidden_layers)
     last = jnp.take_along_axis(tail.hidden, (prompt_len_B - 1 - n)[:, None, None], axis=1)[:, 0]
@@ -248,8 +245,7 @@ def _active_max_length(s) -> jax.Array:
 
 def step_mask(cfg: ModelConfig, cache: kvc.KVCache, intra, positions_BT: jax.Array, fresh_valid_BT=None):
     """Mask for fresh tokens written at ``cache.lengths`` with the given intra mask ([T,T] or [B,T,T])."""
-    return attention.cache_mask(cache.lengths, intra, cache.max_len, fresh_valid_BT,
-                                window=cfg.sliding_window, query_pos_BT=positions_BT)
+    return attention.cache_mask(cache.lengths, intra, cache.max_len, fresh_valid_BT)
 
 
 def gather_rows(x_BT, idx_B):

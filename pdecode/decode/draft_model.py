@@ -42,12 +42,10 @@ def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, se
 
 
 def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Array) -> jax.Array:
-    """[B, 1, S] mask for one query that sees slots ``< upto[b]`` (a chain's own history)."""
-    s = jnp.arange(max_len)[None, None, :]
-    m = s < upto_B[:, None, None]
-    if dcfg.sliding_window is not None:
-        m = m & (s > pos_B[:, None, None] - dcfg.sliding_window)
-    return m
+    """[B, 1, S] mask for one query that sees slots ``< upto[b]`` (a chain's own history; the model applies its own
+    sliding windows at the query's position)."""
+    del dcfg, pos_B
+    return jnp.arange(max_len)[None, None, :] < upto_B[:, None, None]
 
 
 @struct.dataclass

@@ -41,7 +41,7 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
     cfg: ModelConfig
 
     def block_cfg(self) -> ModelConfig:
-        return self.cfg.replace(num_layers=1)
+        return self.cfg.with_layers(1)
 
     def step(self, dparams, target, tokens, feats, pos, mask, cache, write_at):
         """One drafter pass: (logits [B,T,V], output features [B,T,D], cache)."""

@@ -91,8 +91,7 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
         def body(c):
             j, tokens, hid, q, cache, live, n_d, key = c
             pos = (start + j)[:, None]
-            mask = attention.cache_mask(start, jax.lax.dynamic_slice_in_dim(causal, j, 1, axis=0), cache.max_len,
-                                        window=cfg.sliding_window, query_pos_BT=pos)
+            mask = attention.cache_mask(start, jax.lax.dynamic_slice_in_dim(causal, j, 1, axis=0), cache.max_len)
             tok = jax.lax.dynamic_slice_in_dim(tokens, j, 1, axis=1)
             fo, cap = forward_layers(tp, cfg, pos, mask, cache, start + j, self.draft_layers, tokens_BT=tok,
                                      capture=reuse)
@@ -135,7 +134,7 @@ def _greedy_choices(params, tokens_BT, lengths_B, *, cfg: ModelConfig, ids: tupl
     """[B, T] the greedy next token at every position through blocks ``ids`` (teacher forced)."""
     b, t = tokens_BT.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = attention.padded_self_mask(lengths_B, t, causal=True, window=cfg.sliding_window)
+    mask = attention.padded_self_mask(lengths_B, t, causal=True)
     out, _ = forward_layers(params, cfg, pos, mask, None, None, ids, tokens_BT=tokens_BT)
     return sampling.argmax(unembed(params, cfg, out.hidden))
 

@@ -30,9 +30,12 @@ class CausalSelfMask(NamedTuple):
     blocks: int = 4
 
 
-def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, impl: str = "xla") -> jax.Array:
+def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, impl: str = "xla",
+           scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Grouped-query attention. q: [B,T,H,hd]; k: [B,KV,hd,S] (transposed, the cache layout); v: [B,KV,S,hd];
-    mask: [B,T,S] (True = visible), or a `CausalSelfMask`. Returns [B,T,H,hd].
+    mask: [B,T,S] (True = visible), or a `CausalSelfMask`. Returns [B,T,H,hd]. ``scale``: the score scale (default
+    1/sqrt(hd)); ``softcap``: scores -> softcap * tanh(scores / softcap) (Gemma 2; the "xla" implementation only,
+    "auto" picks it).
 
     Scores and softmax run in float32 whatever the input dtypes; the matmul operands are in the cache's dtype. A query
     with no visible key gets the mean of all values (masks always give a real query at least one key).
@@ -45,6 +48,14 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, im
     backend raises `ConfigError`; only "auto" falls back. "cudnn" and "pallas*" give a query with no visible key the
     value at key slot 0 instead of the mean (finite either way; masks give real queries a key).
     """
+    d_ = q_BTHD.shape[-1]
+    if scale is not None and softcap is None and impl != "xla":  # the kernels scale by 1/sqrt(hd): pre-scale q
+        q_BTHD = (q_BTHD.astype(jnp.float32) * (scale * d_ ** 0.5)).astype(q_BTHD.dtype)
+        scale = None
+    if softcap is not None and impl != "xla":
+        if impl != "auto":
+            raise ConfigError(f"attention impl {impl!r} cannot apply a score softcap; use impl='xla' (or 'auto')")
+        impl = "xla"
     impl = resolve_impl(impl, q_BTHD.shape, k_BKDS.shape, k_BKDS.dtype, v_BKSD.dtype)
     if impl in ("dot_product", "cudnn"):
         return _attend_dot_product(q_BTHD, k_BKDS, v_BKSD, mask_BTS, "cudnn" if impl == "cudnn" else "xla")
@@ -53,17 +64,21 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, im
     if isinstance(mask_BTS, CausalSelfMask):
         t, n = q_BTHD.shape[1], mask_BTS.blocks
         if n <= 1 or t % n or t // n < 16:
-            return attend(q_BTHD, k_BKDS, v_BKSD, mask_BTS.mask)
+            return attend(q_BTHD, k_BKDS, v_BKSD, mask_BTS.mask, scale=scale, softcap=softcap)
         bs, m = t // n, mask_BTS.mask
         return jnp.concatenate([attend(q_BTHD[:, i * bs:(i + 1) * bs], k_BKDS[..., :(i + 1) * bs],
-                                       v_BKSD[:, :, :(i + 1) * bs], m[:, i * bs:(i + 1) * bs, :(i + 1) * bs])
+                                       v_BKSD[:, :, :(i + 1) * bs], m[:, i * bs:(i + 1) * bs, :(i + 1) * bs],
+                                       scale=scale, softcap=softcap)
                                 for i in range(n)], axis=1)
     b, t, h, d = q_BTHD.shape
     kv = k_BKDS.shape[1]
     # the matmuls run in the cache's dtype (a bf16 cache: bf16 operands, float32 accumulation)
     q = q_BTHD.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).astype(k_BKDS.dtype)  # [B, KV, G, T, hd]
     scores = jnp.einsum("bkgtd,bkds->bkgts", q, k_BKDS, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores * (1.0 / jnp.sqrt(jnp.float32(d))), _NEG)
+    scores = scores * (jnp.float32(scale) if scale is not None else 1.0 / jnp.sqrt(jnp.float32(d)))
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _NEG)
     # softmax, normalised after the value matmul (one division over hd instead of over S). The max only keeps exp
     # in range; softmax does not depend on it, so it carries no gradient (saves the backward passes over [T, S]).
     e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))

@@ -87,7 +87,7 @@ class EagleConfig:
         return bool(self.fuse_layers)
 
     def block_cfg(self, cfg: ModelConfig) -> ModelConfig:
-        return cfg.replace(num_layers=1)
+        return cfg.with_layers(1)
 
     def specs(self, cfg: ModelConfig) -> dict:
         d = cfg.hidden_size
@@ -147,7 +147,7 @@ class MTPConfig:
             raise ConfigError(f"MTP needs at least one module, got {self.num_modules}")
 
     def block_cfg(self, cfg: ModelConfig) -> ModelConfig:
-        return cfg.replace(num_layers=1)
+        return cfg.with_layers(1)
 
     def specs(self, cfg: ModelConfig) -> dict:
         d, n = cfg.hidden_size, self.num_modules

@@ -22,6 +22,7 @@ import numpy as np
 from pdecode.config import ModelConfig, rope_inv_freq
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
+from pdecode.model.family import family_of
 
 Params = dict[str, Any]  # the canonical layout: layers stacked on a leading axis, q/k/v and gate/up apart
 
@@ -100,27 +101,42 @@ class ParamSpec:
 
 
 def layer_specs(cfg: ModelConfig, num_layers: int) -> dict[str, ParamSpec]:
-    """Specs of a stack of ``num_layers`` decoder blocks (also used by drafters built from the same block)."""
+    """Specs of a stack of ``num_layers`` blocks of the config's family (drafters built from the same block use it
+    too)."""
+    return family_of(cfg).layer_specs(cfg, num_layers)
+
+
+def llama_layer_specs(cfg: ModelConfig, num_layers: int) -> dict[str, ParamSpec]:
+    """The Llama block's specs: attention (q/k/v biases and q/k norms as the config says) and a SiLU-GLU MLP."""
     L, D, F = num_layers, cfg.hidden_size, cfg.intermediate_size
-    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    s = {
-        "attn_norm": ParamSpec((L, D), ("layers", None), "ones"),
-        "wq": ParamSpec((L, D, H, hd), ("layers", "embed", "heads", None)),
-        "wk": ParamSpec((L, D, KV, hd), ("layers", "embed", "kv_heads", None)),
-        "wv": ParamSpec((L, D, KV, hd), ("layers", "embed", "kv_heads", None)),
-        "wo": ParamSpec((L, H, hd, D), ("layers", "heads", None, "embed")),
+    s = attention_specs(cfg, num_layers)
+    s.update({
         "mlp_norm": ParamSpec((L, D), ("layers", None), "ones"),
         "w_gate": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
         "w_up": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
         "w_down": ParamSpec((L, F, D), ("layers", "mlp", "embed")),
+    })
+    return s
+
+
+def attention_specs(cfg: ModelConfig, num_layers: int, norm_init: str = "ones") -> dict[str, ParamSpec]:
+    """The pre-attention norm and the attention weights every family's block shares."""
+    L, D = num_layers, cfg.hidden_size
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    s = {
+        "attn_norm": ParamSpec((L, D), ("layers", None), norm_init),
+        "wq": ParamSpec((L, D, H, hd), ("layers", "embed", "heads", None)),
+        "wk": ParamSpec((L, D, KV, hd), ("layers", "embed", "kv_heads", None)),
+        "wv": ParamSpec((L, D, KV, hd), ("layers", "embed", "kv_heads", None)),
+        "wo": ParamSpec((L, H, hd, D), ("layers", "heads", None, "embed")),
     }
     if cfg.attention_bias:
         s["bq"] = ParamSpec((L, H, hd), ("layers", "heads", None), "zeros")
         s["bk"] = ParamSpec((L, KV, hd), ("layers", "kv_heads", None), "zeros")
         s["bv"] = ParamSpec((L, KV, hd), ("layers", "kv_heads", None), "zeros")
     if cfg.qk_norm:
-        s["q_norm"] = ParamSpec((L, hd), ("layers", None), "ones")
-        s["k_norm"] = ParamSpec((L, hd), ("layers", None), "ones")
+        s["q_norm"] = ParamSpec((L, hd), ("layers", None), norm_init)
+        s["k_norm"] = ParamSpec((L, hd), ("layers", None), norm_init)
     return s
 
 
@@ -132,7 +148,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    specs.update(family_of(cfg).extra_specs(cfg))
     return specs
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return int(sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)))
 
 
 def is_spec(x) -> bool:
@@ -168,28 +189,89 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, 1, hd/2] for the given positions (once per forward, shared by all layers). With ``table``
-    (`rope_table`, built once per call by `decode_layout`) they are gathered instead of computed: inside a decode
-    loop XLA would otherwise recompute cos/sin in every layer's rotation, for every element."""
+def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, hd/2] for the given positions (once per forward, shared by all layers of a kind; ``local``:
+    the sliding layers' rope, `ModelConfig.local_rope_theta`, unscaled). With ``table`` (`rope_table`, built once
+    per call by `decode_layout`) they are gathered instead of computed: inside a decode loop XLA would otherwise
+    recompute cos/sin in every layer's rotation, for every element."""
     if table is not None:
         pos = jnp.clip(positions_BT, 0, table[0].shape[0] - 1)  # padding/invalid slots may run past the end
         return table[0][pos][:, :, None, :], table[1][pos][:, :, None, :]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-    ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    inv = rope_inv_freq(cfg, cfg.local_rope_theta, scaled=False) if local else rope_inv_freq(cfg)
+    ang = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
     return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
 
 
 ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
 
 
-def rope_table(cfg: ModelConfig) -> tuple[jax.Array, jax.Array] | None:
+def rope_table(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array] | None:
     """cos, sin [max_position_embeddings, hd/2] (`rope_tables` at every position), or None when the context is too
     long for a table to be worth its memory."""
     if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
         return None
-    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None])
+    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None], local=local)
     return cos[0, :, 0], sin[0, :, 0]
+
+
+def has_local_rope(cfg: ModelConfig) -> bool:
+    """Whether the sliding layers rotate with a rope of their own (Gemma 3)."""
+    return cfg.local_rope_theta is not None and "sliding" in cfg.layer_kinds()
+
+
+def window_mask(mask, positions_BT: jax.Array, window: int):
+    """``mask`` with the keys a sliding window of ``window`` hides removed: key slot s (= its position, in a cache
+    and in a cache-less pass) is visible to a query at position p when s > p - window (transformers' rule). A
+    `CausalSelfMask` stays one."""
+    if isinstance(mask, CausalSelfMask):
+        return CausalSelfMask(window_mask(mask.mask, positions_BT, window), mask.blocks)
+    s = jnp.arange(mask.shape[-1])
+    return mask & (s[None, None, :] > positions_BT[:, :, None] - window)
+
+
+class Attention(NamedTuple):
+    """What the layers of one forward attend with, built once per forward (`attention_for`): the rope and mask of
+    each layer kind and which kind each layer is (static). Families read it through `for_layer`."""
+
+    rope: tuple[jax.Array, jax.Array]
+    mask: Any
+    rope_local: tuple[jax.Array, jax.Array] | None
+    mask_local: Any
+    sliding: tuple[bool, ...]
+
+    def for_layer(self, i):
+        """(rope, mask) of layer ``i`` (a static int, or a traced one under `lax.scan`)."""
+        if self.mask_local is None:
+            return self.rope, self.mask
+        rope_l = self.rope if self.rope_local is None else self.rope_local
+        if isinstance(i, (int, np.integer)):
+            return (rope_l, self.mask_local) if self.sliding[i] else (self.rope, self.mask)
+        if all(self.sliding):
+            return rope_l, self.mask_local
+        sel = jnp.asarray(self.sliding)[i]
+        pick = lambda a, b: jnp.where(sel, a, b)  # noqa: E731
+        mask = jax.tree.map(pick, self.mask_local, self.mask)
+        if isinstance(self.mask, CausalSelfMask):
+            mask = CausalSelfMask(mask.mask, self.mask.blocks)
+        return jax.tree.map(pick, rope_l, self.rope), mask
+
+
+def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=None, layer_ids=None) -> Attention:
+    """The `Attention` of a forward: ``mask`` is the full-attention mask the caller built; the sliding layers' mask
+    and rope are derived here (windows never come from the caller). ``tables``: the decode layout's rope tables
+    (`decode_layout`; a dict with "global" and maybe "local"), else computed."""
+    tables = tables or {}
+    if isinstance(tables, tuple):  # a bare table (the global one)
+        tables = {"global": tables}
+    kinds = tuple(k == "sliding" for k in cfg.layer_kinds())
+    ids = range(len(kinds)) if layer_ids is None else layer_ids
+    any_sliding = any(kinds[i] for i in ids)
+    rope = rope_tables(cfg, positions_BT, tables.get("global"))
+    rope_l = rope_tables(cfg, positions_BT, tables.get("local"), local=True) \
+        if any_sliding and has_local_rope(cfg) else None
+    mask_l = window_mask(mask_BTS, positions_BT, cfg.sliding_window) if any_sliding else None
+    return Attention(rope, mask_BTS, rope_l, mask_l, kinds)
 
 
 def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -203,8 +285,12 @@ def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Arra
 
 def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
     x = jnp.take(params["embed"], tokens_BT, axis=0)
-    if cfg is not None and cfg.activation_dtype is not None:
-        x = x.astype(cfg.activation_dtype)
+    if cfg is not None:
+        scale = family_of(cfg).embed_scale(cfg)
+        if scale is not None:  # in the weights' dtype, as the reference rounds it
+            x = x * jnp.asarray(scale, params["embed"].dtype)
+        if cfg.activation_dtype is not None:
+            x = x.astype(cfg.activation_dtype)
     return x
 
 
@@ -227,7 +313,14 @@ def unembed(params: Params, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
         spec, w = "...d,vd->...v", params["embed"]
     else:
         spec, w = "...d,dv->...v", params["lm_head"]
-    return jnp.einsum(spec, h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(spec, h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if cfg.final_softcap:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
+def final_norm(params: Params, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+    return family_of(cfg).norm(cfg, x_BTD, params["final_norm"])
 
 
 class ForwardOut(NamedTuple):
@@ -236,8 +329,9 @@ class ForwardOut(NamedTuple):
     layer_hidden: jax.Array | None  # [n, B, T, D] outputs of the requested layers (before the final norm)
 
 
-def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool):
-    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (Qwen3) and RoPE applied; ``fused``: lp holds wqkv."""
+def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=None):
+    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (``norm``, the family's; default RMSNorm) and RoPE applied;
+    ``fused``: lp holds wqkv."""
     b, t, _ = h.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if fused:  # decode layout: one matmul for q, k and v
@@ -257,35 +351,63 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool):
         if "bq" in lp:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if "q_norm" in lp:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        norm = norm or (lambda x, w: rms_norm(x, w, cfg.rms_norm_eps))
+        q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _block(cfg: ModelConfig, lp: Params, x: jax.Array, rope, mask: jax.Array, cache: kvc.KVCache | None, layer_idx,
-           write_at: jax.Array | None, fused: bool = False):
-    b, t, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _qkv(cfg, lp, h, rope, fused)
+def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
+                   write_at: jax.Array | None, fused: bool = False, norm=None):
+    """The attention sublayer every family shares, on the normed input ``h``: q/k/v (biases and q/k norms as lp
+    holds), this layer's rope and mask from ``att``, the cache write and read, the config's score scale and softcap,
+    the output projection. Returns (out [B,T,D], cache)."""
+    b, t, _ = h.shape
+    rope, mask = att.for_layer(layer_idx)
+    q, k, v = _qkv(cfg, lp, h, rope, fused, norm)
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
     if cache is not None:
         cache = kvc.write_layer(cache, layer_idx, k, v, write_at)
         k, v = cache.layer(layer_idx)  # [B, KV, hd, S], [B, KV, S, hd]
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
-    a = attend(q, k, v, mask, impl=cfg.attention_impl)
-    if fused:  # decode layout: wo [H*hd, D], w_gu [D, 2F]
-        x = x + linear(a.reshape(b, t, -1), lp["wo"])
+    a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+    if fused:  # decode layout: wo [H*hd, D]
+        out = linear(a.reshape(b, t, -1), lp["wo"])
     else:
-        x = x + linear(a, lp["wo"], "bthk,hkd->btd")
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        out = linear(a, lp["wo"], "bthk,hkd->btd")
+    if "bo" in lp:
+        out = out + lp["bo"]
+    return out, cache
+
+
+def glu_mlp(cfg: ModelConfig, lp: Params, h: jax.Array, fused: bool) -> jax.Array:
+    """The gated MLP (gate/up/down, the config's activation); ``fused``: lp holds w_gu [D, 2F]."""
     if fused:
         g, u = jnp.split(linear(h, lp["w_gu"]), 2, axis=-1)
     else:
         g = linear(h, lp["w_gate"], "btd,df->btf")
         u = linear(h, lp["w_up"], "btd,df->btf")
-    x = x + linear(jax.nn.silu(g) * u, lp["w_down"])
-    return x, cache
+    return linear(activation(cfg, g) * u, lp["w_down"])
+
+
+def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.hidden_act == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def llama_block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
+                write_at: jax.Array | None, fused: bool = False):
+    """The pre-norm Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    a, cache = self_attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
+                              write_at, fused)
+    x = x + a
+    return x + glu_mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), fused), cache
+
+
+def _block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
+           write_at: jax.Array | None, fused: bool = False):
+    return family_of(cfg).block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
 
 def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
@@ -295,12 +417,12 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
     `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
     (x, cache, layer_hidden)."""
-    rope = rope_tables(cfg, positions_BT, rope_table)
+    att = attention_for(cfg, positions_BT, mask_BTS, rope_table)
     if isinstance(layers, DecodeLayers):
         num_layers = len(layers)
         hid = []
         for i, lp in enumerate(layers):
-            x_BTD, cache = _block(cfg, lp, x_BTD, rope, mask_BTS, cache, i, write_at_B, layers.fused)
+            x_BTD, cache = _block(cfg, lp, x_BTD, att, cache, i, write_at_B, layers.fused)
             hid.append(x_BTD)
         sel = [hid[layer % num_layers] for layer in hidden_layers]
         return x_BTD, cache, (jnp.stack(sel) if sel else None)
@@ -315,7 +437,7 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     def body(carry, xs):
         x, c, hid = carry
         lp, i = xs
-        x, c = _block(cfg, lp, x, rope, mask_BTS, c, i, write_at_B)
+        x, c = _block(cfg, lp, x, att, c, i, write_at_B)
         if hid is not None:
             hid = hid.at[slot_of[i]].set(x, mode="drop")
         return (x, c, hid), None
@@ -342,8 +464,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers,
-                               params.get("rope_table"))
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+                               params.get("rope_tables"))
+    h = final_norm(params, cfg, x)
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
 
 
@@ -353,7 +475,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
     """Run only the blocks ``ids`` (static, increasing) of a stack, each writing its own layer of ``cache``.
     Returns (x, cache, the hidden state entering block ``capture``, i.e. after the ids below it; None unless asked).
     Self-speculation drafts with a subset of the target's layers and verifies with the rest through this."""
-    rope = rope_tables(cfg, positions_BT, rope_table)
+    att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_ids=ids)
     groups = [tuple(i for i in ids if capture is None or i < capture)]
     if capture is not None:
         groups.append(tuple(i for i in ids if i >= capture))
@@ -365,7 +487,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
             continue
         if isinstance(layers, DecodeLayers):
             for i in group:
-                x_BTD, cache = _block(cfg, layers[i], x_BTD, rope, mask_BTS, cache, i, write_at_B, layers.fused)
+                x_BTD, cache = _block(cfg, layers[i], x_BTD, att, cache, i, write_at_B, layers.fused)
             continue
         idx = jnp.asarray(group, jnp.int32)
         sub = jax.tree.map(lambda a: a[idx], layers)
@@ -373,7 +495,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
         def body(carry, xs):
             x, c = carry
             lp, i = xs
-            x, c = _block(cfg, lp, x, rope, mask_BTS, c, i, write_at_B)
+            x, c = _block(cfg, lp, x, att, c, i, write_at_B)
             return (x, c), None
 
         (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=len(group) if len(group) <= 8 else 1)
@@ -390,8 +512,8 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, cap = run_layer_ids(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, ids, capture,
-                                  params.get("rope_table"))
-    return ForwardOut(hidden=rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache=cache, layer_hidden=None), cap
+                                  params.get("rope_tables"))
+    return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 
 UNROLL_MAX_LAYERS = 16
@@ -415,7 +537,9 @@ def decode_layout(params: Params | DecodeParams, cfg: ModelConfig, fuse: bool = 
         out["unembed_t"] = params["embed"].T
     table = rope_table(cfg)
     if table is not None:
-        out["rope_table"] = table
+        out["rope_tables"] = {"global": table}
+        if has_local_rope(cfg):
+            out["rope_tables"]["local"] = rope_table(cfg, local=True)
     out["layers"] = layers = unstack_layers(params["layers"], cfg, fuse)
     unrolled_ = isinstance(layers, DecodeLayers)
     return DecodeParams(out, Layout(unrolled=unrolled_, fused=unrolled_ and layers.fused,

@@ -1,0 +1,187 @@
+"""Mixture-of-experts families: Mixtral, Qwen2-MoE, Qwen3-MoE.
+
+The attention is the Llama block's (Qwen2-MoE: q/k/v biases; Qwen3-MoE: per-head q/k norms); the MLP is a router
+over E experts, each a SiLU-GLU of ``moe_intermediate_size``, the k most probable run per token. Routing as the
+references: softmax over all E (float32), top k, renormalised to sum 1 when ``norm_topk_prob`` (Mixtral always),
+weights cast to the activations' dtype. Qwen2-MoE adds a shared expert scaled by sigmoid(x @ shared_gate).
+
+Compute: `moe_mlp` runs only the selected experts' work. A pass with few token-expert pairs (N * k <= E: decode
+steps and short verifies) gathers each pair's expert weights and multiplies them (k/E of the FLOPs of running every
+expert, the bytes of the selected experts only); a longer pass sorts the pairs by expert and runs grouped matmuls
+(`jax.lax.ragged_dot`; grouped kernels on TPU and GPU; CPU XLA lowers it to a dense product).
+Expert parallelism: expert weights carry the logical axis ``experts`` (`pdecode.sharding`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdecode.errors import ConfigError
+from pdecode.model.family import Family, register
+from pdecode.model.families.llama import check_act, sliding_from_hf
+
+
+def route(cfg, router_DE: jax.Array, x_ND: jax.Array):
+    """(weights [N, k] in x's dtype, expert ids [N, k]) as the references route."""
+    from pdecode.model.transformer import linear
+
+    logits = linear(x_ND, router_DE).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x_ND.dtype), idx
+
+
+def _act(cfg, g):
+    from pdecode.model.transformer import activation
+
+    return activation(cfg, g)
+
+
+def experts_gathered(cfg, lp, x_ND, w_Nk, idx_Nk):
+    """Each (token, expert) pair with its expert's weights gathered: N * k expert MLPs, nothing else."""
+    dt = lp["we_gate"].dtype
+    xc = x_ND.astype(dt)
+    pet = x_ND.dtype
+    g = jnp.einsum("nd,nkdf->nkf", xc, lp["we_gate"][idx_Nk], preferred_element_type=pet)
+    u = jnp.einsum("nd,nkdf->nkf", xc, lp["we_up"][idx_Nk], preferred_element_type=pet)
+    y = jnp.einsum("nkf,nkfd->nkd", (_act(cfg, g) * u).astype(dt), lp["we_down"][idx_Nk], preferred_element_type=pet)
+    return jnp.einsum("nk,nkd->nd", w_Nk, y)
+
+
+def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
+    """The (token, expert) pairs sorted by expert, each expert's group through grouped matmuls (ragged_dot)."""
+    n, k = idx_Nk.shape
+    e = lp["we_gate"].shape[0]
+    dt, pet = lp["we_gate"].dtype, x_ND.dtype
+    flat = idx_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_ND[tok].astype(dt)
+    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes, preferred_element_type=pet)
+    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes, preferred_element_type=pet)
+    y = jax.lax.ragged_dot((_act(cfg, g) * u).astype(dt), lp["we_down"], sizes, preferred_element_type=pet)
+    y = y * w_Nk.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x_ND).at[tok].add(y)
+
+
+def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
+    from pdecode.model.transformer import glu_mlp, linear
+
+    b, t, d = h_BTD.shape
+    x = h_BTD.reshape(b * t, d)
+    w, idx = route(cfg, lp["router"], x)
+    run = experts_gathered if b * t * cfg.experts_per_tok <= cfg.num_experts else experts_grouped
+    out = run(cfg, lp, x, w, idx).reshape(b, t, d)
+    if cfg.shared_expert_size:
+        gate = jax.nn.sigmoid(linear(h_BTD, lp["shared_gate"]))
+        out = out + gate * glu_mlp(cfg, lp, h_BTD, fused)
+    return out
+
+
+class MoE(Family):
+    model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
+    architectures = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                     "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+    def config_from_hf(self, model_type, hf, kw):
+        check_act(model_type, hf)
+        e = hf.get("num_local_experts") or hf.get("num_experts")
+        k = hf.get("num_experts_per_tok")
+        if not e or not k:
+            raise ConfigError(f"{model_type}: config.json lacks num_experts / num_experts_per_tok")
+        if model_type == "mixtral":
+            f = kw["intermediate_size"]
+            kw.update(norm_topk_prob=True, num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f))
+        else:
+            if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+                raise ConfigError(f"{model_type}: mlp_only_layers {hf.get('mlp_only_layers')} / decoder_sparse_step "
+                                  f"{hf.get('decoder_sparse_step')} (dense layers among the MoE ones) is not "
+                                  "supported; pdecode runs every layer as MoE")
+            kw.update(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                      shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                      if model_type == "qwen2_moe" else 0,
+                      attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", model_type == "qwen2_moe"))),
+                      qk_norm=model_type == "qwen3_moe")
+            if kw["shared_expert_size"]:
+                kw["intermediate_size"] = kw["shared_expert_size"]
+        sliding_from_hf(model_type, {**hf, "sliding_window": hf.get("sliding_window") or None}, kw,
+                        always=model_type == "mixtral")
+
+    def config_to_hf(self, cfg, out):
+        super().config_to_hf(cfg, out)
+        out.update(num_experts_per_tok=cfg.experts_per_tok, sliding_window=cfg.sliding_window)
+        if cfg.family == "mixtral":
+            out.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_intermediate_size)
+            return
+        out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=cfg.sliding_window is not None)
+        if cfg.family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=cfg.shared_expert_size, qkv_bias=cfg.attention_bias)
+        else:
+            out["attention_bias"] = cfg.attention_bias
+
+    def layer_specs(self, cfg, num_layers):
+        from pdecode.model.transformer import ParamSpec, attention_specs
+
+        L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        s = attention_specs(cfg, num_layers)
+        s.update({
+            "mlp_norm": ParamSpec((L, D), ("layers", None), "ones"),
+            "router": ParamSpec((L, D, E), ("layers", "embed", None)),
+            "we_gate": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "expert_mlp")),
+            "we_up": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "expert_mlp")),
+            "we_down": ParamSpec((L, E, F, D), ("layers", "experts", "expert_mlp", "embed")),
+        })
+        if cfg.shared_expert_size:
+            S = cfg.shared_expert_size
+            s.update({
+                "w_gate": ParamSpec((L, D, S), ("layers", "embed", "mlp")),
+                "w_up": ParamSpec((L, D, S), ("layers", "embed", "mlp")),
+                "w_down": ParamSpec((L, S, D), ("layers", "mlp", "embed")),
+                "shared_gate": ParamSpec((L, D, 1), ("layers", "embed", None)),
+            })
+        return s
+
+    def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
+        from pdecode.model.transformer import rms_norm, self_attention
+
+        a, cache = self_attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
+                                  write_at, fused)
+        x = x + a
+        return x + moe_mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), fused), cache
+
+    def _block_names(self, cfg):
+        from pdecode.checkpoint.hf import attention_names
+
+        names = [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
+                 ("post_attention_layernorm.weight", "mlp_norm", "plain")]
+        if cfg.family == "mixtral":
+            m = "block_sparse_moe."
+            names += [(m + "gate.weight", "router", "linear"), (m + "experts.{e}.w1.weight", "we_gate", "linear"),
+                      (m + "experts.{e}.w3.weight", "we_up", "linear"), (m + "experts.{e}.w2.weight", "we_down", "linear")]
+        else:
+            names += [("mlp.gate.weight", "router", "linear")]
+            names += [(f"mlp.experts.{{e}}.{n}_proj.weight", f"we_{n}", "linear") for n in ("gate", "up", "down")]
+        if cfg.shared_expert_size:
+            names += [(f"mlp.shared_expert.{n}_proj.weight", f"w_{n}", "linear") for n in ("gate", "up", "down")]
+            names.append(("mlp.shared_expert_gate.weight", "shared_gate", "linear"))
+        return names
+
+    def hf_rules(self, cfg, prefix="model."):
+        from pdecode.checkpoint.hf import named_rules
+
+        return named_rules(cfg, self._block_names(cfg), prefix)
+
+    def head_block_rules(self, cfg, prefix):
+        from pdecode.checkpoint.hf import Rule
+
+        return [Rule(prefix + hf, "layers/" + ours, layout) for hf, ours, layout in self._block_names(cfg)]
+
+
+MOE = register(MoE())
