@@ -1,7 +1,9 @@
 """Logical axis names -> mesh axes, and the shardings of params, caches and batches.
 
 Every weight carries logical axis names in its `ParamSpec` (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``mlp``,
-``layers``); `RULES` maps them onto a `jax.sharding.Mesh` with a ``data`` and a ``model`` axis.
+``layers``, and ``experts`` / ``expert_mlp`` for a mixture of experts); `RULES` maps them onto a
+`jax.sharding.Mesh` with a ``data`` and a ``model`` axis. Experts are sharded over ``model`` (expert parallelism:
+each device holds whole experts). Two logical axes of one array mapped to the same mesh axis are an error.
 
 A dimension its mesh axis does not divide is an error that names both (``indivisible="error"``, the default for a
 model's own weights), except for the logical axes in `REPLICATE_IF_INDIVISIBLE`: ``kv_heads`` (a GQA model with
@@ -27,6 +29,8 @@ RULES: dict[str, str | None] = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "experts": "model",  # expert parallelism: each device of the model axis holds E / model whole experts
+    "expert_mlp": None,  # an expert's own hidden width stays whole on the device that holds the expert
     "embed": None,
     "layers": None,
     "seq": None,
@@ -79,10 +83,14 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None, i
     """The PartitionSpec of an array with logical ``axes``; ``indivisible``: "error" or "replicate" (see the
     module's doc); ``what`` names the array in the error."""
     rules = RULES if rules is None else rules
-    out, used = [], set()
+    out, used = [], {}
     for name, dim in zip(axes, shape):
         mesh_axis = rules.get(name) if name else None
-        if mesh_axis is None or mesh_axis in used or mesh_axis not in mesh.shape:
+        if mesh_axis is not None and mesh_axis in used:
+            raise ConfigError(f"sharding rules collide on {what or 'an array'}: its logical axes {used[mesh_axis]!r} "
+                              f"and {name!r} both map to the mesh axis {mesh_axis!r}; map one of them elsewhere "
+                              "(or to None)")
+        if mesh_axis is None or mesh_axis not in mesh.shape:
             out.append(None)
         elif dim % mesh.shape[mesh_axis]:
             if indivisible == "error" and name not in REPLICATE_IF_INDIVISIBLE and mesh.shape[mesh_axis] > 1:
@@ -92,7 +100,8 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict | None = None, i
             out.append(None)
         else:
             out.append(mesh_axis)
-            used.add(mesh_axis)
+        if mesh_axis is not None:
+            used[mesh_axis] = name
     return P(*out)
 
 

@@ -565,7 +565,8 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
                 lp["bqkv"] = jnp.concatenate([lp.pop("bq").reshape(-1), lp.pop("bk").reshape(-1),
                                               lp.pop("bv").reshape(-1)])
             lp["wo"] = lp["wo"].reshape(-1, d)
-            lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
+            if "w_gate" in lp:  # a dense (or shared-expert) MLP; routed experts stay apart
+                lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         per.append(lp)
     return DecodeLayers(per, fuse)
 

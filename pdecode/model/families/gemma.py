@@ -73,7 +73,8 @@ class Gemma(Family):
         out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.attention_bias)
         if cfg.family == "gemma":
             return
-        out.update(query_pre_attn_scalar=round(cfg.attn_scale ** -2, 6), attn_logit_softcapping=cfg.attn_softcap,
+        q = cfg.attn_scale ** -2
+        out.update(query_pre_attn_scalar=int(round(q)) if abs(q - round(q)) < 1e-6 else q, attn_logit_softcapping=cfg.attn_softcap,
                    final_logit_softcapping=cfg.final_softcap)
         sliding_to_hf(cfg, out)
         if cfg.layer_types is None:

@@ -1,0 +1,113 @@
+"""The model families of pdecode.model.families against transformers (CPU torch): logits, greedy output, save_hf
+round trip, bf16 loading, and every decoding method on every family giving AR's output token for token.
+
+Each family is a tiny random checkpoint transformers saves (tests/helpers.NEW_FAMILIES), with sliding windows of 8
+(shorter than a prompt plus its new tokens) where the family has them; MoE families route 2 of 4 experts."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import pdecode
+from pdecode.errors import CheckpointError, ConfigError
+from pdecode.model import heads as H
+from pdecode.model.transformer import init_from_specs
+from tests.helpers import NEW_FAMILIES, VOCAB, make_hf_model
+
+PROMPTS = [[5, 9, 13, 7, 21], list(range(3, 20)), [40, 41, 42, 7, 9, 11, 13, 15, 17, 19, 21]]  # mixed lengths
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def fam_dirs(tmp_path_factory):
+    out = {}
+    for f in NEW_FAMILIES:
+        d = tmp_path_factory.mktemp(f)
+        out[f] = (d, make_hf_model(f, d, seed=3))
+    return out
+
+
+def _ids(b, t, seed=0):
+    return np.random.default_rng(seed).integers(3, VOCAB, size=(b, t))
+
+
+def _ref_greedy(ref_model, prompt, n=NEW):
+    with torch.no_grad():
+        out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("fam", NEW_FAMILIES)
+def test_family_matches_transformers(fam_dirs, fam, tmp_path):
+    d, ref = fam_dirs[fam]
+    m = pdecode.load(d)
+    ids = _ids(2, 40, seed=1)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(pdecode.forward_logits(m, ids))
+    assert np.abs(got - want).max() <= 1e-4
+    out = pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False)
+    assert out.tokens == [_ref_greedy(ref, p) for p in PROMPTS]
+    # save_hf writes what transformers loads back with the same logits
+    import transformers
+
+    pdecode.save_hf(m, tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        again = back(torch.tensor(ids)).logits.numpy()
+    assert np.abs(again - want).max() <= 1e-4
+    # bfloat16 loads and stays close
+    mb = pdecode.load(d, dtype="bfloat16")
+    lb = np.asarray(pdecode.forward_logits(mb, ids))
+    assert np.isfinite(lb).all() and np.abs(lb - want).max() <= 0.25 * np.abs(want).max()
+
+
+def _draft_of(m):
+    """A same-family draft: the target's first layer (embedding, final norm and head shared)."""
+    cfg = m.cfg.with_layers(1)
+    params = dict(m.params, layers=jax.tree.map(lambda a: a[:1], m.params["layers"]))
+    return pdecode.Model(cfg=cfg, params=params, tokenizer=None)
+
+
+HEADS = {"medusa": H.MedusaConfig(num_heads=3), "eagle": H.EagleConfig(), "mtp": H.MTPConfig(num_modules=1)}
+METHODS = [("sd", {"gamma": 3}), ("lookup", {}), ("tree", {}), ("lookahead", {}), ("layerskip", {"exit_layer": 1}),
+           ("medusa", {}), ("eagle", {"tree_top_k": 2, "depth": 3, "total_tokens": 6}), ("mtp", {})]
+
+
+@pytest.mark.parametrize("fam", NEW_FAMILIES)
+def test_every_method_equals_ar_on_family(fam_dirs, fam):
+    d, _ = fam_dirs[fam]
+    m = pdecode.load(d)
+    ref = pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False).tokens
+    draft = _draft_of(m)
+    for method, opts in METHODS:
+        target = m
+        if method in HEADS:
+            hcfg = HEADS[method]
+            hp = init_from_specs(hcfg.specs(m.cfg), jax.random.PRNGKey(0), std=0.05)
+            target = dataclasses.replace(m, extras={method: (hcfg, hp)})
+        kw = {"draft": draft} if method in ("sd", "tree") else {}
+        out = pdecode.generate(target, PROMPTS, method=method, max_new_tokens=NEW, stop_at_eos=False, **kw, **opts)
+        assert out.tokens == ref, (fam, method)
+
+
+
+
+def test_unsupported_features_fail_at_load(tmp_path):
+    import json
+
+    d = tmp_path / "m"
+    make_hf_model("qwen3_moe", d, seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    for change, words in [({"model_type": "olmo2"}, "unsupported model_type 'olmo2'"),
+                          ({"mlp_only_layers": [1]}, "qwen3_moe: mlp_only_layers [1]"),
+                          ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+                           "qwen3_moe: rope_parameters.rope_type 'yarn' is not supported"),
+                          ({"hidden_act": "gelu"}, "qwen3_moe: hidden_act 'gelu' is not supported")]:
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises((CheckpointError, ConfigError), match=words.replace("[", r"\[").replace("]", r"\]")):
+            pdecode.load(d)
