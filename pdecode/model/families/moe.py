@@ -8,7 +8,9 @@ weights cast to the activations' dtype. Qwen2-MoE adds a shared expert scaled by
 Compute: `moe_mlp` runs only the selected experts' work. A pass with few token-expert pairs (N * k <= E: decode
 steps and short verifies) gathers each pair's expert weights and multiplies them (k/E of the FLOPs of running every
 expert, the bytes of the selected experts only); a longer pass sorts the pairs by expert and runs grouped matmuls
-(`jax.lax.ragged_dot`; grouped kernels on TPU and GPU; CPU XLA lowers it to a dense product).
+(`jax.lax.ragged_dot`: grouped kernels on TPU and GPU); on CPU, whose XLA lowers ragged_dot to a dense product
+over every pair and expert, a long pass runs every expert once instead (`experts_dense`, half the FLOPs of that at
+k = 2).
 Expert parallelism: expert weights carry the logical axis ``experts`` (`pdecode.sharding`).
 """
 
@@ -68,13 +70,30 @@ def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
     return jnp.zeros_like(x_ND).at[tok].add(y)
 
 
+def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
+    """Every expert on every token, weighted by the routing (zero off the top k): E/k of the selected work, but one
+    dense product; what CPU runs for long passes (its XLA lowers ragged_dot to a dense product over all N*k pairs
+    and every expert, twice this for k=2)."""
+    n, e = x_ND.shape[0], lp["we_gate"].shape[0]
+    dt, pet = lp["we_gate"].dtype, x_ND.dtype
+    w_NE = jnp.zeros((n, e), w_Nk.dtype).at[jnp.arange(n)[:, None], idx_Nk].add(w_Nk)
+    xc = x_ND.astype(dt)
+    g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet)
+    u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet)
+    y = jnp.einsum("nef,efd->ned", (_act(cfg, g) * u).astype(dt), lp["we_down"], preferred_element_type=pet)
+    return jnp.einsum("ne,ned->nd", w_NE, y)
+
+
 def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
     from pdecode.model.transformer import glu_mlp, linear
 
     b, t, d = h_BTD.shape
     x = h_BTD.reshape(b * t, d)
     w, idx = route(cfg, lp["router"], x)
-    run = experts_gathered if b * t * cfg.experts_per_tok <= cfg.num_experts else experts_grouped
+    if b * t * cfg.experts_per_tok <= cfg.num_experts:
+        run = experts_gathered
+    else:
+        run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
     out = run(cfg, lp, x, w, idx).reshape(b, t, d)
     if cfg.shared_expert_size:
         gate = jax.nn.sigmoid(linear(h_BTD, lp["shared_gate"]))
