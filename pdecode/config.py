@@ -65,6 +65,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0  # a shared expert beside the routed ones, with a sigmoid gate (Qwen2-MoE)
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+    swiglu_limit: float | None = None  # gpt-oss: experts' clamped SwiGLU (gate <= limit, |up| <= limit)
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"
@@ -272,7 +273,7 @@ class ModelConfig:
         return cls.from_hf(data)
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_from_hf(model_type: str, hf: dict[str, Any], params: dict | None = None):
@@ -314,6 +315,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
         return inv
     if sc["rope_type"] == "linear":
         return inv / float(sc["factor"])
+    if sc["rope_type"] == "yarn":
+        return _yarn_inv_freq(cfg, inv, sc)
     # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth blend between.
     factor = float(sc["factor"])
     low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
@@ -325,3 +328,44 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     mid = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(mid, blended, scaled)
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv, sc: dict):
+    """YaRN (Peng et al. 2023): frequencies below the correction range interpolated by ``factor``, those above
+    kept, a linear ramp between (``beta_fast`` / ``beta_slow`` rotations over the original context)."""
+    import numpy as np
+
+    dim, base = cfg.head_dim, cfg.rope_theta
+    factor = float(sc.get("factor") or cfg.max_position_embeddings / float(sc["original_max_position_embeddings"]))
+    orig = float(sc["original_max_position_embeddings"])
+    fast, slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(fast), corr(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float64)
+    extrapolate = 1 - ramp
+    return (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    sc = cfg.rope_scaling_dict
+    if not sc or sc["rope_type"] != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = float(sc.get("factor") or cfg.max_position_embeddings / float(sc["original_max_position_embeddings"]))
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return mscale(factor, float(sc["mscale"])) / mscale(factor, float(sc["mscale_all_dim"]))
+    return mscale(factor)

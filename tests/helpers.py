@@ -8,7 +8,7 @@ VOCAB = 97
 
 
 # the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
-NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def _new_family(tf, family: str, common: dict):
@@ -25,6 +25,8 @@ def _new_family(tf, family: str, common: dict):
             **c, sliding_window=8, query_pre_attn_scalar=24, layer_types=three,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "phi3":
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**{**common, "pad_token_id": 0}, sliding_window=8))
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**{**c, "intermediate_size": 32}, num_local_experts=4,
                                                       num_experts_per_tok=2, sliding_window=8))
@@ -33,6 +35,12 @@ def _new_family(tf, family: str, common: dict):
                                                         norm_topk_prob=False, **moe))
     if family == "qwen3_moe":
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**c, num_experts=4, norm_topk_prob=True, **moe))
+    if family == "gpt_oss":
+        return tf.GptOssForCausalLM(tf.GptOssConfig(
+            **{**c, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            swiglu_limit=0.3, layer_types=three, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "original_max_position_embeddings": 64,
+                                                "rope_theta": 150000.0, "truncate": False}))
     raise ValueError(family)
 
 

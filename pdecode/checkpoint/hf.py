@@ -22,9 +22,10 @@ import jax
 
 
 class Rule(NamedTuple):
-    hf: str  # HF tensor name, "{i}" for the layer index
+    hf: str  # HF tensor name, "{i}" for the layer index, "{e}" for the expert index
     ours: str  # "/"-joined path in our params
     layout: str  # plain | linear | heads_in | heads_out | bias_heads
+    rows: tuple[int, int] | None = None  # a fused HF tensor (Phi-3's qkv_proj): this param is its rows [a, b)
 
 
 # our decoder block's weights, in order, with their layouts; the names each checkpoint family gives them
@@ -109,11 +110,16 @@ def _to_ours(a: np.ndarray, layout: str, shape: tuple[int, ...]) -> np.ndarray:
         return a.T.reshape(shape)
     if layout == "bias_heads":
         return a.reshape(shape)
+    if layout in HALVES:  # an interleaved pair (gpt-oss gate_up): the even or odd columns of the last axis
+        return a[..., HALVES[layout]::2].reshape(shape)
     raise ValueError(layout)
 
 
+HALVES = {"even_last": 0, "odd_last": 1}
+
+
 def _to_hf(a: np.ndarray, layout: str) -> np.ndarray:
-    if layout in ("plain",):
+    if layout in ("plain",) or layout in HALVES:
         return a
     if layout == "bias_heads":
         return a.reshape(-1)
@@ -172,7 +178,11 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
         for name in _flat(_names(r, spec.shape)):
             if name not in tensors:
                 missing.append(name)
-            elif int(np.prod(tensors[name].shape)) != int(np.prod(per_shape)):
+            elif r.rows is not None and (tensors[name].shape[0] < r.rows[1] or (r.rows[1] - r.rows[0]) * int(
+                    np.prod(tensors[name].shape[1:])) != int(np.prod(per_shape))):
+                bad.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs config rows {r.rows} of {per_shape}")
+            elif r.rows is None and int(np.prod(tensors[name].shape)) != int(np.prod(per_shape)) * (
+                    2 if r.layout in HALVES else 1):
                 bad.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs config {per_shape}")
     if missing or bad:
         msg = []
@@ -183,12 +193,14 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
         raise CheckpointError(f"{source} does not match its config.json: " + "; ".join(msg))
 
 
-def _gather(tensors, names, layout: str, per_shape: tuple, sub: tuple = (), dtype=None) -> np.ndarray:
-    """The param (part) behind ``names`` (`_names`), converted to our layout, ``sub`` applied to each tensor."""
+def _gather(tensors, names, layout: str, per_shape: tuple, sub: tuple = (), dtype=None, rows=None) -> np.ndarray:
+    """The param (part) behind ``names`` (`_names`), converted to our layout, ``sub`` applied to each tensor;
+    ``rows``: the rows of a fused tensor that hold it."""
     if isinstance(names, str):
-        a = _to_ours(np.asarray(tensors[names]), layout, per_shape)[sub]
+        a = np.asarray(tensors[names])
+        a = _to_ours(a if rows is None else a[rows[0]:rows[1]], layout, per_shape)[sub]
         return a if dtype is None else a.astype(dtype)
-    return np.stack([_gather(tensors, n, layout, per_shape, sub, dtype) for n in names])
+    return np.stack([_gather(tensors, n, layout, per_shape, sub, dtype, rows) for n in names])
 
 
 def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[Rule], num_layers: int,
@@ -198,7 +210,8 @@ def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[R
     params: dict = {}
     for r in rules:
         spec = _get(specs, r.ours)
-        _set(params, r.ours, _gather(tensors, _names(r, spec.shape), r.layout, spec.shape[_lead(r):], (), dtype))
+        _set(params, r.ours, _gather(tensors, _names(r, spec.shape), r.layout, spec.shape[_lead(r):], (), dtype,
+                                             r.rows))
     return params
 
 
@@ -265,7 +278,8 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
             index = tuple(slice(*k) for k in key)
             # only the layers (and experts) this slice holds are read: per-expert tensors go straight to the
             # devices that own those experts
-            host = _gather(src, _names(r, spec.shape, index[:lead]), r.layout, per_shape, index[lead:], np_dtype)
+            host = _gather(src, _names(r, spec.shape, index[:lead]), r.layout, per_shape, index[lead:], np_dtype,
+                           r.rows)
             shards += [(d, jax.device_put(host, d)) for d in devs]
             del host
         order = {d: k for k, d in enumerate(sharding.addressable_devices_indices_map(spec.shape))}
@@ -277,7 +291,8 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
 
 
 def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, np.ndarray]:
-    out = {}
+    out: dict = {}
+    parts: dict = {}  # fused tensors: name -> [(first row, part)], concatenated at the end
     for r in rules:
         a = np.asarray(jax.device_get(_get(params, r.ours)))
         if dtype is not None:
@@ -285,13 +300,24 @@ def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, 
         names = _names(r, a.shape)
 
         def put(names, a):
-            if isinstance(names, str):
+            if isinstance(names, str) and (r.rows is not None or r.layout in HALVES):
+                key = r.rows[0] if r.rows is not None else ("half", HALVES[r.layout])
+                parts.setdefault(names, []).append((key, _to_hf(a, r.layout)))
+            elif isinstance(names, str):
                 out[names] = np.ascontiguousarray(_to_hf(a, r.layout))
             else:
                 for n, x in zip(names, a):
                     put(n, x)
 
         put(names, a)
+    for name, ps in parts.items():
+        ps = sorted(ps, key=lambda x: x[0])
+        if isinstance(ps[0][0], tuple):  # interleaved halves
+            both = np.empty(ps[0][1].shape[:-1] + (2 * ps[0][1].shape[-1],), ps[0][1].dtype)
+            both[..., 0::2], both[..., 1::2] = ps[0][1], ps[1][1]
+            out[name] = both
+        else:
+            out[name] = np.ascontiguousarray(np.concatenate([p for _, p in ps]))
     return out
 
 

@@ -31,11 +31,12 @@ class CausalSelfMask(NamedTuple):
 
 
 def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, impl: str = "xla",
-           scale: float | None = None, softcap: float | None = None) -> jax.Array:
+           scale: float | None = None, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention. q: [B,T,H,hd]; k: [B,KV,hd,S] (transposed, the cache layout); v: [B,KV,S,hd];
     mask: [B,T,S] (True = visible), or a `CausalSelfMask`. Returns [B,T,H,hd]. ``scale``: the score scale (default
-    1/sqrt(hd)); ``softcap``: scores -> softcap * tanh(scores / softcap) (Gemma 2; the "xla" implementation only,
-    "auto" picks it).
+    1/sqrt(hd)); ``softcap``: scores -> softcap * tanh(scores / softcap) (Gemma 2); ``sinks`` [H]: a per-head logit
+    that joins every softmax's denominator and reads no value (gpt-oss). Softcaps and sinks run on the "xla"
+    implementation only ("auto" picks it; an explicit other one raises).
 
     Scores and softmax run in float32 whatever the input dtypes; the matmul operands are in the cache's dtype. A query
     with no visible key gets the mean of all values (masks always give a real query at least one key).
@@ -52,9 +53,10 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, im
     if scale is not None and softcap is None and impl != "xla":  # the kernels scale by 1/sqrt(hd): pre-scale q
         q_BTHD = (q_BTHD.astype(jnp.float32) * (scale * d_ ** 0.5)).astype(q_BTHD.dtype)
         scale = None
-    if softcap is not None and impl != "xla":
+    if (softcap is not None or sinks is not None) and impl != "xla":
         if impl != "auto":
-            raise ConfigError(f"attention impl {impl!r} cannot apply a score softcap; use impl='xla' (or 'auto')")
+            raise ConfigError(f"attention impl {impl!r} cannot apply a score softcap or attention sinks; use "
+                              "impl='xla' (or 'auto')")
         impl = "xla"
     impl = resolve_impl(impl, q_BTHD.shape, k_BKDS.shape, k_BKDS.dtype, v_BKSD.dtype)
     if impl in ("dot_product", "cudnn"):
@@ -64,11 +66,11 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, im
     if isinstance(mask_BTS, CausalSelfMask):
         t, n = q_BTHD.shape[1], mask_BTS.blocks
         if n <= 1 or t % n or t // n < 16:
-            return attend(q_BTHD, k_BKDS, v_BKSD, mask_BTS.mask, scale=scale, softcap=softcap)
+            return attend(q_BTHD, k_BKDS, v_BKSD, mask_BTS.mask, scale=scale, softcap=softcap, sinks=sinks)
         bs, m = t // n, mask_BTS.mask
         return jnp.concatenate([attend(q_BTHD[:, i * bs:(i + 1) * bs], k_BKDS[..., :(i + 1) * bs],
                                        v_BKSD[:, :, :(i + 1) * bs], m[:, i * bs:(i + 1) * bs, :(i + 1) * bs],
-                                       scale=scale, softcap=softcap)
+                                       scale=scale, softcap=softcap, sinks=sinks)
                                 for i in range(n)], axis=1)
     b, t, h, d = q_BTHD.shape
     kv = k_BKDS.shape[1]
@@ -81,9 +83,17 @@ def attend(q_BTHD: jax.Array, k_BKDS: jax.Array, v_BKSD: jax.Array, mask_BTS, im
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _NEG)
     # softmax, normalised after the value matmul (one division over hd instead of over S). The max only keeps exp
     # in range; softmax does not depend on it, so it carries no gradient (saves the backward passes over [T, S]).
-    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1)
+        top = jnp.maximum(top, sink)
+    top = jax.lax.stop_gradient(top)
+    e = jnp.exp(scores - top)
     out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v_BKSD.dtype), v_BKSD, preferred_element_type=jnp.float32)
-    out = out / jnp.sum(e, axis=-1, keepdims=True)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - top)
+    out = out / denom
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
 
 

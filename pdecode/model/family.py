@@ -28,7 +28,8 @@ from pdecode.errors import ConfigError
 FAMILIES: dict[str, "Family"] = {}  # HF model_type -> family
 _LOADED = False
 # the modules that register the built-in families (imported on the first lookup)
-BUILTIN = ("pdecode.model.families.llama", "pdecode.model.families.gemma", "pdecode.model.families.moe")
+BUILTIN = ("pdecode.model.families.llama", "pdecode.model.families.gemma", "pdecode.model.families.moe",
+           "pdecode.model.families.phi3")
 
 
 class Family:

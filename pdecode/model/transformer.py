@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecode.config import ModelConfig, rope_inv_freq
+from pdecode.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 from pdecode.model.family import family_of
@@ -200,7 +200,9 @@ def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bo
         return table[0][pos][:, :, None, :], table[1][pos][:, :, None, :]
     inv = rope_inv_freq(cfg, cfg.local_rope_theta, scaled=False) if local else rope_inv_freq(cfg)
     ang = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
-    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    f = 1.0 if local else rope_attention_factor(cfg)
+    return (cos, sin) if f == 1.0 else (cos * f, sin * f)
 
 
 ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
@@ -370,7 +372,8 @@ def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, c
         k, v = cache.layer(layer_idx)  # [B, KV, hd, S], [B, KV, S, hd]
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
-    a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+    a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+               sinks=lp.get("sinks"))
     if fused:  # decode layout: wo [H*hd, D]
         out = linear(a.reshape(b, t, -1), lp["wo"])
     else:

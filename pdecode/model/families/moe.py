@@ -24,22 +24,41 @@ from pdecode.model.family import Family, register
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
-def route(cfg, router_DE: jax.Array, x_ND: jax.Array):
-    """(weights [N, k] in x's dtype, expert ids [N, k]) as the references route."""
+def route(cfg, router_DE: jax.Array, x_ND: jax.Array, bias_E: jax.Array | None = None):
+    """(weights [N, k] in x's dtype, expert ids [N, k]) as the references route: softmax over all E then the top k
+    (renormalised when ``norm_topk_prob``); with a router bias (gpt-oss), the top k logits then a softmax over
+    them."""
     from pdecode.model.transformer import linear
 
-    logits = linear(x_ND, router_DE).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    logits = linear(x_ND, router_DE)
+    if bias_E is not None:
+        top, idx = jax.lax.top_k(logits + bias_E, cfg.experts_per_tok)
+        return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x_ND.dtype), idx
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
     if cfg.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top.astype(x_ND.dtype), idx
 
 
-def _act(cfg, g):
+def _glu(cfg, g, u):
+    """The experts' gated unit: act(gate) * up, or gpt-oss's clamped SwiGLU (``swiglu_limit``)."""
     from pdecode.model.transformer import activation
 
-    return activation(cfg, g)
+    if cfg.swiglu_limit is None:
+        return activation(cfg, g) * u
+    lim = cfg.swiglu_limit
+    g = jnp.minimum(g, lim)
+    u = jnp.clip(u, -lim, lim)
+    return (u + 1) * (g * jax.nn.sigmoid(g * SWIGLU_ALPHA))
+
+
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid sharpness (config swiglu_alpha; others refused at load)
+
+
+def _bias(lp, name, idx):
+    """An expert bias gathered for expert ids ``idx`` (0 when the family has none)."""
+    return lp[name][idx] if name in lp else 0.0
 
 
 def experts_gathered(cfg, lp, x_ND, w_Nk, idx_Nk):
@@ -47,10 +66,11 @@ def experts_gathered(cfg, lp, x_ND, w_Nk, idx_Nk):
     dt = lp["we_gate"].dtype
     xc = x_ND.astype(dt)
     pet = x_ND.dtype
-    g = jnp.einsum("nd,nkdf->nkf", xc, lp["we_gate"][idx_Nk], preferred_element_type=pet)
-    u = jnp.einsum("nd,nkdf->nkf", xc, lp["we_up"][idx_Nk], preferred_element_type=pet)
-    y = jnp.einsum("nkf,nkfd->nkd", (_act(cfg, g) * u).astype(dt), lp["we_down"][idx_Nk], preferred_element_type=pet)
-    return jnp.einsum("nk,nkd->nd", w_Nk, y)
+    g = jnp.einsum("nd,nkdf->nkf", xc, lp["we_gate"][idx_Nk], preferred_element_type=pet) + \
+        _bias(lp, "we_gate_b", idx_Nk)
+    u = jnp.einsum("nd,nkdf->nkf", xc, lp["we_up"][idx_Nk], preferred_element_type=pet) + _bias(lp, "we_up_b", idx_Nk)
+    y = jnp.einsum("nkf,nkfd->nkd", _glu(cfg, g, u).astype(dt), lp["we_down"][idx_Nk], preferred_element_type=pet)
+    return jnp.einsum("nk,nkd->nd", w_Nk, y + _bias(lp, "we_down_b", idx_Nk))
 
 
 def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
@@ -63,10 +83,11 @@ def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
     tok = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x_ND[tok].astype(dt)
-    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes, preferred_element_type=pet)
-    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes, preferred_element_type=pet)
-    y = jax.lax.ragged_dot((_act(cfg, g) * u).astype(dt), lp["we_down"], sizes, preferred_element_type=pet)
-    y = y * w_Nk.reshape(-1)[order][:, None]
+    e_sorted = flat[order]
+    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes, preferred_element_type=pet) + _bias(lp, "we_gate_b", e_sorted)
+    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes, preferred_element_type=pet) + _bias(lp, "we_up_b", e_sorted)
+    y = jax.lax.ragged_dot(_glu(cfg, g, u).astype(dt), lp["we_down"], sizes, preferred_element_type=pet)
+    y = (y + _bias(lp, "we_down_b", e_sorted)) * w_Nk.reshape(-1)[order][:, None]
     return jnp.zeros_like(x_ND).at[tok].add(y)
 
 
@@ -78,10 +99,10 @@ def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
     dt, pet = lp["we_gate"].dtype, x_ND.dtype
     w_NE = jnp.zeros((n, e), w_Nk.dtype).at[jnp.arange(n)[:, None], idx_Nk].add(w_Nk)
     xc = x_ND.astype(dt)
-    g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet)
-    u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet)
-    y = jnp.einsum("nef,efd->ned", (_act(cfg, g) * u).astype(dt), lp["we_down"], preferred_element_type=pet)
-    return jnp.einsum("ne,ned->nd", w_NE, y)
+    g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet) + lp.get("we_gate_b", 0.0)
+    u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet) + lp.get("we_up_b", 0.0)
+    y = jnp.einsum("nef,efd->ned", _glu(cfg, g, u).astype(dt), lp["we_down"], preferred_element_type=pet)
+    return jnp.einsum("ne,ned->nd", w_NE, y + lp.get("we_down_b", 0.0))
 
 
 def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
@@ -89,7 +110,7 @@ def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
 
     b, t, d = h_BTD.shape
     x = h_BTD.reshape(b * t, d)
-    w, idx = route(cfg, lp["router"], x)
+    w, idx = route(cfg, lp["router"], x, lp.get("router_b"))
     if b * t * cfg.experts_per_tok <= cfg.num_experts:
         run = experts_gathered
     else:
@@ -204,3 +225,62 @@ class MoE(Family):
 
 
 MOE = register(MoE())
+
+
+class GptOss(MoE):
+    """gpt-oss: attention with q/k/v/o biases and a learned sink logit per head, sliding and full layers
+    alternating, YaRN rope; a biased router (top k of the logits, softmax over them) and experts with biases and a
+    clamped SwiGLU, their gate and up columns interleaved in the checkpoint's ``gate_up_proj``."""
+
+    model_types = ("gpt_oss",)
+    architectures = {"gpt_oss": "GptOssForCausalLM"}
+
+    def config_from_hf(self, model_type, hf, kw):
+        check_act(model_type, hf)
+        alpha = float(hf.get("swiglu_alpha", SWIGLU_ALPHA))
+        if abs(alpha - SWIGLU_ALPHA) > 1e-9:
+            raise ConfigError(f"{model_type}: swiglu_alpha {alpha} is not supported (pdecode runs {SWIGLU_ALPHA})")
+        kw.update(num_experts=int(hf["num_local_experts"]), experts_per_tok=int(hf["num_experts_per_tok"]),
+                  moe_intermediate_size=kw["intermediate_size"], swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                  attention_bias=True, qk_norm=False)
+        sliding_from_hf(model_type, hf, kw)
+
+    def config_to_hf(self, cfg, out):
+        Family.config_to_hf(self, cfg, out)
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
+                   intermediate_size=cfg.moe_intermediate_size, swiglu_limit=cfg.swiglu_limit,
+                   swiglu_alpha=SWIGLU_ALPHA, attention_bias=True, sliding_window=cfg.sliding_window,
+                   layer_types=[f"{k}_attention" for k in cfg.layer_kinds()])
+        if cfg.rope_scaling is not None:
+            out["rope_parameters"] = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling_dict}
+            out.pop("rope_scaling", None)
+
+    def layer_specs(self, cfg, num_layers):
+        from pdecode.model.transformer import ParamSpec
+
+        L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        s = super().layer_specs(cfg, num_layers)
+        s.update({
+            "bo": ParamSpec((L, D), ("layers", None), "zeros"),
+            "sinks": ParamSpec((L, cfg.num_heads), ("layers", "heads"), "zeros"),
+            "router_b": ParamSpec((L, E), ("layers", None), "zeros"),
+            "we_gate_b": ParamSpec((L, E, F), ("layers", "experts", "expert_mlp"), "zeros"),
+            "we_up_b": ParamSpec((L, E, F), ("layers", "experts", "expert_mlp"), "zeros"),
+            "we_down_b": ParamSpec((L, E, D), ("layers", "experts", None), "zeros"),
+        })
+        return s
+
+    def _block_names(self, cfg):
+        from pdecode.checkpoint.hf import attention_names
+
+        m = "mlp.experts."
+        return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
+                ("self_attn.o_proj.bias", "bo", "plain"), ("self_attn.sinks", "sinks", "plain"),
+                ("post_attention_layernorm.weight", "mlp_norm", "plain"),
+                ("mlp.router.weight", "router", "linear"), ("mlp.router.bias", "router_b", "plain"),
+                (m + "gate_up_proj", "we_gate", "even_last"), (m + "gate_up_proj", "we_up", "odd_last"),
+                (m + "gate_up_proj_bias", "we_gate_b", "even_last"), (m + "gate_up_proj_bias", "we_up_b", "odd_last"),
+                (m + "down_proj", "we_down", "plain"), (m + "down_proj_bias", "we_down_b", "plain")]
+
+
+GPT_OSS = register(GptOss())
