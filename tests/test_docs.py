@@ -140,6 +140,21 @@ def test_doc_links_resolve():
     assert not missing, missing
 
 
+def test_extending_model_family_example_runs(tmp_path):
+    """docs/extending.md's OLMo 2 family registers, matches transformers' logits and decodes sd = ar (its own
+    asserts); unregistered afterwards, olmo2 is unsupported again."""
+    from pdecode.errors import ConfigError
+    from pdecode.model import family
+
+    code = _blocks(ROOT / "docs" / "extending.md")[1]
+    try:
+        exec(compile(code, "docs/extending.md", "exec"), {"olmo_dir": tmp_path / "olmo2"})
+    finally:
+        family.FAMILIES.pop("olmo2", None)
+    with pytest.raises(ConfigError, match="unsupported model_type 'olmo2'"):
+        family.family_for_model_type("olmo2")
+
+
 def test_extending_worked_example_runs():
     """docs/extending.md's drafter registers, decodes losslessly (its own assert) and shows in the API reference."""
     code = _blocks(ROOT / "docs" / "extending.md")[0]

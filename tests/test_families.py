@@ -103,7 +103,7 @@ def test_unsupported_features_fail_at_load(tmp_path):
     d = tmp_path / "m"
     make_hf_model("qwen3_moe", d, seed=0)
     cfg = json.loads((d / "config.json").read_text())
-    for change, words in [({"model_type": "olmo2"}, "unsupported model_type 'olmo2'"),
+    for change, words in [({"model_type": "granite"}, "unsupported model_type 'granite'"),
                           ({"mlp_only_layers": [1]}, "qwen3_moe: mlp_only_layers [1]"),
                           ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
                            "qwen3_moe: rope_parameters.rope_type 'yarn' is not supported"),
