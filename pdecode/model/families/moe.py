@@ -91,18 +91,31 @@ def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
     return jnp.zeros_like(x_ND).at[tok].add(y)
 
 
+DENSE_CHUNK = 256  # tokens per piece of `experts_dense` (bounds its [tokens, E, F] temporaries)
+
+
 def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
     """Every expert on every token, weighted by the routing (zero off the top k): E/k of the selected work, but one
     dense product; what CPU runs for long passes (its XLA lowers ragged_dot to a dense product over all N*k pairs
-    and every expert, twice this for k=2)."""
+    and every expert, twice this for k=2). Long passes run in pieces of DENSE_CHUNK tokens."""
     n, e = x_ND.shape[0], lp["we_gate"].shape[0]
     dt, pet = lp["we_gate"].dtype, x_ND.dtype
     w_NE = jnp.zeros((n, e), w_Nk.dtype).at[jnp.arange(n)[:, None], idx_Nk].add(w_Nk)
-    xc = x_ND.astype(dt)
-    g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet) + lp.get("we_gate_b", 0.0)
-    u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet) + lp.get("we_up_b", 0.0)
-    y = jnp.einsum("nef,efd->ned", _glu(cfg, g, u).astype(dt), lp["we_down"], preferred_element_type=pet)
-    return jnp.einsum("ne,ned->nd", w_NE, y + lp.get("we_down_b", 0.0))
+
+    def piece(xw):
+        x, w = xw
+        xc = x.astype(dt)
+        g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet) + lp.get("we_gate_b", 0.0)
+        u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet) + lp.get("we_up_b", 0.0)
+        y = jnp.einsum("nef,efd->ned", _glu(cfg, g, u).astype(dt), lp["we_down"], preferred_element_type=pet)
+        return jnp.einsum("ne,ned->nd", w, y + lp.get("we_down_b", 0.0))
+
+    if n <= DENSE_CHUNK:
+        return piece((x_ND, w_NE))
+    pad = -n % DENSE_CHUNK
+    xs = jnp.pad(x_ND, ((0, pad), (0, 0))).reshape(-1, DENSE_CHUNK, x_ND.shape[1])
+    ws = jnp.pad(w_NE, ((0, pad), (0, 0))).reshape(-1, DENSE_CHUNK, e)
+    return jax.lax.map(piece, (xs, ws)).reshape(-1, x_ND.shape[1])[:n]
 
 
 def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
