@@ -2,7 +2,10 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU without its expensive LLVM passes: the suite is mostly compiling tiny programs, which this makes ~25%
+# faster (what runs is a little slower; scripts/test.sh sets the same)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `pdecode generate` keeps compiled executables on disk; tests that want it say so (tests/test_cli.py)
@@ -34,12 +37,12 @@ def _map_limit() -> int:
 MAP_SHARE = 0.5
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_executables():
     """Free compiled executables once the process nears the kernel's map-count limit (vm.max_map_count): every
-    executable holds JIT code pages (memory maps), and a whole suite's worth in one process would run into the
-    limit, which aborts XLA mid-compile. Until then they stay cached, so later modules reuse what earlier ones
-    compiled."""
+    executable holds JIT code pages (memory maps), and a whole suite's worth in one process (or one large module's)
+    would run into the limit, which crashes XLA mid-compile. Until then they stay cached, so later tests and
+    modules reuse what earlier ones compiled."""
     yield
     if _map_count() < MAP_SHARE * _map_limit():
         return
@@ -49,6 +52,27 @@ def _release_executables():
 
     pdecode.clear_compile_cache()
     gc.collect()
+
+
+# the fast tier (`pytest -m fast`, a minute or two): unit tests of verification, the cache, masks, attention,
+# routing and trees against brute-force references; everything else is the end-to-end tier (`-m "not fast"`)
+FAST = ("tests/test_cache_attention.py", "tests/test_attention_impl.py", "tests/test_layout.py",
+        "tests/test_speculative.py::test_greedy_verify_matches_brute_force",
+        "tests/test_speculative.py::test_sampled_verify_is_lossless",
+        "tests/test_speculative.py::test_wrong_acceptance_rule_is_detected",
+        "tests/test_speculative.py::test_verify_rule_must_fit_the_proposal",
+        "tests/test_speculative.py::test_lookup_finds_latest_longest_match",
+        "tests/test_speculative.py::test_static_tree_from_choices",
+        "tests/test_speculative.py::test_dynamic_tree_keeps_ancestors",
+        "tests/test_families.py::test_moe_expert_paths_agree",
+        "tests/test_families.py::test_moe_decode_step_computes_only_selected_experts",
+        "tests/test_families.py::test_unsupported_features_fail_at_load")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(FAST):
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")

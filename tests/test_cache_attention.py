@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pdecode.config import ModelConfig
+from pdecode.errors import ConfigError
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 
@@ -164,6 +165,62 @@ def test_attention_matches_naive_softmax():
                 p /= p.sum()
                 exp[r, i, hh] = p @ v[r, g]
     np.testing.assert_allclose(got, exp, atol=1e-5)
+
+
+def test_scale_softcap_and_sinks_match_naive_softmax():
+    """attend's score scale (Gemma's query_pre_attn_scalar), tanh softcap (Gemma 2) and per-head sink logits
+    (gpt-oss: in the denominator, reading no value) against a loop."""
+    rng = np.random.default_rng(3)
+    b, t, s, h, kv, d = 2, 3, 5, 4, 2, 8
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32) * 3
+    k = rng.normal(size=(b, kv, s, d)).astype(np.float32)
+    v = rng.normal(size=(b, kv, s, d)).astype(np.float32)
+    sinks = rng.normal(size=(h,)).astype(np.float32)
+    mask = rng.random((b, t, s)) < 0.6
+    mask[..., 0] = True
+    got = np.asarray(attention.attend(jnp.asarray(q), jnp.asarray(k.transpose(0, 1, 3, 2)), jnp.asarray(v),
+                                      jnp.asarray(mask), scale=0.2, softcap=2.0, sinks=jnp.asarray(sinks)))
+    exp = np.zeros_like(got)
+    for r in range(b):
+        for i in range(t):
+            for hh in range(h):
+                g = hh // (h // kv)
+                sc = 2.0 * np.tanh(k[r, g] @ q[r, i, hh] * 0.2 / 2.0)
+                sc = np.where(mask[r, i], sc, -np.inf)
+                top = max(sc.max(), sinks[hh])
+                p = np.exp(sc - top)
+                exp[r, i, hh] = p @ v[r, g] / (p.sum() + np.exp(sinks[hh] - top))
+    np.testing.assert_allclose(got, exp, atol=1e-5)
+    with pytest.raises(ConfigError, match="softcap or attention sinks"):
+        attention.attend(jnp.asarray(q), jnp.asarray(k.transpose(0, 1, 3, 2)), jnp.asarray(v), jnp.asarray(mask),
+                         impl="dot_product", softcap=2.0)
+
+
+def test_layers_get_their_own_window_and_rope():
+    """`transformer.attention_for`: a sliding layer's mask hides keys at or before position - window (the caller's
+    mask is the full one) and its rope uses the local base; the traced lookup under scan picks the same as the
+    static one."""
+    from pdecode.config import ModelConfig
+    from pdecode.model.transformer import attention_for
+
+    cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                      head_dim=8, family="gemma3_text", sliding_window=3, layer_types=("sliding", "full", "sliding"),
+                      local_rope_theta=100.0, rope_theta=1e4)
+    t = 6
+    pos = jnp.arange(t)[None]
+    full = attention.padded_self_mask(jnp.array([t]), t)
+    att = attention_for(cfg, pos, full)
+    for i, kind in enumerate(cfg.layer_kinds()):
+        rope, m = att.for_layer(i)
+        rope_t, m_t = jax.jit(lambda j: att.for_layer(j))(jnp.int32(i))
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(m_t))
+        np.testing.assert_allclose(np.asarray(rope[0]), np.asarray(rope_t[0]))
+        qq, kk = np.meshgrid(np.arange(t), np.arange(t), indexing="ij")
+        want = (kk <= qq) & ((qq - kk < 3) if kind == "sliding" else True)
+        np.testing.assert_array_equal(np.asarray(m)[0], want)
+        cos1 = float(np.asarray(rope[0])[0, 1, 0, 1])  # position 1, second frequency
+        base = 100.0 if kind == "sliding" else 1e4
+        np.testing.assert_allclose(cos1, np.cos(base ** (-2 / 8)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 24])

@@ -26,7 +26,7 @@ def fam_dirs(tmp_path_factory):
     out = {}
     for f in NEW_FAMILIES:
         d = tmp_path_factory.mktemp(f)
-        out[f] = (d, make_hf_model(f, d, seed=3))
+        out[f] = (d, make_hf_model(f, d, seed=3, num_hidden_layers=2))  # gemma3 / gpt_oss: a sliding and a full
     return out
 
 
@@ -105,8 +105,11 @@ def test_unsupported_features_fail_at_load(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     for change, words in [({"model_type": "granite"}, "unsupported model_type 'granite'"),
                           ({"mlp_only_layers": [1]}, "qwen3_moe: mlp_only_layers [1]"),
-                          ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-                           "qwen3_moe: rope_parameters.rope_type 'yarn' is not supported"),
+                          ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+                           "qwen3_moe: rope_parameters.rope_type 'longrope' is not supported"),
+                          ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                "partial_rotary_factor": 0.5}},
+                           "qwen3_moe: partial_rotary_factor 0.5 is not supported"),
                           ({"hidden_act": "gelu"}, "qwen3_moe: hidden_act 'gelu' is not supported")]:
         (d / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises((CheckpointError, ConfigError), match=words.replace("[", r"\[").replace("]", r"\]")):
