@@ -58,12 +58,12 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     return rules
 
 
-def named_rules(cfg: ModelConfig, block: list[tuple[str, str, str]], prefix: str = "model.") -> list[Rule]:
-    """A family's rules from its block's (HF name under the layer prefix, our name, layout) triples: embedding,
-    final norm and lm_head (untied) named as transformers names them."""
+def named_rules(cfg: ModelConfig, block: list[tuple], prefix: str = "model.") -> list[Rule]:
+    """A family's rules from its block's (HF name under the layer prefix, our name, layout[, rows]) tuples:
+    embedding, final norm and lm_head (untied) named as transformers names them."""
     p = prefix + "layers.{i}."
     rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"),
-             *[Rule(p + hf, "layers/" + ours, layout) for hf, ours, layout in block],
+             *[Rule(p + hf, "layers/" + ours, *rest) for hf, ours, *rest in block],
              Rule(prefix + "norm.weight", "final_norm", "plain")]
     if not cfg.tie_word_embeddings:
         rules.append(Rule("lm_head.weight", "lm_head", "linear"))

@@ -75,12 +75,21 @@ class Family:
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------- checkpoints
-    def hf_rules(self, cfg, prefix: str = "model.") -> list:
+    def block_names(self, cfg) -> list[tuple]:
+        """One block's tensors: (HF name under the layer prefix, our name, layout[, rows]) per weight."""
         raise NotImplementedError
+
+    def hf_rules(self, cfg, prefix: str = "model.") -> list:
+        """The whole checkpoint's rules: embedding, `block_names` under "model.layers.{i}.", final norm, lm_head."""
+        from pdecode.checkpoint.hf import named_rules
+
+        return named_rules(cfg, self.block_names(cfg), prefix)
 
     def head_block_rules(self, cfg, prefix: str) -> list:
         """The rules of one block under ``prefix`` (e.g. "model.layers.{i}."): drafter heads saved with it."""
-        raise NotImplementedError
+        from pdecode.checkpoint.hf import Rule
+
+        return [Rule(prefix + hf, "layers/" + ours, *rest) for hf, ours, *rest in self.block_names(cfg)]
 
 
 def register(family: Family) -> Family:

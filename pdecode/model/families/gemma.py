@@ -117,7 +117,7 @@ class Gemma(Family):
             m = norm(m, lp["post_mlp_norm"])
         return x + m, cache
 
-    def _block_names(self, cfg):
+    def block_names(self, cfg):
         from pdecode.checkpoint.hf import attention_names
 
         names = [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
@@ -131,15 +131,7 @@ class Gemma(Family):
             names.append(("post_attention_layernorm.weight", "mlp_norm", "plain"))
         return names
 
-    def hf_rules(self, cfg, prefix="model."):
-        from pdecode.checkpoint.hf import named_rules
 
-        return named_rules(cfg, self._block_names(cfg), prefix)
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
-        return [Rule(prefix + hf, "layers/" + ours, layout) for hf, ours, layout in self._block_names(cfg)]
 
 
 GEMMA = register(Gemma())

@@ -94,15 +94,12 @@ class Llama(Family):
 
         return llama_block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
-    def hf_rules(self, cfg, prefix="model."):
-        from pdecode.checkpoint.hf import llama_rules
+    def block_names(self, cfg):
+        from pdecode.checkpoint.hf import attention_names
 
-        return llama_rules(cfg, prefix)
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import block_rules
-
-        return block_rules(prefix)
+        return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
+                ("post_attention_layernorm.weight", "mlp_norm", "plain"), ("mlp.gate_proj.weight", "w_gate", "linear"),
+                ("mlp.up_proj.weight", "w_up", "linear"), ("mlp.down_proj.weight", "w_down", "linear")]
 
 
 LLAMA = register(Llama())

@@ -209,7 +209,7 @@ class MoE(Family):
         x = x + a
         return x + moe_mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), fused), cache
 
-    def _block_names(self, cfg):
+    def block_names(self, cfg):
         from pdecode.checkpoint.hf import attention_names
 
         names = [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
@@ -226,15 +226,7 @@ class MoE(Family):
             names.append(("mlp.shared_expert_gate.weight", "shared_gate", "linear"))
         return names
 
-    def hf_rules(self, cfg, prefix="model."):
-        from pdecode.checkpoint.hf import named_rules
 
-        return named_rules(cfg, self._block_names(cfg), prefix)
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
-        return [Rule(prefix + hf, "layers/" + ours, layout) for hf, ours, layout in self._block_names(cfg)]
 
 
 MOE = register(MoE())
@@ -283,7 +275,7 @@ class GptOss(MoE):
         })
         return s
 
-    def _block_names(self, cfg):
+    def block_names(self, cfg):
         from pdecode.checkpoint.hf import attention_names
 
         m = "mlp.experts."

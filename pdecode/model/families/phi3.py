@@ -21,7 +21,7 @@ class Phi3(Llama):
         out["architectures"] = [self.architectures[cfg.family]]
         out["sliding_window"] = cfg.sliding_window
 
-    def _block_names(self, cfg):
+    def block_names(self, cfg):
         H, KV, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         q, k = H * hd, KV * hd
         return [("input_layernorm.weight", "attn_norm", "plain", None),
@@ -33,20 +33,6 @@ class Phi3(Llama):
                 ("mlp.gate_up_proj.weight", "w_gate", "linear", (0, F)),
                 ("mlp.gate_up_proj.weight", "w_up", "linear", (F, 2 * F)),
                 ("mlp.down_proj.weight", "w_down", "linear", None)]
-
-    def hf_rules(self, cfg, prefix="model."):
-        from pdecode.checkpoint.hf import Rule
-
-        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"), *self.head_block_rules(cfg, prefix + "layers.{i}."),
-                 Rule(prefix + "norm.weight", "final_norm", "plain")]
-        if not cfg.tie_word_embeddings:
-            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
-        return rules
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
-        return [Rule(prefix + hf, "layers/" + ours, layout, rows) for hf, ours, layout, rows in self._block_names(cfg)]
 
 
 PHI3 = register(Phi3())
