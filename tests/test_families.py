@@ -258,3 +258,27 @@ def test_moe_speculative_sampling_is_lossless(tmp_path):
                                                  max_new=3, max_len=64, eos_ids=(),
                                                  samp=sampling.Sampling(greedy=False), mesh=None), *args)
     assert min(pvalues(np.asarray(exe(*args)[0].tokens))) < 1e-6
+
+
+@pytest.mark.parametrize("fam,kind", [("gemma3", "eagle"), ("qwen3_moe", "mtp")])
+def test_heads_trained_on_a_family_decode_like_ar(tmp_path, fam, kind):
+    """`pdecode train heads` on a new family's checkpoint (code-target's tokenizer beside it, Python text): the
+    heads are built from the family's own block, train a few steps, save, load with their base and decode
+    token for token like AR."""
+    import shutil
+    from pathlib import Path
+
+    from infer import cli
+
+    root = Path(__file__).resolve().parent.parent
+    d = tmp_path / fam
+    make_hf_model(fam, d, seed=5, num_hidden_layers=2, vocab_size=4096)
+    shutil.copy(root / "zoo" / "code-target" / "tokenizer.json", d / "tokenizer.json")
+    out = tmp_path / "heads"
+    cli.main(["train", "heads", "--base", str(d), "--kind", kind, "--data", str(root / "pdecode" / "model"),
+              "--out", str(out), "--steps", "3", "--seq-len", "48", "--batch-size", "4", "--work", str(tmp_path / "w")])
+    m = pdecode.load(out)
+    assert kind in m.extras and m.cfg.family == pdecode.load(d).cfg.family
+    prompts = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
+    ref = pdecode.generate(m, prompts, max_new_tokens=16, stop_at_eos=False).tokens
+    assert pdecode.generate(m, prompts, method=kind, max_new_tokens=16, stop_at_eos=False).tokens == ref
