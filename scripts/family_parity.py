@@ -75,6 +75,7 @@ def main(argv=None) -> int:
         for fam in args.families.split(","):
             lines.append(row(fam, Path(tmp) / fam))
             print(lines[-1], flush=True)
+            pdecode.clear_compile_cache()  # each family's programs hold memory maps; a process has a limited number
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
