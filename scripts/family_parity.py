@@ -20,15 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pdecode  # noqa: E402
-from pdecode.model import heads as H  # noqa: E402
 from pdecode.model.transformer import init_from_specs  # noqa: E402
 from tests.helpers import NEW_FAMILIES, VOCAB, make_hf_model  # noqa: E402
-
-PROMPTS = [[5, 9, 13, 7, 21], list(range(3, 20)), [40, 41, 42, 7, 9, 11, 13, 15, 17, 19, 21]]
-HEADS = {"medusa": H.MedusaConfig(num_heads=3), "eagle": H.EagleConfig(), "mtp": H.MTPConfig(num_modules=1)}
-METHODS = [("sd", {"gamma": 3}), ("lookup", {}), ("tree", {}), ("lookahead", {}), ("layerskip", {"exit_layer": 1}),
-           ("medusa", {}), ("eagle", {"tree_top_k": 2, "depth": 3, "total_tokens": 6}), ("mtp", {})]
-
+from tests.test_families import HEADS, METHODS, NEW, PROMPTS, _draft_of  # noqa: E402  (the test's own cases)
 
 def row(fam: str, d: Path) -> str:
     import torch
@@ -39,15 +33,14 @@ def row(fam: str, d: Path) -> str:
     with torch.no_grad():
         want = ref(torch.tensor(ids)).logits.numpy()
     diff = float(np.abs(np.asarray(pdecode.forward_logits(m, ids)) - want).max())
-    ar = pdecode.generate(m, PROMPTS, max_new_tokens=16, stop_at_eos=False).tokens
+    ar = pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False).tokens
     hf = []
     for p in PROMPTS:
         with torch.no_grad():
-            o = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+            o = ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
         hf.append(o[0, len(p):].tolist())
-    draft = pdecode.Model(cfg=m.cfg.with_layers(1), params=dict(m.params, layers=jax.tree.map(
-        lambda a: a[:1], m.params["layers"])), tokenizer=None)
+    draft = _draft_of(m)
     equal, differ = [], []
     for method, opts in METHODS:
         t = m
@@ -55,7 +48,7 @@ def row(fam: str, d: Path) -> str:
             hp = init_from_specs(HEADS[method].specs(m.cfg), jax.random.PRNGKey(0), std=0.05)
             t = dataclasses.replace(m, extras={method: (HEADS[method], hp)})
         kw = {"draft": draft} if method in ("sd", "tree") else {}
-        out = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=16, stop_at_eos=False, **kw, **opts)
+        out = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=NEW, stop_at_eos=False, **kw, **opts)
         (equal if out.tokens == ar else differ).append(method)
     kinds = "/".join(sorted(set(m.cfg.layer_kinds())))
     return (f"| {fam} | {m.cfg.family} | {kinds} | {diff:.1e} | {'yes' if ar == hf else 'NO'} | "

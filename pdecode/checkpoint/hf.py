@@ -45,17 +45,15 @@ def block_rules(p: str, names: tuple[str, ...] = HF_BLOCK_NAMES) -> list[Rule]:
 
 def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     """Llama / Mistral / Qwen2 / Qwen3 names (the layout transformers uses for all four)."""
-    p = prefix + "layers.{i}."
-    rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"), *block_rules(p),
-             Rule(prefix + "norm.weight", "final_norm", "plain")]
-    if cfg.attention_bias:
-        rules += [Rule(p + f"self_attn.{n}_proj.bias", f"layers/b{n}", "bias_heads") for n in "qkv"]
-    if cfg.qk_norm:
-        rules += [Rule(p + "self_attn.q_norm.weight", "layers/q_norm", "plain"),
-                  Rule(p + "self_attn.k_norm.weight", "layers/k_norm", "plain")]
-    if not cfg.tie_word_embeddings:
-        rules.append(Rule("lm_head.weight", "lm_head", "linear"))
-    return rules
+    return named_rules(cfg, llama_block_names(cfg), prefix)
+
+
+def llama_block_names(cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """The Llama block's (HF name under the layer prefix, ours, layout): norms, attention (biases and q/k norms as
+    the config has them), the gated MLP."""
+    return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
+            ("post_attention_layernorm.weight", "mlp_norm", "plain"), ("mlp.gate_proj.weight", "w_gate", "linear"),
+            ("mlp.up_proj.weight", "w_up", "linear"), ("mlp.down_proj.weight", "w_down", "linear")]
 
 
 def named_rules(cfg: ModelConfig, block: list[tuple], prefix: str = "model.") -> list[Rule]:

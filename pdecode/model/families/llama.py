@@ -95,11 +95,9 @@ class Llama(Family):
         return llama_block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
     def block_names(self, cfg):
-        from pdecode.checkpoint.hf import attention_names
+        from pdecode.checkpoint.hf import llama_block_names
 
-        return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
-                ("post_attention_layernorm.weight", "mlp_norm", "plain"), ("mlp.gate_proj.weight", "w_gate", "linear"),
-                ("mlp.up_proj.weight", "w_up", "linear"), ("mlp.down_proj.weight", "w_down", "linear")]
+        return llama_block_names(cfg)
 
 
 LLAMA = register(Llama())
