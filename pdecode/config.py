@@ -66,6 +66,20 @@ class ModelConfig:
     shared_expert_size: int = 0  # a shared expert beside the routed ones, with a sigmoid gate (Qwen2-MoE)
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
     swiglu_limit: float | None = None  # gpt-oss: experts' clamped SwiGLU (gate <= limit, |up| <= limit)
+    # layers of two shapes (Gemma 4): the full-attention layers' head size and kv heads (None: head_dim /
+    # num_kv_heads), their keys used as values too (``k_eq_v``) and the fraction of their head that rotates
+    # (``rope_fraction``; the rest passes through); the last ``kv_shared_layers`` layers compute no keys or values
+    # and attend with those of the last earlier layer of their kind; per-layer input embeddings of
+    # ``per_layer_input_size`` per layer (0: none) over ``per_layer_vocab`` tokens; ``double_wide_mlp``: kv-shared
+    # layers' MLPs are twice intermediate_size
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    rope_fraction: float = 1.0
+    kv_shared_layers: int = 0
+    per_layer_input_size: int = 0
+    per_layer_vocab: int = 0
+    double_wide_mlp: bool = False
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"
@@ -102,6 +116,18 @@ class ModelConfig:
                 problems.append(f"layer_types must hold {' / '.join(LAYER_KINDS)} (got {self.layer_types})")
             if "sliding" in self.layer_types and not self.sliding_window:
                 problems.append("sliding layers need a sliding_window")
+        gkv = self.global_kv_heads or self.num_kv_heads
+        if self.num_kv_heads > 0 and gkv > 0 and self.num_heads % gkv:
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of global_kv_heads ({gkv})")
+        if (self.global_head_dim or 2) % 2 or not 0 < self.rope_fraction <= 1:
+            problems.append(f"global_head_dim must be even and rope_fraction in (0, 1] (got {self.global_head_dim}, "
+                            f"{self.rope_fraction})")
+        if not 0 <= self.kv_shared_layers < self.num_layers:
+            problems.append(f"kv_shared_layers must be in 0..{self.num_layers - 1} (got {self.kv_shared_layers})")
+        elif self.kv_shared_layers:
+            own = set(self.layer_kinds()[: self.num_layers - self.kv_shared_layers])
+            if set(self.layer_kinds()) - own:
+                problems.append("every attention kind of the kv-shared layers needs an earlier layer of that kind")
         if self.hidden_act not in ACTIVATIONS:
             problems.append(f"hidden_act must be one of {', '.join(ACTIVATIONS)} (got {self.hidden_act!r})")
         if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
@@ -134,10 +160,33 @@ class ModelConfig:
 
     def with_layers(self, n: int) -> "ModelConfig":
         """This config with ``n`` layers (drafters built from the family's block: EAGLE, MTP). Mixed per-layer kinds
-        become full attention (a drafter reads its whole short cache); uniform ones are kept."""
+        become full attention (a drafter reads its whole short cache); uniform ones are kept. A drafter's blocks
+        have keys and values of their own and no per-layer inputs."""
         kinds = set(self.layer_kinds())
-        return self.replace(num_layers=n, layer_types=None,
+        return self.replace(num_layers=n, layer_types=None, kv_shared_layers=0, per_layer_input_size=0,
+                            per_layer_vocab=0,
                             sliding_window=self.sliding_window if kinds == {"sliding"} else None)
+
+    def layer_attention(self, i: int) -> tuple[int, int]:
+        """(kv heads, head size) of layer ``i``."""
+        if self.layer_kinds()[i] == "full":
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer ``i`` attends with: itself, or for a kv-shared layer the last
+        layer of its kind before the shared ones."""
+        first = self.num_layers - self.kv_shared_layers
+        if i < first:
+            return i
+        kind = self.layer_kinds()[i]
+        return max(j for j in range(first) if self.layer_kinds()[j] == kind)
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same weights' shapes and a cache of its own (one stack under lax.scan)."""
+        return not (self.kv_shared_layers or self.double_wide_mlp or self.k_eq_v
+                    or len({self.layer_attention(i) for i in range(self.num_layers)}) > 1)
 
     def num_params(self) -> int:
         """Parameters of the network (every expert counted)."""
@@ -172,6 +221,7 @@ class ModelConfig:
         from pdecode.model.family import family_for_model_type
 
         fam = family_for_model_type(model_type)
+        hf = fam.unwrap(model_type, hf)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -201,8 +251,9 @@ class ModelConfig:
             diffusion_shift=bool(hf.get("pdecode_diffusion_shift", False)),
             dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
-        theta, scaling = rope_from_hf(model_type, hf)
-        cfg_kw.update(rope_theta=theta, rope_scaling=scaling)
+        if not fam.own_rope:
+            theta, scaling = rope_from_hf(model_type, hf)
+            cfg_kw.update(rope_theta=theta, rope_scaling=scaling)
         fam.config_from_hf(model_type, hf, cfg_kw)
         return cls(**cfg_kw)
 
@@ -308,8 +359,14 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     ``theta``: another base (the sliding layers' `local_rope_theta`)."""
     import numpy as np
 
-    dim = cfg.head_dim
-    inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if scaled:  # the full-attention layers' rope: their head size, maybe part of it rotating
+        dim, rot = cfg.global_head_dim or cfg.head_dim, int(cfg.rope_fraction * (cfg.global_head_dim or cfg.head_dim)
+                                                            // 2)
+    else:
+        dim = cfg.head_dim
+        rot = dim // 2
+    inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, 2 * rot, 2, dtype=np.float64) / dim))
+    inv = np.concatenate([inv, np.zeros(dim // 2 - rot)])  # frequency 0: those pairs pass through
     sc = cfg.rope_scaling_dict if scaled else None
     if not sc:
         return inv

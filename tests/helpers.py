@@ -8,7 +8,8 @@ VOCAB = 97
 
 
 # the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
-NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma4",
+                "gemma4_moe")
 
 
 def _new_family(tf, family: str, common: dict):
@@ -41,6 +42,21 @@ def _new_family(tf, family: str, common: dict):
             swiglu_limit=0.3, layer_types=three, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                 "beta_slow": 1.0, "original_max_position_embeddings": 64,
                                                 "rope_theta": 150000.0, "truncate": False}))
+    if family in ("gemma4", "gemma4_moe"):
+        c = {**c, "num_key_value_heads": 2, "global_head_dim": 32, "sliding_window": 8,
+             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}}}
+        if family == "gemma4":  # per-layer inputs, the last two layers kv-shared with double-wide MLPs
+            cfg = tf.Gemma4TextConfig(**{**c, "num_hidden_layers": 4}, hidden_size_per_layer_input=8,
+                                      vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
+                                      use_double_wide_mlp=True, layer_types=["sliding_attention", "full_attention"] * 2)
+        else:  # experts beside the dense MLP, full layers with their keys as values and one kv head
+            cfg = tf.Gemma4TextConfig(**c, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                                      num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                                      top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return tf.Gemma4ForCausalLM(cfg)
     raise ValueError(family)
 
 
@@ -74,5 +90,8 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
     with torch.no_grad():  # random init is near-uniform; widen it so argmax is decisive and biases are non-zero
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: a stored per-layer scale
+                b.mul_(1.0 + 0.2 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     return model

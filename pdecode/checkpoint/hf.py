@@ -110,15 +110,24 @@ def _to_ours(a: np.ndarray, layout: str, shape: tuple[int, ...]) -> np.ndarray:
         return a.reshape(shape)
     if layout in HALVES:  # an interleaved pair (gpt-oss gate_up): the even or odd columns of the last axis
         return a[..., HALVES[layout]::2].reshape(shape)
+    if layout in SPLITS:  # stacked linears fused on their output rows (Gemma 4 experts' gate_up [E, 2F, D])
+        n = a.shape[-2] // 2
+        return np.swapaxes(a[..., SPLITS[layout] * n:(SPLITS[layout] + 1) * n, :], -1, -2).reshape(shape)
+    if layout == "linear_stack":  # stacked linears [E, out, in] -> [E, in, out]
+        return np.swapaxes(a, -1, -2).reshape(shape)
     raise ValueError(layout)
 
 
 HALVES = {"even_last": 0, "odd_last": 1}
+SPLITS = {"first_rows_t": 0, "second_rows_t": 1}
+PAIRED = {**HALVES, **SPLITS}  # layouts of which two params make one tensor
 
 
 def _to_hf(a: np.ndarray, layout: str) -> np.ndarray:
     if layout in ("plain",) or layout in HALVES:
         return a
+    if layout in SPLITS or layout == "linear_stack":
+        return np.swapaxes(a, -1, -2)
     if layout == "bias_heads":
         return a.reshape(-1)
     if layout in ("linear",):
@@ -132,8 +141,18 @@ def _to_hf(a: np.ndarray, layout: str) -> np.ndarray:
 
 def _get(tree: dict, path: str):
     for part in path.split("/"):
-        tree = tree[part]
+        tree = tree[int(part)] if isinstance(tree, (tuple, list)) else tree[part]
     return tree
+
+
+def _like(params, specs):
+    """``params`` (nested dicts as `_set` builds them) shaped as ``specs``: a tuple of per-layer dicts there (layers
+    of different shapes, `transformer.DecodeLayers`) becomes one here."""
+    if isinstance(specs, tuple):
+        return type(specs)([_like(params[str(i)], sp) for i, sp in enumerate(specs)], specs.fused)
+    if isinstance(specs, dict):
+        return {k: _like(v, specs[k]) if k in specs else v for k, v in params.items()}
+    return params
 
 
 def _set(tree: dict, path: str, value):
@@ -180,7 +199,7 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
                     np.prod(tensors[name].shape[1:])) != int(np.prod(per_shape))):
                 bad.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs config rows {r.rows} of {per_shape}")
             elif r.rows is None and int(np.prod(tensors[name].shape)) != int(np.prod(per_shape)) * (
-                    2 if r.layout in HALVES else 1):
+                    2 if r.layout in PAIRED else 1):
                 bad.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs config {per_shape}")
     if missing or bad:
         msg = []
@@ -210,7 +229,7 @@ def tensors_to_params(tensors: dict[str, np.ndarray], specs: dict, rules: list[R
         spec = _get(specs, r.ours)
         _set(params, r.ours, _gather(tensors, _names(r, spec.shape), r.layout, spec.shape[_lead(r):], (), dtype,
                                              r.rows))
-    return params
+    return _like(params, specs)
 
 
 def stored_dtype(tensors, hf_cfg: dict) -> str:
@@ -285,7 +304,7 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
         _set(params, r.ours, jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
         for n in _flat(_names(r, spec.shape)):
             src.release(n)
-    return cfg.replace(layout="hf"), params
+    return cfg.replace(layout="hf"), _like(params, specs)
 
 
 def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, np.ndarray]:
@@ -298,8 +317,8 @@ def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, 
         names = _names(r, a.shape)
 
         def put(names, a):
-            if isinstance(names, str) and (r.rows is not None or r.layout in HALVES):
-                key = r.rows[0] if r.rows is not None else ("half", HALVES[r.layout])
+            if isinstance(names, str) and (r.rows is not None or r.layout in PAIRED):
+                key = r.rows[0] if r.rows is not None else (r.layout in SPLITS, PAIRED[r.layout])
                 parts.setdefault(names, []).append((key, _to_hf(a, r.layout)))
             elif isinstance(names, str):
                 out[names] = np.ascontiguousarray(_to_hf(a, r.layout))
@@ -310,7 +329,9 @@ def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, 
         put(names, a)
     for name, ps in parts.items():
         ps = sorted(ps, key=lambda x: x[0])
-        if isinstance(ps[0][0], tuple):  # interleaved halves
+        if isinstance(ps[0][0], tuple) and ps[0][0][0]:  # halves on the rows (after _to_hf: axis -2)
+            out[name] = np.ascontiguousarray(np.concatenate([p for _, p in ps], axis=-2))
+        elif isinstance(ps[0][0], tuple):  # interleaved halves
             both = np.empty(ps[0][1].shape[:-1] + (2 * ps[0][1].shape[-1],), ps[0][1].dtype)
             both[..., 0::2], both[..., 1::2] = ps[0][1], ps[1][1]
             out[name] = both

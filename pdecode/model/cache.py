@@ -9,7 +9,9 @@ both attention matmuls get their operands in the layout CPU/GPU matmul kernels w
   head_dim]``;
 * per layer (``per_layer=True``, used with the unrolled decode layout of shallow models): ``k`` and ``v`` are tuples
   of one ``[batch, kv_heads, head_dim, max_len]`` / ``[batch, kv_heads, max_len, head_dim]`` buffer per layer, so a
-  layer reads its own buffer with no slice copied per step.
+  layer reads its own buffer with no slice copied per step. Layers of different shapes (Gemma 4's full-attention
+  layers: other head size and kv heads) have buffers of their own shapes, and a kv-shared layer none (``None``: it
+  reads the buffer of `ModelConfig.kv_source`); such configs always use this layout.
 
 Every operation works by index on static shapes, so it runs inside jit and ``lax.while_loop``:
 
@@ -47,7 +49,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2] if self.per_layer else self.v.shape[3]
+        return jax.tree.leaves(self.v)[0].shape[2] if self.per_layer else self.v.shape[3]
 
     @property
     def dtype(self):
@@ -68,7 +70,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, nu
     n = num_layers or cfg.num_layers
     k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
     v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    if per_layer:
+    if not cfg.uniform_layers:
+        if not per_layer:
+            raise ValueError("init_cache: layers of different shapes need per_layer=True")
+        shapes = [cfg.layer_attention(i) if cfg.kv_source(i) == i else None for i in range(n)]
+        k = tuple(None if s is None else jnp.zeros((batch, s[0], s[1], max_len), dtype) for s in shapes)
+        v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, s[1]), dtype) for s in shapes)
+    elif per_layer:
         k = tuple(jnp.zeros(k_shape, dtype) for _ in range(n))
         v = tuple(jnp.zeros(v_shape, dtype) for _ in range(n))
     else:
@@ -118,8 +126,8 @@ def commit(cache: KVCache, node_idx_BA: jax.Array, n_B: jax.Array) -> KVCache:
     # Rows/slots not kept scatter out of range and are dropped.
     dst = jnp.where(keep, dst, cache.max_len)
     if cache.per_layer:
-        k = tuple(a.at[rows, :, :, dst].set(a[rows, :, :, src], mode="drop") for a in cache.k)
-        v = tuple(a.at[rows, :, dst].set(a[rows, :, src], mode="drop") for a in cache.v)
+        k = tuple(None if a is None else a.at[rows, :, :, dst].set(a[rows, :, :, src], mode="drop") for a in cache.k)
+        v = tuple(None if a is None else a.at[rows, :, dst].set(a[rows, :, src], mode="drop") for a in cache.v)
     else:
         k = cache.k.at[:, rows, :, :, dst].set(cache.k[:, rows, :, :, src], mode="drop")
         v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")

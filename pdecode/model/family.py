@@ -29,7 +29,7 @@ FAMILIES: dict[str, "Family"] = {}  # HF model_type -> family
 _LOADED = False
 # the modules that register the built-in families (imported on the first lookup)
 BUILTIN = ("pdecode.model.families.llama", "pdecode.model.families.gemma", "pdecode.model.families.moe",
-           "pdecode.model.families.phi3")
+           "pdecode.model.families.phi3", "pdecode.model.families.gemma4")
 
 
 class Family:
@@ -37,6 +37,12 @@ class Family:
 
     model_types: tuple[str, ...] = ()  # HF model_type values this family reads (and writes back as they were)
     architectures: dict[str, str] = {}  # model_type -> the HF architectures[0] written by `config_to_hf`
+
+    own_rope: bool = False  # config_from_hf reads the rope fields itself (else `config.rope_from_hf` does)
+
+    def unwrap(self, model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+        """The config.json fields of the network pdecode runs (a multimodal config: its text model's)."""
+        return hf
 
     def name_for(self, model_type: str) -> str:
         """The ``ModelConfig.family`` a config.json of this model_type gets (the model_type itself)."""
@@ -62,6 +68,11 @@ class Family:
     # -------------------------------------------------------------------------------- forward
     def embed_scale(self, cfg) -> float | None:
         """A factor the token embeddings are multiplied by (Gemma: sqrt(hidden_size)); None: none."""
+        return None
+
+    def layer_inputs(self, cfg, params, tokens_BT, x_BTD):
+        """Inputs the blocks read besides the residual stream, computed once per forward from the tokens and their
+        embeddings ``x`` (Gemma 4's per-layer embeddings); blocks find them in ``att.extra["inputs"]``. None: none."""
         return None
 
     def norm(self, cfg, x, w):

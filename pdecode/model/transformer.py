@@ -241,6 +241,9 @@ class Attention(NamedTuple):
     rope_local: tuple[jax.Array, jax.Array] | None
     mask_local: Any
     sliding: tuple[bool, ...]
+    # a family's per-forward data (`Family.layer_inputs`, e.g. Gemma 4's per-layer inputs) and scratch its blocks
+    # share within the forward (a kv-shared layer's source keys and values); None for most families
+    extra: Any = None
 
     def for_layer(self, i):
         """(rope, mask) of layer ``i`` (a static int, or a traced one under `lax.scan`)."""
@@ -259,7 +262,8 @@ class Attention(NamedTuple):
         return jax.tree.map(pick, rope_l, self.rope), mask
 
 
-def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=None, layer_ids=None) -> Attention:
+def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=None, layer_ids=None,
+                  layer_inputs=None) -> Attention:
     """The `Attention` of a forward: ``mask`` is the full-attention mask the caller built; the sliding layers' mask
     and rope are derived here (windows never come from the caller). ``tables``: the decode layout's rope tables
     (`decode_layout`; a dict with "global" and maybe "local"), else computed."""
@@ -273,7 +277,8 @@ def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=No
     rope_l = rope_tables(cfg, positions_BT, tables.get("local"), local=True) \
         if any_sliding and has_local_rope(cfg) else None
     mask_l = window_mask(mask_BTS, positions_BT, cfg.sliding_window) if any_sliding else None
-    return Attention(rope, mask_BTS, rope_l, mask_l, kinds)
+    extra = None if cfg.uniform_layers and layer_inputs is None else {"inputs": layer_inputs, "kv": {}}
+    return Attention(rope, mask_BTS, rope_l, mask_l, kinds, extra)
 
 
 def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -415,12 +420,12 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kv
 
 def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
-               hidden_layers: tuple[int, ...] = (), rope_table=None
+               hidden_layers: tuple[int, ...] = (), rope_table=None, layer_inputs=None
                ) -> tuple[jax.Array, kvc.KVCache | None, jax.Array | None]:
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
     `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
-    (x, cache, layer_hidden)."""
-    att = attention_for(cfg, positions_BT, mask_BTS, rope_table)
+    (x, cache, layer_hidden). ``layer_inputs``: the family's per-forward inputs (`Family.layer_inputs`)."""
+    att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_inputs=layer_inputs)
     if isinstance(layers, DecodeLayers):
         num_layers = len(layers)
         hid = []
@@ -467,18 +472,18 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers,
-                               params.get("rope_tables"))
+                               params.get("rope_tables"), family_of(cfg).layer_inputs(cfg, params, tokens_BT, x))
     h = final_norm(params, cfg, x)
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
 
 
 def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                   cache: kvc.KVCache | None, write_at_B: jax.Array | None, ids: tuple[int, ...],
-                  capture: int | None = None, rope_table=None):
+                  capture: int | None = None, rope_table=None, layer_inputs=None):
     """Run only the blocks ``ids`` (static, increasing) of a stack, each writing its own layer of ``cache``.
     Returns (x, cache, the hidden state entering block ``capture``, i.e. after the ids below it; None unless asked).
     Self-speculation drafts with a subset of the target's layers and verifies with the rest through this."""
-    att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_ids=ids)
+    att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_ids=ids, layer_inputs=layer_inputs)
     groups = [tuple(i for i in ids if capture is None or i < capture)]
     if capture is not None:
         groups.append(tuple(i for i in ids if i >= capture))
@@ -510,12 +515,18 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
                    tokens_BT: jax.Array | None = None, x_in_BTD: jax.Array | None = None,
                    capture: int | None = None) -> tuple[ForwardOut, jax.Array | None]:
     """`forward` through the blocks ``ids`` only, from tokens or from hidden states ``x_in`` (the input of the
-    first of them), then the final norm. Returns (ForwardOut, the hidden entering block ``capture`` or None)."""
-    x = embed(params, tokens_BT, cfg) if x_in_BTD is None else x_in_BTD
+    first of them), then the final norm. Returns (ForwardOut, the hidden entering block ``capture`` or None).
+    A family with per-layer inputs (Gemma 4) needs ``tokens`` also when starting from ``x_in``."""
+    fam = family_of(cfg)
+    x0 = None if tokens_BT is None else embed(params, tokens_BT, cfg)
+    x = x0 if x_in_BTD is None else x_in_BTD
+    extra = None if tokens_BT is None else fam.layer_inputs(cfg, params, tokens_BT, x0)
+    if extra is None and cfg.per_layer_input_size:
+        raise ValueError("forward_layers: this model's layers take per-layer inputs; pass tokens_BT")
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, cap = run_layer_ids(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, ids, capture,
-                                  params.get("rope_tables"))
+                                  params.get("rope_tables"), extra)
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 

@@ -1,0 +1,378 @@
+"""The Gemma 4 family (text): ``gemma4_text`` checkpoints and the text model of ``gemma4`` ones.
+
+What differs from Gemma 3: layers of two shapes. The full-attention layers have a head size and kv-head count of
+their own (``global_head_dim``, ``num_global_key_value_heads``), may use their keys as values (``attention_k_eq_v``)
+and rotate only a fraction of each head ("proportional" rope, frequencies over the whole head size); the sliding
+layers rotate with a rope of their own base. Values are RMS-normalised (no weight), scores are not scaled (q and k
+are normalised). The last ``num_kv_shared_layers`` layers compute no keys or values: each attends with those of the
+last earlier layer of its kind (`ModelConfig.kv_source`), and their MLP may be twice as wide
+(``use_double_wide_mlp``). Per-layer embeddings (PLE): a second token embedding, ``hidden_size_per_layer_input`` per
+layer, mixed with a projection of the token embeddings and fed to each layer through a gated residual branch. A
+layer may add a mixture of experts beside its dense MLP (``enable_moe_block``: its own norms, a router over the
+normalised residual with a learned scale and per-expert scales), and ends scaled by ``layer_scalar``. RMSNorm
+multiplies by the plain weight.
+
+Since its layers differ in shape, the params of a Gemma 4 network are a tuple of per-layer dicts
+(`transformer.DecodeLayers`), also in the canonical layout, and its cache holds one buffer per layer of the
+layer's own shape (none for kv-shared layers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdecode.errors import ConfigError
+from pdecode.model.family import Family, register
+from pdecode.model.families.llama import check_act, sliding_from_hf
+
+
+def gemma4_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm times the plain weight (None: no weight), in float32 and cast back after the scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        xf = xf * w.astype(jnp.float32)
+    return xf.astype(x.dtype)
+
+
+def _per_layer(hf: dict, key: str, full: list[int]):
+    """A value the full-attention layers override through ``per_layer_config`` (transformers >= 5.2 writes it so),
+    the same for every full layer, or None."""
+    plc = hf.get("per_layer_config") or {}
+    vals = {(plc.get(str(i)) or plc.get(i) or {}).get(key) for i in full}
+    others = [k for k in plc if int(k) not in full]
+    if others:
+        raise ConfigError(f"gemma4: per_layer_config overrides sliding layers {others[:4]}; pdecode supports "
+                          "overrides of the full-attention layers only")
+    if len(vals) > 1:
+        raise ConfigError(f"gemma4: per_layer_config gives full-attention layers different {key}: {sorted(vals)}")
+    return vals.pop() if vals else None
+
+
+class Gemma4(Family):
+    model_types = ("gemma4_text", "gemma4")
+    architectures = {"gemma4_text": "Gemma4ForCausalLM"}
+    own_rope = True  # rope_parameters per layer kind, read by config_from_hf
+
+    def unwrap(self, model_type, hf):
+        """A ``gemma4`` (multimodal) config.json: its text model's config, tensors under "model.language_model."."""
+        if model_type != "gemma4":
+            return hf
+        if "text_config" not in hf:
+            raise ConfigError("gemma4: config.json has no text_config")
+        return {**hf["text_config"], "model_type": "gemma4"}
+
+    # -------------------------------------------------------------------------------- config
+    def config_from_hf(self, model_type, hf, kw):
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        check_act(model_type, {"hidden_activation": act}, ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation")
+        if hf.get("attention_bias"):
+            raise ConfigError(f"{model_type}: attention_bias true is not supported")
+        if hf.get("use_bidirectional_attention") == "all":
+            raise ConfigError(f"{model_type}: use_bidirectional_attention 'all' is not supported by the causal "
+                              "family (DiffusionGemma is its own model_type)")
+        n = kw["num_layers"]
+        if "layer_types" not in hf:
+            hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]}
+        types = list(hf["layer_types"])
+        types[-1] = "full_attention"  # as the reference forces
+        hf = {**hf, "layer_types": types}
+        sliding_from_hf(model_type, {**hf, "sliding_window": hf.get("sliding_window", 512)}, kw)
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        ghd = hf.get("global_head_dim") or _per_layer(hf, "head_dim", full)
+        gkv = hf.get("num_global_key_value_heads") or _per_layer(hf, "num_key_value_heads", full)
+        k_eq_v = bool(hf.get("attention_k_eq_v", False))
+        if not k_eq_v and hf.get("per_layer_config") is None:
+            gkv = None  # the reference applies num_global_key_value_heads only with attention_k_eq_v
+        rp = hf.get("rope_parameters") or {}
+        slide = dict(rp.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10000.0})
+        glob = dict(rp.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1e6})
+        if slide.get("rope_type", "default") != "default":
+            raise ConfigError(f"{model_type}: rope_parameters.sliding_attention.rope_type {slide['rope_type']!r} is "
+                              "not supported (default only)")
+        gtype = glob.get("rope_type", "default")
+        if gtype not in ("default", "proportional"):
+            raise ConfigError(f"{model_type}: rope_parameters.full_attention.rope_type {gtype!r} is not supported "
+                              "(default, proportional)")
+        factor = float(glob.get("factor", 1.0)) if gtype == "proportional" else 1.0
+        moe = bool(hf.get("enable_moe_block", False))
+        kw.update(hidden_act="gelu_tanh", tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                  qk_norm=True, attn_scale=1.0, final_softcap=hf.get("final_logit_softcapping") or None,
+                  rope_theta=float(glob.get("rope_theta", 1e6)), local_rope_theta=float(slide.get("rope_theta", 1e4)),
+                  rope_scaling=(("factor", factor), ("rope_type", "linear")) if factor != 1.0 else None,
+                  rope_fraction=float(glob.get("partial_rotary_factor", 1.0)) if gtype == "proportional" else 1.0,
+                  global_head_dim=int(ghd) if ghd else None, global_kv_heads=int(gkv) if gkv else None,
+                  k_eq_v=k_eq_v, kv_shared_layers=int(hf.get("num_kv_shared_layers") or 0),
+                  per_layer_input_size=int(hf.get("hidden_size_per_layer_input") or 0),
+                  per_layer_vocab=int(hf.get("vocab_size_per_layer_input") or kw["vocab_size"])
+                  if hf.get("hidden_size_per_layer_input") else 0,
+                  double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)) and bool(hf.get("num_kv_shared_layers")))
+        if moe:
+            e, k, f = hf.get("num_experts"), hf.get("top_k_experts"), hf.get("moe_intermediate_size")
+            if not (e and k and f):
+                raise ConfigError(f"{model_type}: enable_moe_block needs num_experts, top_k_experts and "
+                                  "moe_intermediate_size")
+            kw.update(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f), norm_topk_prob=True)
+        if kw["kv_shared_layers"] >= n:
+            raise ConfigError(f"{model_type}: num_kv_shared_layers {kw['kv_shared_layers']} of {n} layers (every "
+                              "layer shared: an assistant model) is not a model of its own")
+
+    def config_to_hf(self, cfg, out):
+        if cfg.family == "gemma4":  # the text model of a multimodal checkpoint: written back inside one
+            text = dict(out)
+            self.config_to_hf(cfg.replace(family="gemma4_text"), text)
+            for k in list(out):
+                del out[k]
+            out.update(model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], text_config=text)
+            return
+        out["architectures"] = ["Gemma4ForCausalLM"]
+        out["model_type"] = "gemma4_text"
+        out.pop("hidden_act", None)
+        out.pop("rope_theta", None)
+        out.pop("rope_scaling", None)
+        full = {"rope_type": "proportional" if cfg.rope_fraction != 1.0 or cfg.rope_scaling else "default",
+                "rope_theta": cfg.rope_theta}
+        if full["rope_type"] == "proportional":
+            full["partial_rotary_factor"] = cfg.rope_fraction
+            if cfg.rope_scaling:
+                full["factor"] = float(cfg.rope_scaling_dict["factor"])
+        kinds = cfg.layer_kinds()
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, final_logit_softcapping=cfg.final_softcap,
+                   sliding_window=cfg.sliding_window or 512,
+                   layer_types=[f"{k}_attention" for k in kinds],
+                   rope_parameters={"full_attention": full, "sliding_attention": {
+                       "rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}},
+                   attention_k_eq_v=cfg.k_eq_v, num_kv_shared_layers=cfg.kv_shared_layers,
+                   hidden_size_per_layer_input=cfg.per_layer_input_size,
+                   vocab_size_per_layer_input=cfg.per_layer_vocab or cfg.vocab_size,
+                   use_double_wide_mlp=cfg.double_wide_mlp, enable_moe_block=bool(cfg.num_experts))
+        over = {}
+        if cfg.global_head_dim:
+            over["head_dim"] = cfg.global_head_dim
+        if cfg.global_kv_heads:
+            over["num_key_value_heads"] = cfg.global_kv_heads
+        out["per_layer_config"] = {str(i): dict(over) for i, k in enumerate(kinds) if k == "full" and over}
+        if cfg.num_experts:
+            out.update(num_experts=cfg.num_experts, top_k_experts=cfg.experts_per_tok,
+                       moe_intermediate_size=cfg.moe_intermediate_size)
+
+    # -------------------------------------------------------------------------------- params
+    def layer_spec(self, cfg, i: int) -> dict:
+        """Layer ``i``'s weights (no stacked axis)."""
+        from pdecode.model.transformer import ParamSpec
+
+        D, H, F = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
+        kv, hd = cfg.layer_attention(i)
+        own_kv = cfg.kv_source(i) == i
+        if cfg.double_wide_mlp and not own_kv:
+            F *= 2
+        vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
+        s = {"attn_norm": vec(D), "wq": ParamSpec((D, H, hd), ("embed", "heads", None)), "q_norm": vec(hd),
+             "wo": ParamSpec((H, hd, D), ("heads", None, "embed")),
+             "post_attn_norm": vec(D), "mlp_norm": vec(D), "post_mlp_norm": vec(D),
+             "w_gate": ParamSpec((D, F), ("embed", "mlp")), "w_up": ParamSpec((D, F), ("embed", "mlp")),
+             "w_down": ParamSpec((F, D), ("mlp", "embed")), "layer_scalar": vec(1)}
+        if own_kv:
+            s.update(wk=ParamSpec((D, kv, hd), ("embed", "kv_heads", None)), k_norm=vec(hd))
+            if not self.keys_are_values(cfg, i):
+                s["wv"] = ParamSpec((D, kv, hd), ("embed", "kv_heads", None))
+        if cfg.per_layer_input_size:
+            P = cfg.per_layer_input_size
+            s.update(ple_gate=ParamSpec((D, P), ("embed", None)), ple_proj=ParamSpec((P, D), (None, "embed")),
+                     ple_norm=vec(D))
+        if cfg.num_experts:
+            E, Fm = cfg.num_experts, cfg.moe_intermediate_size
+            s.update(router=ParamSpec((D, E), ("embed", None)), router_scale=vec(D), expert_scale=vec(E),
+                     we_gate=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
+                     we_up=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
+                     we_down=ParamSpec((E, Fm, D), ("experts", "expert_mlp", "embed")),
+                     post_mlp_norm_1=vec(D), pre_moe_norm=vec(D), post_moe_norm=vec(D))
+        return s
+
+    @staticmethod
+    def keys_are_values(cfg, i: int) -> bool:
+        return cfg.k_eq_v and cfg.layer_kinds()[i] == "full"
+
+    def layer_specs(self, cfg, num_layers):
+        from pdecode.model.transformer import DecodeLayers
+
+        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
+        return DecodeLayers([self.layer_spec(c, i) for i in range(num_layers)], False)
+
+    def extra_specs(self, cfg):
+        from pdecode.model.transformer import ParamSpec
+
+        if not cfg.per_layer_input_size:
+            return {}
+        LP = cfg.num_layers * cfg.per_layer_input_size
+        return {"ple_embed": ParamSpec((cfg.per_layer_vocab, LP), ("vocab", None)),
+                "ple_model_proj": ParamSpec((cfg.hidden_size, LP), ("embed", None)),
+                "ple_proj_norm": ParamSpec((cfg.per_layer_input_size,), (None,), "ones")}
+
+    # -------------------------------------------------------------------------------- forward
+    def embed_scale(self, cfg):
+        return cfg.hidden_size ** 0.5
+
+    def norm(self, cfg, x, w):
+        return gemma4_norm(x, w, cfg.rms_norm_eps)
+
+    def layer_inputs(self, cfg, params, tokens_BT, x_BTD):
+        """Per-layer inputs [B, T, L, P]: the per-layer embedding of each token (x sqrt(P)) plus the normalised
+        projection of its embedding (x 1/sqrt(D)), times 1/sqrt(2)."""
+        from pdecode.model.transformer import linear
+
+        if not cfg.per_layer_input_size:
+            return None
+        b, t = tokens_BT.shape
+        L, P = cfg.num_layers, cfg.per_layer_input_size
+        w = params["ple_embed"]
+        tok = jnp.take(w, jnp.clip(tokens_BT, 0, w.shape[0] - 1), axis=0) * jnp.asarray(P ** 0.5, w.dtype)
+        proj = linear(x_BTD, params["ple_model_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, x_BTD.dtype)
+        proj = gemma4_norm(proj.reshape(b, t, L, P), params["ple_proj_norm"], cfg.rms_norm_eps)
+        return ((proj + tok.reshape(b, t, L, P).astype(proj.dtype)) * jnp.asarray(2 ** -0.5, proj.dtype))
+
+    def attention(self, cfg, lp, h, att, cache, i, write_at):
+        """Layer ``i``'s attention on the normed input: q (normed, rotated); its own k and v (k normed and rotated,
+        v normed without weight; v = the k projection with k_eq_v), written to its cache, or its source layer's;
+        unscaled scores."""
+        from pdecode.model import cache as kvc
+        from pdecode.model.attention import attend
+        from pdecode.model.transformer import apply_rope, linear
+
+        if not isinstance(i, int):
+            raise ValueError("gemma4 layers run unrolled (their shapes differ); got a traced layer index")
+        b, t, _ = h.shape
+        eps = cfg.rms_norm_eps
+        rope, mask = att.for_layer(i)
+        q = apply_rope(gemma4_norm(linear(h, lp["wq"], "btd,dhk->bthk"), lp["q_norm"], eps), rope)
+        src = cfg.kv_source(i)
+        shared = att.extra["kv"] if att.extra is not None else {}
+        if src == i:
+            k = linear(h, lp["wk"], "btd,dhk->bthk")
+            v = k if "wv" not in lp else linear(h, lp["wv"], "btd,dhk->bthk")
+            k = apply_rope(gemma4_norm(k, lp["k_norm"], eps), rope)
+            v = gemma4_norm(v, None, eps)
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
+            if cache is not None:
+                cache = kvc.write_layer(cache, i, k, v, write_at)
+                k, v = cache.layer(i)  # [B, KV, hd, S], [B, KV, S, hd]
+            else:
+                k = jnp.swapaxes(k, 2, 3)
+            shared[i] = (k, v)
+        elif cache is not None:
+            k, v = cache.layer(src)  # its source wrote this forward's keys first (or, in a partial pass, did not)
+        elif src in shared:
+            k, v = shared[src]
+        else:
+            raise ValueError(f"gemma4: layer {i} attends with layer {src}'s keys and values; run layer {src} in the "
+                             "same pass")
+        a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=1.0)
+        return linear(a, lp["wo"], "bthk,hkd->btd"), cache
+
+    def moe(self, cfg, lp, res_BTD):
+        """The experts beside the dense MLP: routed from the residual (RMS-normalised, x scale / sqrt(D)), softmax
+        over all, top k renormalised, times each chosen expert's scale; the experts read the residual normed by
+        pre_moe_norm."""
+        from pdecode.model.families.moe import experts_dense, experts_gathered, experts_grouped
+        from pdecode.model.transformer import linear
+
+        b, t, d = res_BTD.shape
+        x = res_BTD.reshape(b * t, d)
+        r = gemma4_norm(x, None, cfg.rms_norm_eps) * lp["router_scale"].astype(x.dtype) * jnp.asarray(d ** -0.5,
+                                                                                                     x.dtype)
+        probs = jax.nn.softmax(linear(r, lp["router"]).astype(jnp.float32), axis=-1)
+        top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        w = (top * lp["expert_scale"].astype(jnp.float32)[idx]).astype(x.dtype)
+        h = gemma4_norm(x, lp["pre_moe_norm"], cfg.rms_norm_eps)
+        if b * t * cfg.experts_per_tok <= cfg.num_experts:
+            run = experts_gathered
+        else:
+            run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
+        return run(cfg, lp, h, w, idx).reshape(b, t, d)
+
+    def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
+        from pdecode.model.transformer import glu_mlp
+
+        i = int(layer_idx)
+        norm = lambda y, w: gemma4_norm(y, w, cfg.rms_norm_eps)  # noqa: E731
+        a, cache = self.attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, i, write_at)
+        x = x + norm(a, lp["post_attn_norm"])
+        m = glu_mlp(cfg, lp, norm(x, lp["mlp_norm"]), fused)
+        if "router" in lp:
+            m = norm(m, lp["post_mlp_norm_1"]) + norm(self.moe(cfg, lp, x), lp["post_moe_norm"])
+        x = x + norm(m, lp["post_mlp_norm"])
+        if "ple_gate" in lp:
+            inputs = att.extra["inputs"] if att.extra is not None else None
+            if inputs is None:
+                raise ValueError("gemma4: this model's layers need their per-layer inputs (a forward from tokens)")
+            from pdecode.model.transformer import activation, linear
+
+            g = activation(cfg, linear(x, lp["ple_gate"])) * inputs[:, :, i].astype(x.dtype)
+            x = x + norm(linear(g, lp["ple_proj"]), lp["ple_norm"])
+        return x * lp["layer_scalar"].astype(x.dtype), cache
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def prefix(self, cfg) -> str:
+        return "model."
+
+    def layer_names(self, cfg, i: int) -> list[tuple]:
+        """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
+        spec = self.layer_spec(cfg, i)
+        a = "self_attn."
+        names = [("input_layernorm.weight", "attn_norm", "plain"), (a + "q_proj.weight", "wq", "heads_in"),
+                 (a + "q_norm.weight", "q_norm", "plain"), (a + "o_proj.weight", "wo", "heads_out"),
+                 ("post_attention_layernorm.weight", "post_attn_norm", "plain"),
+                 ("pre_feedforward_layernorm.weight", "mlp_norm", "plain"),
+                 ("post_feedforward_layernorm.weight", "post_mlp_norm", "plain"),
+                 ("mlp.gate_proj.weight", "w_gate", "linear"), ("mlp.up_proj.weight", "w_up", "linear"),
+                 ("mlp.down_proj.weight", "w_down", "linear"), ("layer_scalar", "layer_scalar", "plain")]
+        if "wk" in spec:
+            names += [(a + "k_proj.weight", "wk", "heads_in"), (a + "k_norm.weight", "k_norm", "plain")]
+        if "wv" in spec:
+            names.append((a + "v_proj.weight", "wv", "heads_in"))
+        if "ple_gate" in spec:
+            names += [("per_layer_input_gate.weight", "ple_gate", "linear"),
+                      ("per_layer_projection.weight", "ple_proj", "linear"),
+                      ("post_per_layer_input_norm.weight", "ple_norm", "plain")]
+        if "router" in spec:
+            names += [("router.proj.weight", "router", "linear"), ("router.scale", "router_scale", "plain"),
+                      ("router.per_expert_scale", "expert_scale", "plain"),
+                      ("experts.gate_up_proj", "we_gate", "first_rows_t"),
+                      ("experts.gate_up_proj", "we_up", "second_rows_t"),
+                      ("experts.down_proj", "we_down", "linear_stack"),
+                      ("post_feedforward_layernorm_1.weight", "post_mlp_norm_1", "plain"),
+                      ("pre_feedforward_layernorm_2.weight", "pre_moe_norm", "plain"),
+                      ("post_feedforward_layernorm_2.weight", "post_moe_norm", "plain")]
+        return names
+
+    def block_names(self, cfg):
+        return self.layer_names(cfg, 0)
+
+    def hf_rules(self, cfg, prefix: str | None = None):
+        from pdecode.checkpoint.hf import Rule
+
+        p = prefix or ("model.language_model." if cfg.family == "gemma4" else "model.")
+        rules = [Rule(p + "embed_tokens.weight", "embed", "plain")]
+        for i in range(cfg.num_layers):
+            rules += [Rule(f"{p}layers.{i}.{hf}", f"layers/{i}/{ours}", lay) for hf, ours, lay in
+                      self.layer_names(cfg, i)]
+        rules.append(Rule(p + "norm.weight", "final_norm", "plain"))
+        if cfg.per_layer_input_size:
+            rules += [Rule(p + "embed_tokens_per_layer.weight", "ple_embed", "plain"),
+                      Rule(p + "per_layer_model_projection.weight", "ple_model_proj", "linear"),
+                      Rule(p + "per_layer_projection_norm.weight", "ple_proj_norm", "plain")]
+        if not cfg.tie_word_embeddings:
+            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
+        return rules
+
+    def head_block_rules(self, cfg, prefix):
+        from pdecode.checkpoint.hf import Rule
+
+        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
+                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
+
+
+GEMMA4 = register(Gemma4())
