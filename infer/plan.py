@@ -128,7 +128,7 @@ def _cache_shapes(cfg, batch, max_len, dtype, mesh):
     from pdecode.model import cache as kvc
     from pdecode.sharding import batch_sharding, cache_spec
 
-    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, max_len, dtype))
+    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, max_len, dtype, per_layer=not cfg.uniform_layers))
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
         mesh, cache_spec(a.shape, mesh) if a.ndim >= 4 else batch_sharding(mesh, a.shape).spec)), shapes)
 
@@ -205,7 +205,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
 
     stored_bytes = _bytes(abstract_params(cfg, jdt, mesh))  # the checkpoint's own weights
     r = kv_repeat(cfg, mesh)  # kv heads repeated to the model axis, as Model.on_mesh does
-    cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r)
+    cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r, global_kv_heads=cfg.global_kv_heads and cfg.global_kv_heads * r)
     params = abstract_params(cfg, jdt, mesh)
     target = pdecode.Model(cfg=cfg, params=params, name=config)
     draft, extra_params, opts = None, 0, {}

@@ -81,7 +81,9 @@ class Model:
             from pdecode.sharding import kv_repeat
 
             r = kv_repeat(self.cfg, mesh)
-            cfg = self.cfg.replace(num_kv_heads=self.cfg.num_kv_heads * r) if r > 1 else self.cfg
+            gkv = self.cfg.global_kv_heads  # (Gemma 4's full layers: their kv heads repeated as often)
+            cfg = self.cfg.replace(num_kv_heads=self.cfg.num_kv_heads * r, global_kv_heads=gkv and gkv * r) \
+                if r > 1 else self.cfg
             params = _place_tree(self.params, param_specs(self.cfg), param_specs(cfg), mesh, r, indivisible)
             extras = dict(self.extras)
             for kind, val in self.extras.items():
@@ -226,7 +228,7 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
         take = lambda a, s: jax.lax.slice_in_dim(a, 0, a.shape[s.axes.index("kv_heads")], r,  # noqa: E731
                                                  axis=s.axes.index("kv_heads")) if "kv_heads" in s.axes else a
         params = jax.tree.map(take, params, param_specs(cfg))
-        cfg = cfg.replace(num_kv_heads=src.num_kv_heads)
+        cfg = cfg.replace(num_kv_heads=src.num_kv_heads, global_kv_heads=src.global_kv_heads)
     return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
 
 

@@ -55,7 +55,7 @@ def _new_family(tf, family: str, common: dict):
             cfg = tf.Gemma4TextConfig(**c, hidden_size_per_layer_input=0, attention_k_eq_v=True,
                                       num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
                                       top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0,
-                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+                                      layer_types=three[:1] + ["full_attention"] * (c["num_hidden_layers"] - 1))
         return tf.Gemma4ForCausalLM(cfg)
     raise ValueError(family)
 
