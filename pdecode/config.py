@@ -164,7 +164,7 @@ class ModelConfig:
         have keys and values of their own and no per-layer inputs."""
         kinds = set(self.layer_kinds())
         return self.replace(num_layers=n, layer_types=None, kv_shared_layers=0, per_layer_input_size=0,
-                            per_layer_vocab=0,
+                            per_layer_vocab=0, double_wide_mlp=False,
                             sliding_window=self.sliding_window if kinds == {"sliding"} else None)
 
     def layer_attention(self, i: int) -> tuple[int, int]:
@@ -184,9 +184,8 @@ class ModelConfig:
 
     @property
     def uniform_layers(self) -> bool:
-        """Whether every layer has the same weights' shapes and a cache of its own (one stack under lax.scan)."""
-        return not (self.kv_shared_layers or self.double_wide_mlp or self.k_eq_v
-                    or len({self.layer_attention(i) for i in range(self.num_layers)}) > 1)
+        """Whether every layer has a cache of its own of one shape (else the cache is per layer, `init_cache`)."""
+        return not (self.kv_shared_layers or len({self.layer_attention(i) for i in range(self.num_layers)}) > 1)
 
     def num_params(self) -> int:
         """Parameters of the network (every expert counted)."""

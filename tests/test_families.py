@@ -291,7 +291,7 @@ def test_moe_speculative_sampling_is_lossless(tmp_path):
     assert min(pvalues(np.asarray(exe(*args)[0].tokens))) < 1e-6
 
 
-@pytest.mark.parametrize("fam,kind", [("gemma3", "eagle"), ("qwen3_moe", "mtp")])
+@pytest.mark.parametrize("fam,kind", [("gemma4", "eagle"), ("qwen3_moe", "mtp")])
 def test_heads_trained_on_a_family_decode_like_ar(tmp_path, fam, kind):
     """`pdecode train heads` on a new family's checkpoint (code-target's tokenizer beside it, Python text): the
     heads are built from the family's own block, train a few steps, save, load with their base and decode

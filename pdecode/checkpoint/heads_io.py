@@ -71,6 +71,8 @@ def _unflatten_like(flat: dict, template):
     def build(t, prefix):
         if isinstance(t, dict):
             return {k: build(v, f"{prefix}{k}/") for k, v in t.items()}
+        if hasattr(t, "fused"):  # a tuple of per-layer dicts (`transformer.DecodeLayers`: Gemma 4's blocks)
+            return type(t)([build(v, f"{prefix}{i}/") for i, v in enumerate(t)], t.fused)
         if isinstance(t, (list, tuple)):
             return [build(v, f"{prefix}{i}/") for i, v in enumerate(t)]
         name = prefix[:-1]

@@ -68,8 +68,9 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
                per_layer: bool = False) -> KVCache:
     n = num_layers or cfg.num_layers
-    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
-    v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    kv, hd = cfg.layer_attention(0)  # every layer's, when uniform
+    k_shape = (batch, kv, hd, max_len)
+    v_shape = (batch, kv, max_len, hd)
     if not cfg.uniform_layers:
         if not per_layer:
             raise ValueError("init_cache: layers of different shapes need per_layer=True")
