@@ -326,3 +326,36 @@ def test_heads_trained_on_a_family_decode_like_ar(tmp_path, fam, kind):
     prompts = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
     ref = pdecode.generate(m, prompts, max_new_tokens=16, stop_at_eos=False).tokens
     assert pdecode.generate(m, prompts, method=kind, max_new_tokens=16, stop_at_eos=False).tokens == ref
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_model(fam_dirs, tmp_path):
+    """A `gemma4` (multimodal) directory: config.json nests the text model in ``text_config`` and its tensors sit
+    under ``model.language_model.`` beside the vision tower's (ignored). pdecode runs the text model (the same logits
+    as the ``gemma4_text`` checkpoint) and saves it back in the same layout, which loads again."""
+    import json
+
+    from pdecode.checkpoint.safetensors_io import read_safetensors, write_safetensors
+
+    d, _ = fam_dirs["gemma4"]
+    text = pdecode.load(d)
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in read_safetensors(d / "model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedder.weight"] = np.zeros((4, 4), np.float32)
+    write_safetensors(mm / "model.safetensors", tensors, metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "gemma4", "architectures": [
+        "Gemma4ForConditionalGeneration"], "text_config": cfg, "vision_config": {"hidden_size": 4}}))
+    m = pdecode.load(mm)
+    assert m.cfg.family == "gemma4" and m.cfg.kv_shared_layers == 2
+    ids = _ids(2, 12, seed=7)
+    want = np.asarray(pdecode.forward_logits(text, ids))
+    np.testing.assert_allclose(np.asarray(pdecode.forward_logits(m, ids)), want, atol=1e-6)
+    pdecode.save_hf(m, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["model_type"] == "gemma4" and saved["text_config"]["model_type"] == "gemma4_text"
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in read_safetensors(
+        tmp_path / "saved" / "model.safetensors")
+    np.testing.assert_allclose(np.asarray(pdecode.forward_logits(pdecode.load(tmp_path / "saved"), ids)), want,
+                               atol=1e-6)
