@@ -44,8 +44,8 @@ def test_bf16_divergences_from_ar_are_float32_near_ties():
     from infer.bench import default_prompts
     from infer.tie_bench import sweep
 
-    prompts = default_prompts(pdecode.load("code-target"), 12, 64)
-    rows = sweep(prompts, 64, cases=CASES)
+    prompts = default_prompts(pdecode.load("code-target"), 8, 64)
+    rows = sweep(prompts, 48, cases=CASES)  # (8 x 48: medusa diverges at a tie on 2 of them)
     for r in rows:
         assert r["non_ties"] == 0, r
         assert r["identical"] >= len(prompts) // 2, r  # divergences are the exception, not the rule

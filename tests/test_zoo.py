@@ -179,11 +179,11 @@ def test_code_dllm_writes_long_answers():
 
     m = pdecode.load("code-dllm", dtype="float32")
     items = [it for k in ("copy_long", "repeat_long", "range_long", "sort_long")
-             for it in [x for x in split_long()[1] if x.kind == k][:4]]
+             for it in [x for x in split_long()[1] if x.kind == k][:2]]
     out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=128, block_length=32,
                            rule="threshold", threshold=0.9)
     lines = [t.split("\n", 1)[0].strip() for t in out.texts]
-    assert sum(bool(re.fullmatch(r"\[[0-9, ]*\]?", x)) for x in lines) >= 14
+    assert sum(bool(re.fullmatch(r"\[[0-9, ]*\]?", x)) for x in lines) >= 7
     assert np.mean([position_score(it, t, m.tokenizer.backend) for it, t in zip(items, out.texts)]) >= POS_BAR
 
 
