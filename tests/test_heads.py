@@ -290,6 +290,46 @@ def test_import_public_eagle_layout_matches_a_manual_forward(target):
     np.testing.assert_allclose(np.asarray(out), expect, atol=1e-4)
 
 
+def test_import_eagle_reads_the_base_family_block(tmp_path):
+    """A released EAGLE head for a Qwen2 base carries q/k/v biases: they are read by the base family's block names
+    (not a fixed Llama list), and the imported layer equals transformers' Qwen2 layer."""
+    import torch
+    import transformers as tf
+
+    make_hf_model("qwen2", tmp_path / "q", num_hidden_layers=1)
+    base = pdecode.load(tmp_path / "q")
+    cfg = base.cfg
+    assert cfg.attention_bias
+    torch.manual_seed(1)
+    ref = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                             intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
+                                             num_attention_heads=cfg.num_heads,
+                                             num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=256)).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+    tensors = {f"layers.0.{k}": v.detach().numpy() for k, v in ref.model.layers[0].state_dict().items()}
+    tensors["fc.weight"] = fc.weight.detach().numpy()
+    assert "layers.0.self_attn.q_proj.bias" in tensors
+    ecfg, params = heads_io.import_eagle(tensors, cfg)
+    assert np.array_equal(np.asarray(params["layers"]["bq"][0]).reshape(-1),
+                          tensors["layers.0.self_attn.q_proj.bias"])
+    toks = np.array([[3, 9, 27, 4]])
+    feats = np.random.default_rng(2).normal(size=(1, 4, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        x = fc(torch.cat([torch.tensor(np.asarray(base.params["embed"]))[torch.tensor(toks)], torch.tensor(feats)],
+                         -1))
+        pos = torch.arange(4)[None]
+        mask = torch.full((4, 4), float("-inf")).triu(1)[None, None]
+        expect = ref.model.layers[0](x, attention_mask=mask, position_ids=pos,
+                                     position_embeddings=ref.model.rotary_emb(x, pos))
+        expect = (expect[0] if isinstance(expect, tuple) else expect).numpy()
+    _, out, _ = H.eagle_step(jax.tree.map(jnp.asarray, params), ecfg, cfg, base.params, jnp.asarray(toks),
+                             jnp.asarray(feats), jnp.arange(4)[None], jnp.tril(jnp.ones((1, 4, 4), bool)))
+    np.testing.assert_allclose(np.asarray(out), expect, atol=1e-4)
+
+
 def test_deepseek_mtp_layout_and_concat_order(target):
     rng = np.random.default_rng(0)
     cfg = target.cfg

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pdecode.checkpoint.hf import block_rules, params_to_tensors, tensors_to_params
+from pdecode.checkpoint.hf import params_to_tensors, tensors_to_params
 from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, stored_path, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
@@ -143,6 +143,14 @@ def import_medusa(tensors: dict[str, np.ndarray], num_heads: int, num_layers: in
     return mcfg, params
 
 
+def _head_block(cfg: ModelConfig, prefix: str) -> list:
+    """The tensor rules of a drafter's one decoder block under ``prefix``: the base family's block (biases, q/k
+    norms, its own norm and MLP names), as the drafter was built from it."""
+    from pdecode.model.family import family_of
+
+    return family_of(cfg).head_block_rules(cfg.with_layers(1), prefix)
+
+
 def import_eagle(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype=np.float32):
     """Public EAGLE-1/2 drafter weights (fc over [embedding; feature], optional fc bias, one Llama layer) ->
     (EagleConfig, params)."""
@@ -151,7 +159,7 @@ def import_eagle(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype=np.floa
     if "layers.0.input_layernorm.weight" not in tensors:  # EAGLE-1 skips the first layer's input norm
         tensors["layers.0.input_layernorm.weight"] = np.ones((cfg.hidden_size,), np.float32)
     specs = ecfg.specs(cfg)
-    layer = tensors_to_params(tensors, {"layers": specs["layers"]}, block_rules("layers.{i}."), 1, dtype,
+    layer = tensors_to_params(tensors, {"layers": specs["layers"]}, _head_block(cfg, "layers.{i}."), 1, dtype,
                               source="EAGLE checkpoint")
     if "fc.weight" not in tensors:
         raise CheckpointError("not an EAGLE drafter checkpoint: missing 'fc.weight'")
@@ -178,7 +186,7 @@ def import_deepseek_mtp(tensors: dict[str, np.ndarray], cfg: ModelConfig, layer_
     # the layer's decoder-block tensors, renamed to index 0 so the generic per-layer rules apply
     renamed = {"model.layers.0." + k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
     layer = tensors_to_params(renamed, {"layers": mcfg.specs(cfg)["modules"][0]["layers"]},
-                              block_rules("model.layers.{i}."), 1, dtype, source="MTP layer")
+                              _head_block(cfg, "model.layers.{i}."), 1, dtype, source="MTP layer")
     eh = tensors[p + "eh_proj.weight"]
     if eh.shape != (cfg.hidden_size, 2 * cfg.hidden_size):
         raise CheckpointError(f"eh_proj.weight is {eh.shape}, the target needs ({cfg.hidden_size}, "
@@ -193,7 +201,7 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
     """Our first sequential MTP module in DeepSeek-V3's naming (layer index = num_layers)."""
     p = f"model.layers.{cfg.num_layers}."
     mod = params["modules"][0]
-    block = params_to_tensors({"layers": mod["layers"]}, block_rules("model.layers.{i}."))
+    block = params_to_tensors({"layers": mod["layers"]}, _head_block(cfg, "model.layers.{i}."))
     out = {p + k[len("model.layers.0."):]: v for k, v in block.items()}
     out[p + "enorm.weight"] = np.asarray(mod["enorm"])
     out[p + "hnorm.weight"] = np.asarray(mod["hnorm"])
