@@ -197,13 +197,18 @@ def attach_heads(m: Model, path: str | os.PathLike) -> Model:
     metadata (e.g. a calibrated Medusa tree). ``path``: a pdecode heads directory (heads.json, as the trainers and
     the zoo write them), or a released checkpoint directory: Medusa (``medusa_lm_head.safetensors``), EAGLE-1/2
     (``fc.weight`` + one layer) or a DeepSeek-V3 MTP layer (``model.layers.{num_layers}.*``, e.g. the base model's
-    own directory)."""
+    own directory), or a Gemma 4 assistant (``gemma4_assistant``: ``m.extras["assistant"]``, `method="assistant"`)."""
     from pdecode.checkpoint import heads_io
 
     path = resolve_path(path)
     dtype = np.dtype(jnp.dtype(m.dtype))
     cfg0 = m._source_cfg or m.cfg  # heads are stored for the model's own shapes, before any placing
-    if heads_io.is_heads_dir(path):
+    from pdecode.model import assistant
+
+    if assistant.is_assistant_dir(path):  # a Gemma 4 assistant: drafts for `method="assistant"`
+        hcfg, params = assistant.load(path, cfg0, dtype=dtype)
+        kind, meta = "assistant", {"source": "gemma4_assistant", "path": str(path)}
+    elif heads_io.is_heads_dir(path):
         kind, hcfg, params, meta = heads_io.load_heads(path, cfg0, dtype=dtype)
     else:
         kind, hcfg, params, meta = heads_io.load_released(path, cfg0, dtype=dtype)

@@ -354,6 +354,23 @@ register(Method("mtp", _prepare_mtp, needs="MTP module",
                         "tree"))
 
 
+def _prepare_assistant(model, draft, opts, samp):
+    from pdecode.decode.assistant import AssistantDrafter
+    from pdecode.errors import InputError
+
+    if "assistant" not in model.extras:
+        raise InputError("method 'assistant' needs a Gemma 4 assistant on the model: attach its directory (a "
+                         "gemma4_assistant checkpoint) with pdecode.attach_heads(model, path)")
+    acfg, ap = model.extras["assistant"]
+    return _spec_plan(model, ap, AssistantDrafter(model.cfg, acfg, _int_opt(opts, "gamma")), opts)
+
+
+register(Method("assistant", _prepare_assistant, needs="Gemma 4 assistant",
+                options={"gamma": Option(4, "int", "tokens drafted per step (a chain)"), **PHASES},
+                summary="a Gemma 4 assistant (gemma4_assistant) reads the target's KV cache and last hidden state "
+                        "and drafts a chain at the root's position"))
+
+
 def _diffusion_model(model, method):
     from pdecode.errors import InputError
 

@@ -159,13 +159,14 @@ class Gemma4(Family):
                        moe_intermediate_size=cfg.moe_intermediate_size)
 
     # -------------------------------------------------------------------------------- params
-    def layer_spec(self, cfg, i: int) -> dict:
-        """Layer ``i``'s weights (no stacked axis)."""
+    def layer_spec(self, cfg, i: int, own_kv: bool | None = None) -> dict:
+        """Layer ``i``'s weights (no stacked axis); ``own_kv=False``: no key / value weights (a Gemma 4 assistant's
+        layers, which attend with their target's)."""
         from pdecode.model.transformer import ParamSpec
 
         D, H, F = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
         kv, hd = cfg.layer_attention(i)
-        own_kv = cfg.kv_source(i) == i
+        own_kv = cfg.kv_source(i) == i if own_kv is None else own_kv
         if cfg.double_wide_mlp and not own_kv:
             F *= 2
         vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
@@ -249,7 +250,10 @@ class Gemma4(Family):
         q = apply_rope(gemma4_norm(linear(h, lp["wq"], "btd,dhk->bthk"), lp["q_norm"], eps), rope)
         src = cfg.kv_source(i)
         shared = att.extra["kv"] if att.extra is not None else {}
-        if src == i:
+        given = att.extra.get("given", {}) if att.extra is not None else {}
+        if i in given:  # keys and values handed in (a Gemma 4 assistant attends with its target's)
+            k, v = given[i]
+        elif src == i:
             k = linear(h, lp["wk"], "btd,dhk->bthk")
             v = k if "wv" not in lp else linear(h, lp["wv"], "btd,dhk->bthk")
             k = apply_rope(gemma4_norm(k, lp["k_norm"], eps), rope)
@@ -318,9 +322,9 @@ class Gemma4(Family):
     def prefix(self, cfg) -> str:
         return "model."
 
-    def layer_names(self, cfg, i: int) -> list[tuple]:
+    def layer_names(self, cfg, i: int, own_kv: bool | None = None) -> list[tuple]:
         """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
-        spec = self.layer_spec(cfg, i)
+        spec = self.layer_spec(cfg, i, own_kv)
         a = "self_attn."
         names = [("input_layernorm.weight", "attn_norm", "plain"), (a + "q_proj.weight", "wq", "heads_in"),
                  (a + "q_norm.weight", "q_norm", "plain"), (a + "o_proj.weight", "wo", "heads_out"),
