@@ -39,6 +39,14 @@ CONFIGS = {
                         family="gemma3_text", qk_norm=True, hidden_act="gelu_tanh", attn_scale=168 ** -0.5,
                         sliding_window=1024, tie_word_embeddings=True,
                         layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(62))),
+    # Gemma 4 31B (dense, text): 60 layers, hidden 5376, 32 heads; sliding layers 16 kv heads of 256, every sixth
+    # layer full attention with 4 kv heads of 512 and keys as values (the model cards' figures)
+    "gemma-4-31b": dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=60, num_heads=32,
+                        num_kv_heads=16, head_dim=256, max_position_embeddings=262144, rope_theta=1000000.0,
+                        local_rope_theta=10000.0, family="gemma4_text", qk_norm=True, hidden_act="gelu_tanh",
+                        attn_scale=1.0, final_softcap=30.0, sliding_window=1024, tie_word_embeddings=True,
+                        global_head_dim=512, global_kv_heads=4, k_eq_v=True, rope_fraction=0.25,
+                        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(60))),
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
                          family="mixtral", num_experts=8, experts_per_tok=2, moe_intermediate_size=14336),
