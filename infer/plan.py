@@ -209,17 +209,17 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if method not in ("ar", "sd", "eagle"):
         raise InputError(f"plan covers ar, sd and eagle; got {method!r}")
     meth = registry.get(method)
-    from pdecode.sharding import kv_repeat
+    from pdecode.sharding import kv_repeat, kv_repeated_cfg
 
     stored_bytes = _bytes(abstract_params(cfg, jdt, mesh))  # the checkpoint's own weights
     r = kv_repeat(cfg, mesh)  # kv heads repeated to the model axis, as Model.on_mesh does
-    cfg = cfg.replace(num_kv_heads=cfg.num_kv_heads * r, global_kv_heads=cfg.global_kv_heads and cfg.global_kv_heads * r)
+    cfg = kv_repeated_cfg(cfg, r)
     params = abstract_params(cfg, jdt, mesh)
     target = pdecode.Model(cfg=cfg, params=params, name=config)
     draft, extra_params, opts = None, 0, {}
     if meth.needs_draft:
         dcfg = model_config(draft_config or DEFAULT_DRAFT, vocab=cfg.vocab_size)
-        dcfg = dcfg.replace(num_kv_heads=dcfg.num_kv_heads * kv_repeat(dcfg, mesh))
+        dcfg = kv_repeated_cfg(dcfg, kv_repeat(dcfg, mesh))
         draft = pdecode.Model(cfg=dcfg, params=abstract_params(dcfg, jdt, mesh), name=draft_config or DEFAULT_DRAFT)
         extra_params = _bytes(draft.params)
         opts = {"gamma": gamma}

@@ -78,12 +78,10 @@ class Model:
             return self
         key = (mesh, indivisible)
         if key not in self._sharded:
-            from pdecode.sharding import kv_repeat
+            from pdecode.sharding import kv_repeat, kv_repeated_cfg
 
             r = kv_repeat(self.cfg, mesh)
-            gkv = self.cfg.global_kv_heads  # (Gemma 4's full layers: their kv heads repeated as often)
-            cfg = self.cfg.replace(num_kv_heads=self.cfg.num_kv_heads * r, global_kv_heads=gkv and gkv * r) \
-                if r > 1 else self.cfg
+            cfg = kv_repeated_cfg(self.cfg, r)
             params = _place_tree(self.params, param_specs(self.cfg), param_specs(cfg), mesh, r, indivisible)
             extras = dict(self.extras)
             for kind, val in self.extras.items():

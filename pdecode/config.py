@@ -358,12 +358,9 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     ``theta``: another base (the sliding layers' `local_rope_theta`)."""
     import numpy as np
 
-    if scaled:  # the full-attention layers' rope: their head size, maybe part of it rotating
-        dim, rot = cfg.global_head_dim or cfg.head_dim, int(cfg.rope_fraction * (cfg.global_head_dim or cfg.head_dim)
-                                                            // 2)
-    else:
-        dim = cfg.head_dim
-        rot = dim // 2
+    # the full-attention layers' rope (``scaled``): their head size, maybe part of it rotating
+    dim = (cfg.global_head_dim or cfg.head_dim) if scaled else cfg.head_dim
+    rot = int((cfg.rope_fraction if scaled else 1.0) * dim // 2)
     inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, 2 * rot, 2, dtype=np.float64) / dim))
     inv = np.concatenate([inv, np.zeros(dim // 2 - rot)])  # frequency 0: those pairs pass through
     sc = cfg.rope_scaling_dict if scaled else None

@@ -160,6 +160,14 @@ def kv_repeat(cfg, mesh: Mesh | None) -> int:
     return m // kv
 
 
+def kv_repeated_cfg(cfg, r: int):
+    """``cfg`` with every layer's kv heads repeated ``r`` times (`kv_repeat`; Gemma 4's full layers too)."""
+    if r == 1:
+        return cfg
+    gkv = cfg.global_kv_heads
+    return cfg.replace(num_kv_heads=cfg.num_kv_heads * r, global_kv_heads=gkv and gkv * r)
+
+
 def repeat_kv_heads(params, specs, r: int, shardings=None):
     """``params`` with every weight that has a ``kv_heads`` axis (by its spec) repeated ``r`` times along it, in
     place (`kv_repeat`), computed under jit straight into ``shardings`` when given (no gathering on one device)."""

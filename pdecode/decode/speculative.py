@@ -241,7 +241,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             if prop.from_layer:
                 f, _ = forward_layers(tparams, cfg, positions, mask, prop.cache, s.cache.lengths,
                                       tuple(range(prop.from_layer, cfg.num_layers)), x_in_BTD=prop.hidden_in,
-                                      tokens_BT=prop.tokens if cfg.per_layer_input_size else None)
+                                      tokens_BT=prop.tokens)
             else:
                 f = forward(tparams, cfg, prop.tokens, positions, mask, cache=s.cache, hidden_layers=n_hid)
             return unembed(tparams, cfg, f.hidden), f

@@ -517,16 +517,16 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     """`forward` through the blocks ``ids`` only, from tokens or from hidden states ``x_in`` (the input of the
     first of them), then the final norm. Returns (ForwardOut, the hidden entering block ``capture`` or None).
     A family with per-layer inputs (Gemma 4) needs ``tokens`` also when starting from ``x_in``."""
-    fam = family_of(cfg)
-    x0 = None if tokens_BT is None else embed(params, tokens_BT, cfg)
+    need_tokens = x_in_BTD is None or cfg.per_layer_input_size
+    x0 = embed(params, tokens_BT, cfg) if tokens_BT is not None and need_tokens else None
     x = x0 if x_in_BTD is None else x_in_BTD
-    extra = None if tokens_BT is None else fam.layer_inputs(cfg, params, tokens_BT, x0)
-    if extra is None and cfg.per_layer_input_size:
+    layer_inputs = None if x0 is None else family_of(cfg).layer_inputs(cfg, params, tokens_BT, x0)
+    if layer_inputs is None and cfg.per_layer_input_size:
         raise ValueError("forward_layers: this model's layers take per-layer inputs; pass tokens_BT")
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, cap = run_layer_ids(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, ids, capture,
-                                  params.get("rope_tables"), extra)
+                                  params.get("rope_tables"), layer_inputs)
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 

@@ -279,7 +279,7 @@ class Gemma4(Family):
         """The experts beside the dense MLP: routed from the residual (RMS-normalised, x scale / sqrt(D)), softmax
         over all, top k renormalised, times each chosen expert's scale; the experts read the residual normed by
         pre_moe_norm."""
-        from pdecode.model.families.moe import experts_dense, experts_gathered, experts_grouped
+        from pdecode.model.families.moe import run_experts
         from pdecode.model.transformer import linear
 
         b, t, d = res_BTD.shape
@@ -291,11 +291,7 @@ class Gemma4(Family):
         top = top / jnp.sum(top, axis=-1, keepdims=True)
         w = (top * lp["expert_scale"].astype(jnp.float32)[idx]).astype(x.dtype)
         h = gemma4_norm(x, lp["pre_moe_norm"], cfg.rms_norm_eps)
-        if b * t * cfg.experts_per_tok <= cfg.num_experts:
-            run = experts_gathered
-        else:
-            run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
-        return run(cfg, lp, h, w, idx).reshape(b, t, d)
+        return run_experts(cfg, lp, h, w, idx).reshape(b, t, d)
 
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp
@@ -319,9 +315,6 @@ class Gemma4(Family):
         return x * lp["layer_scalar"].astype(x.dtype), cache
 
     # -------------------------------------------------------------------------------- checkpoints
-    def prefix(self, cfg) -> str:
-        return "model."
-
     def layer_names(self, cfg, i: int, own_kv: bool | None = None) -> list[tuple]:
         """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
         spec = self.layer_spec(cfg, i, own_kv)

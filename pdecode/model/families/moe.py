@@ -118,17 +118,23 @@ def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
     return jax.lax.map(piece, (xs, ws)).reshape(-1, x_ND.shape[1])[:n]
 
 
+def run_experts(cfg, lp, x_ND, w_Nk, idx_Nk):
+    """The routed experts' output for N tokens: gathered weights when N * k <= E (decode steps, short verifies),
+    else grouped matmuls (dense over every expert on CPU)."""
+    if x_ND.shape[0] * cfg.experts_per_tok <= cfg.num_experts:
+        run = experts_gathered
+    else:
+        run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
+    return run(cfg, lp, x_ND, w_Nk, idx_Nk)
+
+
 def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
     from pdecode.model.transformer import glu_mlp, linear
 
     b, t, d = h_BTD.shape
     x = h_BTD.reshape(b * t, d)
     w, idx = route(cfg, lp["router"], x, lp.get("router_b"))
-    if b * t * cfg.experts_per_tok <= cfg.num_experts:
-        run = experts_gathered
-    else:
-        run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
-    out = run(cfg, lp, x, w, idx).reshape(b, t, d)
+    out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
     if cfg.shared_expert_size:
         gate = jax.nn.sigmoid(linear(h_BTD, lp["shared_gate"]))
         out = out + gate * glu_mlp(cfg, lp, h_BTD, fused)
