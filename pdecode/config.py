@@ -80,6 +80,25 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab: int = 0
     double_wide_mlp: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank`` > 0): keys and values come from a per-token
+    # latent of ``kv_lora_rank`` values plus one shared rotated key of ``head_dim`` (the rope part of each head:
+    # qk_rope_head_dim), which is all the cache holds; each head's query and key have ``qk_nope_dim`` more
+    # unrotated dims, its value ``v_head_dim``; queries through a ``q_lora_rank`` bottleneck (0: one projection);
+    # ``rope_interleave``: the rotated dims are stored as interleaved pairs
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-style routing: sigmoid scores (``router_score``), the top k chosen by score + a learned bias among
+    # the best ``groups_per_tok`` of ``expert_groups`` groups (each scored by its two best), weights the chosen
+    # scores (renormalised when norm_topk_prob) x ``routed_scale``; the first ``dense_layers`` layers have a dense
+    # MLP of intermediate_size; the others shared experts (``shared_expert_size``, no gate) beside the routed ones
+    router_score: str = "softmax"
+    expert_groups: int = 1
+    groups_per_tok: int = 1
+    routed_scale: float = 1.0
+    dense_layers: int = 0
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"
@@ -128,6 +147,17 @@ class ModelConfig:
             own = set(self.layer_kinds()[: self.num_layers - self.kv_shared_layers])
             if set(self.layer_kinds()) - own:
                 problems.append("every attention kind of the kv-shared layers needs an earlier layer of that kind")
+        if self.kv_lora_rank and not (self.qk_nope_dim > 0 and self.v_head_dim > 0 and self.num_kv_heads == 1):
+            problems.append(f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs qk_nope_dim > 0, v_head_dim > 0 "
+                            f"and num_kv_heads 1 (got {self.qk_nope_dim}, {self.v_head_dim}, {self.num_kv_heads})")
+        if self.router_score not in ("softmax", "sigmoid"):
+            problems.append(f"router_score must be 'softmax' or 'sigmoid' (got {self.router_score!r})")
+        if self.num_experts and (self.num_experts % self.expert_groups or
+                                 not 0 < self.groups_per_tok <= self.expert_groups):
+            problems.append(f"expert_groups ({self.expert_groups}) must divide num_experts ({self.num_experts}) and "
+                            f"0 < groups_per_tok ({self.groups_per_tok}) <= expert_groups")
+        if not 0 <= self.dense_layers <= self.num_layers:
+            problems.append(f"dense_layers must be in 0..{self.num_layers} (got {self.dense_layers})")
         if self.hidden_act not in ACTIVATIONS:
             problems.append(f"hidden_act must be one of {', '.join(ACTIVATIONS)} (got {self.hidden_act!r})")
         if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
@@ -161,10 +191,11 @@ class ModelConfig:
     def with_layers(self, n: int) -> "ModelConfig":
         """This config with ``n`` layers (drafters built from the family's block: EAGLE, MTP). Mixed per-layer kinds
         become full attention (a drafter reads its whole short cache); uniform ones are kept. A drafter's blocks
-        have keys and values of their own and no per-layer inputs."""
+        have keys and values of their own and no per-layer inputs; with experts, every drafter block is a sparse one
+        (DeepSeek-V3's MTP layer is)."""
         kinds = set(self.layer_kinds())
         return self.replace(num_layers=n, layer_types=None, kv_shared_layers=0, per_layer_input_size=0,
-                            per_layer_vocab=0, double_wide_mlp=False,
+                            per_layer_vocab=0, double_wide_mlp=False, dense_layers=0,
                             sliding_window=self.sliding_window if kinds == {"sliding"} else None)
 
     def layer_attention(self, i: int) -> tuple[int, int]:
@@ -172,6 +203,11 @@ class ModelConfig:
         if self.layer_kinds()[i] == "full":
             return self.global_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
         return self.num_kv_heads, self.head_dim
+
+    def cache_value_dim(self, i: int) -> int:
+        """The size of what layer ``i``'s cache holds per token as its "values": the head size, or with latent
+        attention the latent (``kv_lora_rank``; its "keys" are then the one rotated key of ``head_dim``)."""
+        return self.kv_lora_rank or self.layer_attention(i)[1]
 
     def kv_source(self, i: int) -> int:
         """The layer whose keys and values layer ``i`` attends with: itself, or for a kv-shared layer the last
@@ -198,12 +234,16 @@ class ModelConfig:
         if not self.num_experts:
             return self.num_params()
         per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-        return self.num_params() - self.num_layers * (self.num_experts - self.experts_per_tok) * per_expert
+        sparse = self.num_layers - self.dense_layers
+        return self.num_params() - sparse * (self.num_experts - self.experts_per_tok) * per_expert
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier tokens (2 per multiply-add)."""
         matmul = self.active_params() - self.vocab_size * self.hidden_size * (0 if self.tie_word_embeddings else 1)
-        attn = self.num_layers * 2 * self.num_heads * self.head_dim * max(context, 1)
+        # scores and the weighted sum per key: q.k over the key's size, p.v over the value's (latent attention in
+        # its absorbed form reads the latent for both)
+        per_key = (2 * self.kv_lora_rank + self.head_dim) if self.kv_lora_rank else 2 * self.head_dim
+        attn = self.num_layers * self.num_heads * per_key * max(context, 1)
         return 2.0 * (matmul + attn)
 
     # ----------------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def kv_repeat(cfg, mesh: Mesh | None) -> int:
     reads kv head h // (H / KV) before, h // (H / (KV r)) after, and the second over r is the first), so outputs
     are unchanged, and each device then holds only the kv head its own query heads read. 1 when not needed or not
     possible (the model axis must be a multiple of the kv heads, and the query heads a multiple of the axis)."""
-    if mesh is None or "model" not in mesh.shape:
+    if mesh is None or "model" not in mesh.shape or cfg.kv_lora_rank:  # a latent cache serves every head
         return 1
     m, kv, h = mesh.shape["model"], cfg.num_kv_heads, cfg.num_heads
     if kv >= m or m % kv or h % m:

@@ -169,15 +169,18 @@ def _lead(r: Rule) -> int:
 
 def _names(r: Rule, shape: tuple, index: tuple = ()) -> list:
     """The HF tensor names behind a param of ``shape`` (or the part ``index`` selects of its stacked axes): a name,
-    a list over layers, or a list over layers of lists over experts."""
-    lead = _lead(r)
-    if lead == 0:
+    a list over layers ("{i}") or experts ("{e}"), or a list over layers of lists over experts."""
+    keys = [k for k in ("i", "e") if "{" + k + "}" in r.hf]
+    if not keys:
         return r.hf
-    index = tuple(index) + (slice(None),) * (2 - len(index))
-    layers = range(shape[0])[index[0]]
-    if lead == 1:
-        return [r.hf.format(i=i) for i in layers]
-    return [[r.hf.format(i=i, e=e) for e in range(shape[1])[index[1]]] for i in layers]
+    index = tuple(index) + (slice(None),) * (len(keys) - len(index))
+
+    def names(depth: int, fixed: dict):
+        if depth == len(keys):
+            return r.hf.format(**fixed)
+        return [names(depth + 1, {**fixed, keys[depth]: j}) for j in range(shape[depth])[index[depth]]]
+
+    return names(0, {})
 
 
 def _flat(names) -> list[str]:

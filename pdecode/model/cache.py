@@ -12,6 +12,8 @@ both attention matmuls get their operands in the layout CPU/GPU matmul kernels w
   layer reads its own buffer with no slice copied per step. Layers of different shapes (Gemma 4's full-attention
   layers: other head size and kv heads) have buffers of their own shapes, and a kv-shared layer none (``None``: it
   reads the buffer of `ModelConfig.kv_source`); such configs always use this layout.
+* latent attention (DeepSeek-V3's MLA): ``k`` holds the one rotated key per token (``kv_heads`` 1, ``head_dim`` the
+  rope size) and ``v`` the latent (``[.., 1, max_len, kv_lora_rank]``): the compressed cache, nothing per head.
 
 Every operation works by index on static shapes, so it runs inside jit and ``lax.while_loop``:
 
@@ -70,13 +72,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, nu
     n = num_layers or cfg.num_layers
     kv, hd = cfg.layer_attention(0)  # every layer's, when uniform
     k_shape = (batch, kv, hd, max_len)
-    v_shape = (batch, kv, max_len, hd)
+    v_shape = (batch, kv, max_len, cfg.cache_value_dim(0))
     if not cfg.uniform_layers:
         if not per_layer:
             raise ValueError("init_cache: layers of different shapes need per_layer=True")
         shapes = [cfg.layer_attention(i) if cfg.kv_source(i) == i else None for i in range(n)]
         k = tuple(None if s is None else jnp.zeros((batch, s[0], s[1], max_len), dtype) for s in shapes)
-        v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, s[1]), dtype) for s in shapes)
+        v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, cfg.cache_value_dim(i)), dtype)
+                  for i, s in enumerate(shapes))
     elif per_layer:
         k = tuple(jnp.zeros(k_shape, dtype) for _ in range(n))
         v = tuple(jnp.zeros(v_shape, dtype) for _ in range(n))

@@ -1,0 +1,312 @@
+"""The DeepSeek-V3 family (``deepseek_v3``; DeepSeek-R1 and V3.1 share it): multi-head latent attention (MLA) and
+DeepSeek's mixture of experts.
+
+MLA. Per token, one projection gives a latent of ``kv_lora_rank`` values (RMS-normalised) and one rotated key of
+``head_dim`` (qk_rope_head_dim) shared by every head; each head's key is [W_uk c; k_rope] and its value W_uv c. The
+cache holds only the latent and the shared rotated key (`cache.py`: 576 values per token and layer at V3's shape,
+where full K and V would take 128 x (192 + 128) = 40,960). Queries go through a ``q_lora_rank`` bottleneck (or one
+projection when q_lora_rank is null); YaRN rope with the softmax scale times mscale(factor, mscale_all_dim)^2.
+
+Two ways to attend, the same numbers (`mla_expanded` picks by FLOPs from the static shapes):
+
+* absorbed (decode steps and verifies): W_uk is folded into the query (q_lat = q_nope W_uk^T, per head, over the
+  latent) and W_uv applied after the weighted sum of latents, so the cache is read as it is, as one shared key/value
+  head (multi-query attention over [latent; rope key]);
+* expanded (long passes without much cache: prefill, training): the latents of every key are decompressed into
+  per-head keys and values once and attended to as usual.
+
+Experts. Sigmoid router scores; the choice adds a learned per-expert bias (``e_score_correction_bias``) and keeps
+only the ``topk_group`` best of ``n_group`` groups (a group scores the sum of its two best); the chosen experts
+weigh their unbiased scores, renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``; shared experts
+(``n_shared_experts`` x moe_intermediate_size, no gate) run beside them. The first ``first_k_dense_replace`` layers
+have a dense MLP instead, so the blocks differ in shape and the params are a tuple of per-layer dicts
+(`transformer.DecodeLayers`) as Gemma 4's.
+
+Released weights are fp8 (e4m3) with one scale per 128 x 128 block (``weight_scale_inv``): dequantized as they are
+read (`pdecode.checkpoint.safetensors_io.CheckpointTensors`). The checkpoint's MTP layer(s)
+(``model.layers.{num_hidden_layers}``) are attached as the model's `method="mtp"` drafter when present
+(`pdecode.load`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdecode.errors import ConfigError
+from pdecode.model.family import Family, register
+from pdecode.model.families.llama import check_act
+
+_NEG = -1e30
+
+
+def route_grouped(cfg, lp, x_ND: jax.Array):
+    """(weights [N, k] in x's dtype, expert ids [N, k]) by DeepSeek-V3's rule: sigmoid scores in float32, the top k
+    of score + correction bias within the best ``groups_per_tok`` groups, weighted by their scores (renormalised
+    when ``norm_topk_prob``) x ``routed_scale``."""
+    n = x_ND.shape[0]
+    e, g = cfg.num_experts, cfg.expert_groups
+    logits = jnp.matmul(x_ND.astype(jnp.float32), lp["router"].astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + lp["router_corr"].astype(jnp.float32)
+    if g > 1:
+        per = choice.reshape(n, g, e // g)
+        group_score = jnp.sum(jax.lax.top_k(per, min(2, e // g))[0], axis=-1)  # [N, G]
+        _, best = jax.lax.top_k(group_score, cfg.groups_per_tok)
+        keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return (w * cfg.routed_scale).astype(x_ND.dtype), idx
+
+
+def mla_expanded(cfg, t: int, s: int) -> bool:
+    """Whether a pass of ``t`` queries over ``s`` keys costs fewer FLOPs with the keys and values decompressed
+    (expanded) than absorbed: expanded pays r (dn + dv) per key to decompress and dn + dr + dv per (query, key);
+    absorbed pays r (dn + dv) per query to fold W_uk / W_uv and 2r + dr per (query, key)."""
+    r, dn, dv, dr = cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim, cfg.head_dim
+    expanded = s * r * (dn + dv) + t * s * (dn + dr + dv)
+    absorbed = t * r * (dn + dv) + t * s * (2 * r + dr)
+    return expanded < absorbed
+
+
+def rope_pairs(x: jax.Array, rope, interleave: bool) -> jax.Array:
+    """x [..., dr] rotated: half-split pairs (x_i, x_{i + dr/2}), or interleaved pairs (x_2i, x_2i+1) whose result
+    is laid out half-split (as the reference does: both q and k come out in that order, so scores agree)."""
+    from pdecode.model.transformer import apply_rope
+
+    if not interleave:
+        return apply_rope(x, rope)
+    cos, sin = rope
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _softmax_over(scores, mask):
+    """Masked softmax over the last axis in float32 (the `attention.attend` recipe: max-shifted, no gradient
+    through the max)."""
+    scores = jnp.where(mask, scores, _NEG)
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    e = jnp.exp(scores - top)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+class DeepseekV3(Family):
+    model_types = ("deepseek_v3",)
+    architectures = {"deepseek_v3": "DeepseekV3ForCausalLM"}
+
+    # -------------------------------------------------------------------------------- config
+    def config_from_hf(self, model_type, hf, kw):
+        check_act(model_type, hf)
+        if hf.get("attention_bias"):
+            raise ConfigError(f"{model_type}: attention_bias true is not supported")
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if not hf.get(key):
+                raise ConfigError(f"{model_type}: config.json lacks {key}")
+        topk = hf.get("topk_method", "noaux_tc")
+        if topk != "noaux_tc":
+            raise ConfigError(f"{model_type}: topk_method {topk!r} is not supported (noaux_tc: DeepSeek-V3's)")
+        scoring = hf.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ConfigError(f"{model_type}: scoring_func {scoring!r} is not supported (sigmoid)")
+        if int(hf.get("moe_layer_freq", 1)) != 1:
+            raise ConfigError(f"{model_type}: moe_layer_freq {hf['moe_layer_freq']} is not supported (1)")
+        e = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+        if not e:
+            raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
+        dr = int(hf["qk_rope_head_dim"])
+        dn = int(hf["qk_nope_head_dim"])
+        sc = kw.get("rope_scaling")
+        scale = (dn + dr) ** -0.5
+        if sc:
+            sc = dict(sc)
+            m_all = float(sc.get("mscale_all_dim") or 0)
+            if m_all and float(sc.get("factor", 1.0)) > 1:  # the reference's yarn_get_mscale, squared
+                import math
+
+                m = 0.1 * m_all * math.log(float(sc["factor"])) + 1.0
+                scale *= m * m
+        fmt = (hf.get("quantization_config") or {})
+        if fmt and fmt.get("quant_method") != "fp8":
+            raise ConfigError(f"{model_type}: quantization_config {fmt.get('quant_method')!r} is not supported "
+                              "(fp8 block scales are)")
+        kw.update(num_kv_heads=1, head_dim=dr, kv_lora_rank=int(hf["kv_lora_rank"]),
+                  q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_dim=dn, v_head_dim=int(hf["v_head_dim"]),
+                  rope_interleave=bool(hf.get("rope_interleave", True)), attn_scale=scale,
+                  num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]),
+                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                  shared_expert_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
+                  expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
+                  routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                  dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+
+    def config_to_hf(self, cfg, out):
+        super().config_to_hf(cfg, out)
+        sc = cfg.rope_scaling_dict
+        out.pop("rope_scaling", None)
+        out.pop("head_dim", None)
+        out.update(num_key_value_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
+                   q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.head_dim, qk_nope_head_dim=cfg.qk_nope_dim,
+                   v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, attention_bias=False,
+                   n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size,
+                   n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
+                   routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
+                   topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0,
+                   rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {})})
+
+    # -------------------------------------------------------------------------------- params
+    def layer_spec(self, cfg, i: int) -> dict:
+        from pdecode.model.transformer import ParamSpec
+
+        D, H = cfg.hidden_size, cfg.num_heads
+        r, dr, dn, dv, rq = cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_dim, cfg.v_head_dim, cfg.q_lora_rank
+        vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
+        s = {"attn_norm": vec(D), "wkv_a": ParamSpec((D, r + dr), ("embed", None)), "kv_a_norm": vec(r),
+             "wkv_b": ParamSpec((r, H, dn + dv), (None, "heads", None)),
+             "wo": ParamSpec((H, dv, D), ("heads", None, "embed")), "mlp_norm": vec(D)}
+        if rq:
+            s.update(wq_a=ParamSpec((D, rq), ("embed", None)), q_a_norm=vec(rq),
+                     wq_b=ParamSpec((rq, H, dn + dr), (None, "heads", None)))
+        else:
+            s["wq"] = ParamSpec((D, H, dn + dr), ("embed", "heads", None))
+        F = cfg.intermediate_size if i < cfg.dense_layers else cfg.shared_expert_size
+        if F:
+            s.update(w_gate=ParamSpec((D, F), ("embed", "mlp")), w_up=ParamSpec((D, F), ("embed", "mlp")),
+                     w_down=ParamSpec((F, D), ("mlp", "embed")))
+        if i >= cfg.dense_layers:
+            E, Fm = cfg.num_experts, cfg.moe_intermediate_size
+            s.update(router=ParamSpec((D, E), ("embed", None)), router_corr=vec(E, "zeros"),
+                     we_gate=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
+                     we_up=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
+                     we_down=ParamSpec((E, Fm, D), ("experts", "expert_mlp", "embed")))
+        return s
+
+    def layer_specs(self, cfg, num_layers):
+        from pdecode.model.transformer import DecodeLayers
+
+        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
+        return DecodeLayers([self.layer_spec(c, i) for i in range(num_layers)], False)
+
+    # -------------------------------------------------------------------------------- forward
+    def attention(self, cfg, lp, h, att, cache, i, write_at, form: str | None = None):
+        """Latent attention of layer ``i`` on the normed input: (out [B,T,D], cache). ``form``: "absorbed" or
+        "expanded" (default: the cheaper for these shapes, `mla_expanded`)."""
+        from pdecode.model import cache as kvc
+        from pdecode.model.attention import CausalSelfMask
+        from pdecode.model.transformer import linear, rms_norm
+
+        if cfg.attention_impl not in ("auto", "xla"):
+            raise ConfigError(f"attention impl {cfg.attention_impl!r}: latent attention (deepseek_v3) runs its own "
+                              "XLA attention; use 'auto' or 'xla'")
+        b, t, _ = h.shape
+        H, r, dn, dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim
+        rope, mask = att.for_layer(i)
+        if isinstance(mask, CausalSelfMask):
+            mask = mask.mask
+        if "wq_a" in lp:
+            q = linear(rms_norm(linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps), lp["wq_b"],
+                       "btr,rhk->bthk")
+        else:
+            q = linear(h, lp["wq"], "btd,dhk->bthk")
+        q_nope, q_rope = q[..., :dn], rope_pairs(q[..., dn:], rope, cfg.rope_interleave)
+        ckv = linear(h, lp["wkv_a"])
+        c = rms_norm(ckv[..., :r], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, r]
+        k_rope = rope_pairs(ckv[..., None, r:], rope, cfg.rope_interleave)  # [B, T, 1, dr]
+        if cache is not None:
+            cache = kvc.write_layer(cache, i, jnp.swapaxes(k_rope, 1, 2), c[:, None], write_at)
+            kr, cs = cache.layer(i)  # [B, 1, dr, S], [B, 1, S, r]
+            kr, cs = kr[:, 0], cs[:, 0]
+        else:
+            kr, cs = jnp.swapaxes(k_rope[:, :, 0], 1, 2), c  # [B, dr, T], [B, T, r]
+        dt = cs.dtype  # the cache's dtype: the matmul operands'
+        s = cs.shape[1]
+        w_uk, w_uv = lp["wkv_b"][..., :dn], lp["wkv_b"][..., dn:]  # [r, H, dn], [r, H, dv]
+        form = form or ("expanded" if mla_expanded(cfg, t, s) else "absorbed")
+        f32 = jnp.float32
+        rope_scores = jnp.einsum("bthd,bds->bhts", q_rope.astype(dt), kr.astype(dt), preferred_element_type=f32)
+        if form == "absorbed":
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=f32)
+            scores = jnp.einsum("bthr,bsr->bhts", q_lat.astype(dt), cs, preferred_element_type=f32) + rope_scores
+            p = _softmax_over(scores * f32(cfg.attn_scale), mask[:, None])
+            o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(dt), cs, preferred_element_type=f32)
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=f32)
+        else:
+            k_nope = jnp.einsum("bsr,rhn->bshn", cs, w_uk.astype(dt), preferred_element_type=f32).astype(dt)
+            v = jnp.einsum("bsr,rhv->bshv", cs, w_uv.astype(dt), preferred_element_type=f32).astype(dt)
+            scores = jnp.einsum("bthn,bshn->bhts", q_nope.astype(dt), k_nope, preferred_element_type=f32) + rope_scores
+            p = _softmax_over(scores * f32(cfg.attn_scale), mask[:, None])
+            o = jnp.einsum("bhts,bshv->bthv", p.astype(dt), v, preferred_element_type=f32)
+        return linear(o.astype(h.dtype), lp["wo"], "bthk,hkd->btd"), cache
+
+    def moe(self, cfg, lp, h_BTD):
+        from pdecode.model.families.moe import run_experts
+        from pdecode.model.transformer import glu_mlp
+
+        b, t, d = h_BTD.shape
+        x = h_BTD.reshape(b * t, d)
+        w, idx = route_grouped(cfg, lp, x)
+        out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
+        return out + glu_mlp(cfg, lp, h_BTD, False) if "w_gate" in lp else out
+
+    def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
+        from pdecode.model.transformer import glu_mlp, rms_norm
+
+        if not isinstance(layer_idx, int):
+            raise ValueError("deepseek_v3 layers run unrolled (dense and sparse ones differ); got a traced index")
+        a, cache = self.attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
+                                  write_at)
+        x = x + a
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        return x + (self.moe(cfg, lp, h) if "router" in lp else glu_mlp(cfg, lp, h, False)), cache
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def layer_names(self, cfg, i: int) -> list[tuple]:
+        spec = self.layer_spec(cfg, i)
+        a = "self_attn."
+        names = [("input_layernorm.weight", "attn_norm", "plain"),
+                 (a + "kv_a_proj_with_mqa.weight", "wkv_a", "linear"), (a + "kv_a_layernorm.weight", "kv_a_norm", "plain"),
+                 (a + "kv_b_proj.weight", "wkv_b", "heads_in"), (a + "o_proj.weight", "wo", "heads_out"),
+                 ("post_attention_layernorm.weight", "mlp_norm", "plain")]
+        if "wq_a" in spec:
+            names += [(a + "q_a_proj.weight", "wq_a", "linear"), (a + "q_a_layernorm.weight", "q_a_norm", "plain"),
+                      (a + "q_b_proj.weight", "wq_b", "heads_in")]
+        else:
+            names.append((a + "q_proj.weight", "wq", "heads_in"))
+        mlp = "mlp." if "router" not in spec else "mlp.shared_experts."
+        if "w_gate" in spec:
+            names += [(f"{mlp}{n}_proj.weight", f"w_{n}", "linear") for n in ("gate", "up", "down")]
+        if "router" in spec:
+            names += [("mlp.gate.weight", "router", "linear"),
+                      ("mlp.gate.e_score_correction_bias", "router_corr", "plain")]
+            names += [(f"mlp.experts.{{e}}.{n}_proj.weight", f"we_{n}", "linear") for n in ("gate", "up", "down")]
+        return names
+
+    def block_names(self, cfg):
+        return self.layer_names(cfg, cfg.num_layers - 1)
+
+    def hf_rules(self, cfg, prefix: str = "model."):
+        from pdecode.checkpoint.hf import Rule
+
+        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain")]
+        for i in range(cfg.num_layers):
+            rules += [Rule(f"{prefix}layers.{i}.{hf}", f"layers/{i}/{ours}", lay)
+                      for hf, ours, lay in self.layer_names(cfg, i)]
+        rules.append(Rule(prefix + "norm.weight", "final_norm", "plain"))
+        if not cfg.tie_word_embeddings:
+            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
+        return rules
+
+    def head_block_rules(self, cfg, prefix):
+        from pdecode.checkpoint.hf import Rule
+
+        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
+                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
+
+
+DEEPSEEK_V3 = register(DeepseekV3())
