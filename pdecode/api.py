@@ -176,6 +176,8 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     m = m.on_mesh(mesh, indivisible)  # already in their shards: this only repeats kv heads where the axis needs it
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
+    elif not orbax_ckpt.is_orbax_dir(path) and heads_io.has_mtp_layer(path, cfg):
+        m = attach_heads(m, path)  # its own MTP layer (DeepSeek-V3, GLM-4.5): method="mtp" drafts with it
     return m
 
 

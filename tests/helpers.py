@@ -9,7 +9,7 @@ VOCAB = 97
 
 # the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma4",
-                "gemma4_moe")
+                "gemma4_moe", "deepseek_v3")
 
 
 def _new_family(tf, family: str, common: dict):
@@ -57,7 +57,61 @@ def _new_family(tf, family: str, common: dict):
                                       top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0,
                                       layer_types=three[:1] + ["full_attention"] * (c["num_hidden_layers"] - 1))
         return tf.Gemma4ForCausalLM(cfg)
+    if family == "deepseek_v3":  # latent attention (q low-rank, interleaved YaRN rope), grouped routing, 1 dense layer
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]}, kv_lora_rank=32, q_lora_rank=48,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            moe_intermediate_size=32, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                             "rope_theta": 10000.0}))
     raise ValueError(family)
+
+
+def add_mtp_layer(model, out_dir: Path, seed: int = 0) -> dict:
+    """Append a DeepSeek-V3-style MTP layer to a saved checkpoint (``model.layers.{L}.{enorm, hnorm, eh_proj,
+    <decoder layer>, shared_head.{norm, head}}``, as the releases carry it; transformers drops these tensors) and
+    return its torch modules for a reference written from the report's equations."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = model.config
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(seed)
+    layer_cls = type(model.model.layers[-1])
+    norm_cls = type(model.model.norm)
+    mods = {"layer": layer_cls(cfg, L), "enorm": norm_cls(d, eps=cfg.rms_norm_eps),
+            "hnorm": norm_cls(d, eps=cfg.rms_norm_eps), "eh_proj": torch.nn.Linear(2 * d, d, bias=False),
+            "norm": norm_cls(d, eps=cfg.rms_norm_eps)}
+    with torch.no_grad():
+        for m in mods.values():
+            for p in m.parameters():
+                p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.ndim == 1 else 0.0))
+            for name, b in m.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.1)
+    f = Path(out_dir) / "model.safetensors"
+    tensors = load_file(f)
+    p = f"model.layers.{L}."
+    for name, t in mods["layer"].state_dict().items():  # experts in the releases' per-expert naming
+        if name.endswith("experts.gate_up_proj"):
+            f_ = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                tensors[f"{p}mlp.experts.{e}.gate_proj.weight"] = t[e, :f_].contiguous()
+                tensors[f"{p}mlp.experts.{e}.up_proj.weight"] = t[e, f_:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                tensors[f"{p}mlp.experts.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            tensors[p + name] = t.contiguous()
+    tensors.update({p + "enorm.weight": mods["enorm"].weight.detach(), p + "hnorm.weight": mods["hnorm"].weight.detach(),
+                    p + "eh_proj.weight": mods["eh_proj"].weight.detach(),
+                    p + "shared_head.norm.weight": mods["norm"].weight.detach(),
+                    p + "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+                    p + "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    return mods
 
 
 def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
@@ -93,5 +147,7 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4: a stored per-layer scale
                 b.mul_(1.0 + 0.2 * torch.randn_like(b))
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: the routing bias
+                b.add_(0.1 * torch.randn_like(b))
     model.save_pretrained(out_dir)
     return model

@@ -27,7 +27,8 @@ import jax
 import numpy as np
 
 from pdecode.checkpoint.hf import params_to_tensors, tensors_to_params
-from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, read_safetensors, stored_path, write_safetensors
+from pdecode.checkpoint.safetensors_io import (CheckpointTensors, Renamed, read_checkpoint_dir, read_safetensors,
+                                              stored_path, write_safetensors)
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
 from pdecode.model.heads import EagleConfig, EditConfig, MedusaConfig, MTPConfig
@@ -184,10 +185,10 @@ def import_deepseek_mtp(tensors: dict[str, np.ndarray], cfg: ModelConfig, layer_
         raise CheckpointError(f"not a DeepSeek-V3 MTP layer at index {L}: missing {missing}")
     mcfg = MTPConfig(num_modules=1, kind="sequential", emb_first=True)
     # the layer's decoder-block tensors, renamed to index 0 so the generic per-layer rules apply
-    renamed = {"model.layers.0." + k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
+    renamed = Renamed(tensors, {"model.layers.0." + k[len(p):]: k for k in tensors if k.startswith(p)})
     layer = tensors_to_params(renamed, {"layers": mcfg.specs(cfg)["modules"][0]["layers"]},
                               _head_block(cfg, "model.layers.{i}."), 1, dtype, source="MTP layer")
-    eh = tensors[p + "eh_proj.weight"]
+    eh = np.asarray(tensors[p + "eh_proj.weight"])
     if eh.shape != (cfg.hidden_size, 2 * cfg.hidden_size):
         raise CheckpointError(f"eh_proj.weight is {eh.shape}, the target needs ({cfg.hidden_size}, "
                               f"{2 * cfg.hidden_size})")
@@ -211,6 +212,14 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------------ released dirs
+def has_mtp_layer(path: str | Path, cfg: ModelConfig) -> bool:
+    """Whether an HF model directory carries its own MTP layer (``model.layers.{num_layers}.eh_proj.weight``:
+    DeepSeek-V3 / R1, GLM-4.5 releases; transformers drops these tensors when it loads the model)."""
+    path = Path(path)
+    if not path.is_dir() or not (list(path.glob("*.safetensors*"))):
+        return False
+    return f"model.layers.{cfg.num_layers}.eh_proj.weight" in CheckpointTensors(path)
+
 def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
     """(kind, head config, params, metadata) of a released head checkpoint directory, recognised by its tensors:
 
@@ -249,7 +258,7 @@ def load_released(path: str | Path, cfg: ModelConfig, dtype=np.float32):
         ecfg, params = import_eagle(tensors, cfg, dtype)
         return "eagle", ecfg, params, {"source": "eagle release"}
     if f"model.layers.{cfg.num_layers}.eh_proj.weight" in tensors:
-        mcfg, params = import_deepseek_mtp(tensors, cfg, dtype=dtype)
+        mcfg, params = import_deepseek_mtp(CheckpointTensors(path), cfg, dtype=dtype)  # fp8 layers dequantized
         return "mtp", mcfg, params, {"source": "deepseek-v3 mtp layer"}
     raise CheckpointError(f"{path} is not a head checkpoint pdecode knows: no heads.json, no medusa_lm_head, no EAGLE "
                           f"fc.weight and no MTP layer model.layers.{cfg.num_layers}.eh_proj.weight")

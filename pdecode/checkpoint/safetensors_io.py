@@ -25,6 +25,7 @@ from pdecode.errors import CheckpointError
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
@@ -164,23 +165,74 @@ def read_checkpoint_dir(path: Path, spans: dict | None = None) -> dict[str, np.n
     return tensors
 
 
+def dequantize_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """A block-quantized weight [out, in] (fp8) times its per-block scales [ceil(out / bo), ceil(in / bi)], in
+    float32 (DeepSeek-V3's ``weight_scale_inv``: the factor that takes the stored values back to the weight)."""
+    bo, bi = block
+    out, inn = w.shape[-2:]
+    want = (-(-out // bo), -(-inn // bi))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise CheckpointError(f"a block-quantized weight {tuple(w.shape)} with blocks {block} needs scales {want}, the "
+                              f"checkpoint has {tuple(scale_inv.shape)}")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bo, axis=-2), bi, axis=-1)[..., :out, :inn]
+    return np.asarray(w, np.float32) * s
+
+
+def quant_block(path: Path) -> tuple[int, int] | None:
+    """The weight block of an fp8 block-quantized checkpoint (config.json's quantization_config), or None."""
+    f = Path(path) / "config.json"
+    if not f.exists():
+        return None
+    try:
+        q = json.loads(f.read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError:
+        return None
+    if q.get("quant_method") != "fp8":
+        return None
+    b = q.get("weight_block_size") or [128, 128]
+    return int(b[0]), int(b[1])
+
+
+SCALE_SUFFIX = "_scale_inv"
+
+
 class CheckpointTensors:
     """The tensors of an HF directory, read lazily from memory maps: ``tensors[name]`` is a read-only view, and
     ``release(name)`` tells the kernel the tensor's pages are no longer needed (``MADV_DONTNEED``), so a loader that
     releases each tensor once it is on its devices never holds more than a few tensors' pages resident on the host,
-    whatever the checkpoint's size. (An .xz file is decompressed into memory whole; release is then a no-op.)"""
+    whatever the checkpoint's size. (An .xz file is decompressed into memory whole; release is then a no-op.)
+
+    An fp8 block-quantized checkpoint (``quantization_config.quant_method`` "fp8": DeepSeek-V3's release) gives each
+    quantized weight dequantized to float32 with its ``<name>_scale_inv`` block scales as it is read
+    (`dequantize_blocks`), one tensor at a time."""
 
     def __init__(self, path: Path):
         self._spans: dict = {}
         self.tensors = read_checkpoint_dir(Path(path), self._spans)
+        self.block = quant_block(Path(path))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def shape_of(self, name: str) -> tuple:
+        return tuple(self.tensors[name].shape)
+
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.tensors[name]
+        a = self.tensors[name]
+        scale = name + SCALE_SUFFIX
+        if self.block is not None and a.dtype == ml_dtypes.float8_e4m3fn and scale in self.tensors:
+            return dequantize_blocks(a, self.tensors[scale], self.block)
+        if a.dtype == ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(f"tensor {name} is fp8 with no block scales ({scale}) and quantization_config "
+                                  "fp8; pdecode reads fp8 weights of block-quantized checkpoints only")
+        return a
 
     def release(self, name: str) -> None:
+        if name + SCALE_SUFFIX in self.tensors:
+            self.release(name + SCALE_SUFFIX)
         buf, start, n = self._spans.get(name, (None, 0, 0))
         if not isinstance(buf, mmap.mmap) or n == 0 or not hasattr(mmap, "MADV_DONTNEED"):
             return
@@ -190,3 +242,23 @@ class CheckpointTensors:
             buf.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(buf)) - lo)
         except (OSError, ValueError):
             pass
+
+
+class Renamed:
+    """A read-only view of a tensor mapping under other names (``names``: new -> old), read lazily."""
+
+    def __init__(self, tensors, names: dict[str, str]):
+        self._t, self._names = tensors, names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._t[self._names[name]]
+
+    def shape_of(self, name: str) -> tuple:
+        t = self._t
+        return t.shape_of(self._names[name]) if hasattr(t, "shape_of") else tuple(t[self._names[name]].shape)
