@@ -207,3 +207,16 @@ def test_mtp_sampling_is_lossless(tmp_path):
     exe, _ = compiled(speculative.generate, dict(cfg=m.cfg, drafter=liar, max_new=3, max_len=64, eos_ids=(),
                                                  samp=sampling.Sampling(greedy=False), mesh=None), *args)
     assert min(pvalues(np.asarray(exe(*args)[0].tokens))) < 1e-6
+
+
+def test_engine_serves_deepseek_with_its_mtp_layer(ds):
+    """Continuous batching with the checkpoint's MTP layer drafting: each request's tokens equal generate's."""
+    from pdecode.engine import Engine
+
+    m = pdecode.load(ds[0])
+    eng = Engine(m, method="mtp", slots=2, max_len=64, chunk=32, steps_per_call=2, depth=2)
+    reqs = [eng.submit(p, eng.check(p, max_tokens=10, temperature=0.0)) for p in PROMPTS]
+    while not eng.idle:
+        eng.run_once()
+    ref = pdecode.generate(m, PROMPTS, max_new_tokens=10, stop_at_eos=False)
+    assert [r.tokens for r in reqs] == ref.tokens

@@ -156,9 +156,9 @@ def test_unsupported_features_fail_at_load(tmp_path):
             pdecode.load(d4)
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "gemma4_moe"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "gemma4_moe", "deepseek_v3"])
 def test_experts_sharded_over_devices_match_one_device(fam_dirs, fam):
-    """Expert parallelism: a MoE checkpoint loaded onto a 2x4 mesh puts each device's experts (1 of 4) there
+    """Expert parallelism: a MoE checkpoint loaded onto a 2x4 mesh puts each device's experts (a quarter of them) there
     (per-expert tensors: read straight from them); logits and greedy output equal one device's."""
     from pdecode.sharding import make_mesh
 
@@ -169,12 +169,13 @@ def test_experts_sharded_over_devices_match_one_device(fam_dirs, fam):
     mesh = make_mesh(2, 4)
     m = pdecode.load(d, mesh=mesh, indivisible="replicate")  # (the tiny vocab, 97, does not divide 4)
     stacked = isinstance(m.params["layers"], dict)  # Gemma 4: a tuple of per-layer dicts, no layers axis
-    w = m.params["layers"]["we_gate"] if stacked else m.params["layers"][0]["we_gate"]
-    w1 = one.params["layers"]["we_gate"] if stacked else one.params["layers"][0]["we_gate"]
+    # (DeepSeek-V3: the last layer, the first is dense; its latent cache is whole on every device, heads split)
+    w = m.params["layers"]["we_gate"] if stacked else m.params["layers"][-1]["we_gate"]
+    w1 = one.params["layers"]["we_gate"] if stacked else one.params["layers"][-1]["we_gate"]
     ax = 1 if stacked else 0
     assert w.sharding.spec[ax] == "model"  # [(layers,) experts, embed, expert_mlp]: experts over the model axis
     shard = w.addressable_shards[0]
-    assert shard.data.shape[ax] == 1 and np.array_equal(np.asarray(shard.data), np.asarray(w1)[shard.index])
+    assert shard.data.shape[ax] == w.shape[ax] // 4 and np.array_equal(np.asarray(shard.data), np.asarray(w1)[shard.index])
     ids = _ids(2, 24, seed=4)
     np.testing.assert_allclose(np.asarray(pdecode.forward_logits(m, ids)),
                                np.asarray(pdecode.forward_logits(one, ids)), atol=1e-5)
