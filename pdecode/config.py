@@ -90,6 +90,7 @@ class ModelConfig:
     qk_nope_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    rotary_dims: int = 0  # RoPE over only the first rotary_dims of each head (GLM's partial rotary); 0: the whole head
     # DeepSeek-style routing: sigmoid scores (``router_score``), the top k chosen by score + a learned bias among
     # the best ``groups_per_tok`` of ``expert_groups`` groups (each scored by its two best), weights the chosen
     # scores (renormalised when norm_topk_prob) x ``routed_scale``; the first ``dense_layers`` layers have a dense
@@ -138,6 +139,8 @@ class ModelConfig:
         gkv = self.global_kv_heads or self.num_kv_heads
         if self.num_kv_heads > 0 and gkv > 0 and self.num_heads % gkv:
             problems.append(f"num_heads ({self.num_heads}) must be a multiple of global_kv_heads ({gkv})")
+        if self.rotary_dims % 2 or not 0 <= self.rotary_dims <= self.head_dim:
+            problems.append(f"rotary_dims must be even and at most head_dim (got {self.rotary_dims})")
         if (self.global_head_dim or 2) % 2 or not 0 < self.rope_fraction <= 1:
             problems.append(f"global_head_dim must be even and rope_fraction in (0, 1] (got {self.global_head_dim}, "
                             f"{self.rope_fraction})")
@@ -400,6 +403,7 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
 
     # the full-attention layers' rope (``scaled``): their head size, maybe part of it rotating
     dim = (cfg.global_head_dim or cfg.head_dim) if scaled else cfg.head_dim
+    dim = cfg.rotary_dims or dim
     rot = int((cfg.rope_fraction if scaled else 1.0) * dim // 2)
     inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, 2 * rot, 2, dtype=np.float64) / dim))
     inv = np.concatenate([inv, np.zeros(dim // 2 - rot)])  # frequency 0: those pairs pass through
@@ -428,7 +432,7 @@ def _yarn_inv_freq(cfg: ModelConfig, inv, sc: dict):
     kept, a linear ramp between (``beta_fast`` / ``beta_slow`` rotations over the original context)."""
     import numpy as np
 
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = 2 * len(inv), cfg.rope_theta
     factor = float(sc.get("factor") or cfg.max_position_embeddings / float(sc["original_max_position_embeddings"]))
     orig = float(sc["original_max_position_embeddings"])
     fast, slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)

@@ -9,7 +9,7 @@ VOCAB = 97
 
 # the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma4",
-                "gemma4_moe", "deepseek_v3")
+                "gemma4_moe", "deepseek_v3", "glm4_moe")
 
 
 def _new_family(tf, family: str, common: dict):
@@ -66,6 +66,11 @@ def _new_family(tf, family: str, common: dict):
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
                              "rope_theta": 10000.0}))
+    if family == "glm4_moe":  # q/k/v biases, q/k norms, RoPE over half of each head, DeepSeek-style experts
+        return tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(
+            **c, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, n_routed_experts=8,
+            n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, first_k_dense_replace=1))
     raise ValueError(family)
 
 

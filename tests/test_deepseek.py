@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (issue 29): latent attention's two forms, fp8 block-quantized checkpoints, and the checkpoint's own
-MTP layer as the `method="mtp"` drafter (parity with a reference written from the report's equations on top of
-transformers' decoder layer, greedy = AR for chains and trees, lossless sampling)."""
+"""DeepSeek-V3 and GLM-4.5 (issue 29): latent attention's two forms, fp8 block-quantized checkpoints, and the
+checkpoint's own MTP layer as the `method="mtp"` drafter (parity with a reference written from the report's
+equations on top of transformers' decoder layer, greedy = AR for chains and trees, lossless sampling, the engine).
+Their logits, greedy output, save_hf and method matrix against transformers are in test_families."""
 
 from __future__ import annotations
 
@@ -18,12 +19,19 @@ from tests.helpers import add_mtp_layer, make_hf_model
 PROMPTS = [[5, 9, 13, 7, 21], list(range(3, 20)), [40, 41, 42, 7, 9, 11, 13, 15, 17, 19, 21]]
 
 
+def _with_mtp(d, family):
+    ref = make_hf_model(family, d, seed=3, num_hidden_layers=2)
+    return d, ref, add_mtp_layer(ref, d, seed=4)
+
+
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ds")
-    ref = make_hf_model("deepseek_v3", d, seed=3, num_hidden_layers=2)
-    mtp = add_mtp_layer(ref, d, seed=4)
-    return d, ref, mtp
+    return _with_mtp(tmp_path_factory.mktemp("ds"), "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    return _with_mtp(tmp_path_factory.mktemp("glm"), "glm4_moe")
 
 
 def _ref_mtp_logits(ref, mtp, ids):
@@ -45,12 +53,13 @@ def _ref_mtp_logits(ref, mtp, ids):
         return ref.lm_head(mtp["norm"](y)).numpy()
 
 
-def test_mtp_layer_of_the_checkpoint_matches_the_reference(ds):
+@pytest.mark.parametrize("which", ["ds", "glm"])
+def test_mtp_layer_of_the_checkpoint_matches_the_reference(request, which):
     from pdecode.model import attention
     from pdecode.model.heads import mtp_module
     from pdecode.model.transformer import forward
 
-    d, ref, mtp = ds
+    d, ref, mtp = request.getfixturevalue(which)
     m = pdecode.load(d)
     assert "mtp" in m.extras  # attached from the checkpoint itself, no extra files
     mcfg, mp = m.extras["mtp"]
@@ -66,9 +75,10 @@ def test_mtp_layer_of_the_checkpoint_matches_the_reference(ds):
     assert np.abs(np.asarray(logits) - want).max() <= 1e-4
 
 
-@pytest.mark.parametrize("opts", [{}, {"depth": 3}, {"tree_top_k": 2, "depth": 3, "total_tokens": 6}])
-def test_mtp_decodes_like_ar(ds, opts):
-    d, _, _ = ds
+@pytest.mark.parametrize("which,opts", [("ds", {}), ("ds", {"depth": 3}),
+                                        ("ds", {"tree_top_k": 2, "depth": 3, "total_tokens": 6}), ("glm", {"depth": 2})])
+def test_mtp_decodes_like_ar(request, which, opts):
+    d, _, _ = request.getfixturevalue(which)
     m = pdecode.load(d)
     ref = pdecode.generate(m, PROMPTS, max_new_tokens=16, stop_at_eos=False)
     out = pdecode.generate(m, PROMPTS, method="mtp", max_new_tokens=16, stop_at_eos=False, **opts)

@@ -290,6 +290,15 @@ def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Arra
     return out.astype(x_BTHD.dtype)
 
 
+def rotate(cfg: ModelConfig, x_BTHD: jax.Array, rope) -> jax.Array:
+    """`apply_rope` over the whole head, or only its first ``cfg.rotary_dims`` (GLM's partial rotary; the rest
+    passes through)."""
+    r = cfg.rotary_dims
+    if not r or r == x_BTHD.shape[-1]:
+        return apply_rope(x_BTHD, rope)
+    return jnp.concatenate([apply_rope(x_BTHD[..., :r], rope), x_BTHD[..., r:]], axis=-1)
+
+
 def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
     x = jnp.take(params["embed"], tokens_BT, axis=0)
     if cfg is not None:
@@ -348,7 +357,7 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=Non
         v = qkv[..., (H + KV) * hd:].reshape(b, t, KV, hd)
         qk = qkv[..., : (H + KV) * hd].reshape(b, t, H + KV, hd)
         if "q_norm" not in lp:  # rotate q and k heads in one pass
-            qk = apply_rope(qk, rope)
+            qk = rotate(cfg, qk, rope)
             return qk[:, :, :H], qk[:, :, H:], v
         q, k = qk[:, :, :H], qk[:, :, H:]
     else:
@@ -360,7 +369,7 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=Non
     if "q_norm" in lp:
         norm = norm or (lambda x, w: rms_norm(x, w, cfg.rms_norm_eps))
         q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
-    return apply_rope(q, rope), apply_rope(k, rope), v
+    return rotate(cfg, q, rope), rotate(cfg, k, rope), v
 
 
 def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,

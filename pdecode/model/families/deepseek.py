@@ -310,3 +310,82 @@ class DeepseekV3(Family):
 
 
 DEEPSEEK_V3 = register(DeepseekV3())
+
+
+class Glm4Moe(DeepseekV3):
+    """GLM-4.5 / GLM-4.5-Air (``glm4_moe``): grouped-query attention (q/k/v biases with ``attention_bias``, per-head
+    q/k norms with ``use_qk_norm``, RoPE over the first ``partial_rotary_factor`` of each head) and DeepSeek-V3's
+    experts (sigmoid routing with the correction bias, groups, shared experts, the first dense layers); its releases
+    carry one MTP layer in DeepSeek-V3's layout, attached as the `method="mtp"` drafter the same way."""
+
+    model_types = ("glm4_moe",)
+    architectures = {"glm4_moe": "Glm4MoeForCausalLM"}
+    own_rope = True  # partial_rotary_factor read here (rope_from_hf refuses it)
+
+    def config_from_hf(self, model_type, hf, kw):
+        from pdecode.config import rope_from_hf
+
+        check_act(model_type, hf)
+        rp = dict(hf.get("rope_parameters") or {})
+        frac = float(rp.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)) or 0.5)
+        theta, scaling = rope_from_hf(model_type, {k: v for k, v in hf.items() if k != "partial_rotary_factor"},
+                                      rp or None)
+        e = int(hf.get("n_routed_experts") or 0)
+        if not e:
+            raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
+        hd = kw["head_dim"]
+        rot = int(hd * frac)
+        if rot % 2:
+            raise ConfigError(f"{model_type}: partial_rotary_factor {frac} of head_dim {hd} is odd ({rot})")
+        kw.update(rope_theta=theta, rope_scaling=scaling, rotary_dims=rot if rot != hd else 0,
+                  attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)),
+                  num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]),
+                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                  shared_expert_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
+                  expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
+                  routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                  dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+
+    def config_to_hf(self, cfg, out):
+        Family.config_to_hf(self, cfg, out)
+        sc = cfg.rope_scaling_dict
+        out.pop("rope_scaling", None)
+        out.pop("rope_theta", None)
+        out.update(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, n_routed_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                   n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
+                   routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
+                   num_nextn_predict_layers=0,
+                   rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {}),
+                                    "partial_rotary_factor": (cfg.rotary_dims or cfg.head_dim) / cfg.head_dim})
+
+    def layer_spec(self, cfg, i: int) -> dict:
+        from pdecode.model.transformer import attention_specs
+
+        s = {k: dataclass_drop_layers(v) for k, v in attention_specs(cfg, 1).items()}
+        mlp = super().layer_spec(cfg, i)
+        s.update({k: v for k, v in mlp.items() if k == "mlp_norm" or k.startswith(("w_", "we_", "router"))})
+        return s
+
+    def attention(self, cfg, lp, h, att, cache, i, write_at, form=None):
+        from pdecode.model.transformer import self_attention
+
+        return self_attention(cfg, lp, h, att, cache, i, write_at)
+
+    def layer_names(self, cfg, i: int) -> list[tuple]:
+        from pdecode.checkpoint.hf import attention_names
+
+        names = [n for n in super().layer_names(cfg, i) if not n[0].startswith("self_attn.")]
+        return names + attention_names(cfg)
+
+
+def dataclass_drop_layers(spec):
+    """A stacked `ParamSpec` of one layer ([1, ...] on ``layers``) as that layer's own."""
+    import dataclasses
+
+    return dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+
+
+GLM4_MOE = register(Glm4Moe())
