@@ -66,6 +66,23 @@ CONFIGS = {
                          family="gpt_oss", attention_bias=True, num_experts=128, experts_per_tok=4,
                          moe_intermediate_size=2880, swiglu_limit=7.0, sliding_window=128,
                          layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(36))),
+    # DeepSeek-V3 / R1 (671B, 37B active): latent attention (kv_lora 512 + a 64-dim rope key cached per token), 256
+    # routed experts in 8 groups (4 chosen), 1 shared, the first 3 layers dense; its MTP layer is `--method mtp`
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,
+                        num_kv_heads=1, head_dim=64, max_position_embeddings=163840, rope_theta=10000.0,
+                        rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 40.0), ("mscale", 1.0),
+                                      ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 4096),
+                                      ("rope_type", "yarn")),
+                        family="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, v_head_dim=128,
+                        rope_interleave=True, attn_scale=192 ** -0.5 * (0.1 * __import__("math").log(40.0) + 1) ** 2,
+                        num_experts=256, experts_per_tok=8, moe_intermediate_size=2048, shared_expert_size=2048,
+                        router_score="sigmoid", expert_groups=8, groups_per_tok=4, routed_scale=2.5, dense_layers=3),
+    # GLM-4.5-Air (106B, 12B active): GQA with q/k/v biases, RoPE over half of each head, 128 experts, 1 shared
+    "glm-4.5-air": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_layers=46, num_heads=96,
+                        num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=1000000.0,
+                        rms_norm_eps=1e-5, family="glm4_moe", attention_bias=True, rotary_dims=64, num_experts=128,
+                        experts_per_tok=8, moe_intermediate_size=1408, shared_expert_size=1408, router_score="sigmoid",
+                        dense_layers=1),
 }
 DEFAULT_DRAFT = "llama-3.2-1b"
 
@@ -79,6 +96,9 @@ HARDWARE = {
 # tokens per target forward measured on the zoo (docs/results.md: greedy, 8 validation prompts): what the
 # speculative projections assume
 ZOO_TAU = {"sd": 2.66, "eagle": 3.58}
+# the checkpoint's own MTP layer drafting one token: DeepSeek-V3's report (85-90% of second tokens accepted, so
+# about 1.85 tokens per forward), not measured here
+REPORTED_TAU = {"mtp": 1.85}
 
 
 def model_config(name_or_dir: str, vocab: int | None = None):
@@ -206,8 +226,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     cdt = jnp.dtype(cache_dtype or dtype)
     if max_len > cfg.max_position_embeddings:
         raise InputError(f"--max-len {max_len} exceeds the model's context ({cfg.max_position_embeddings})")
-    if method not in ("ar", "sd", "eagle"):
-        raise InputError(f"plan covers ar, sd and eagle; got {method!r}")
+    if method not in ("ar", "sd", "eagle", "mtp"):
+        raise InputError(f"plan covers ar, sd, eagle and mtp; got {method!r}")
     meth = registry.get(method)
     from pdecode.sharding import kv_repeat, kv_repeated_cfg
 
@@ -229,6 +249,11 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         target.extras["eagle"] = (ecfg, ep)
         extra_params = _bytes(ep)
         opts = {"total_tokens": tree_nodes}
+    elif method == "mtp":  # the model's own MTP layer (DeepSeek-V3, GLM-4.5 ship one), drafting a chain
+        mcfg = H.MTPConfig(num_modules=1, kind="sequential", emb_first=True)
+        ep = abstract_params(cfg, jdt, mesh, mcfg.specs(cfg))
+        target.extras["mtp"] = (mcfg, ep)
+        extra_params = _bytes(ep)
     opts = registry.resolve_options(meth, {**opts, **(options or {})})
     samp = sampling.validate(0.0, 0, 1.0, cfg.vocab_size)
     p = meth.prepare(target, draft, opts, samp)
@@ -258,9 +283,11 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         kinds += [("target_verify", cfg, params, opts["gamma"] + 1), ("draft_1", draft.cfg, draft.params, 1)]
         draft_steps = opts["gamma"]
         mem["weights_and_caches"] = held(cfg, params) + held(draft.cfg, draft.params)
-    elif method == "eagle":
+    elif method in ("eagle", "mtp"):
         one_layer = cfg.with_layers(1)
-        kinds += [("target_verify", cfg, params, opts["total_tokens"]),
+        nodes = opts["total_tokens"] if method == "eagle" else 1 + (opts["total_tokens"] or opts["depth"] * opts[
+            "tree_top_k"])  # (mtp: the root and the drafted chain or tree)
+        kinds += [("target_verify", cfg, params, nodes),
                   ("draft_1", one_layer, abstract_params(one_layer, jdt, mesh), opts["tree_top_k"])]
         draft_steps = opts["depth"]
         mem["weights_and_caches"] = held(cfg, params) + _shard_bytes(ep) + \
@@ -273,8 +300,9 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         per token plus attention (4 per cached key per head per token)."""
         n_w = _shard_bytes(w) / jnp.dtype(jdt).itemsize
         heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
-        return {"flops": float(2 * n_w * batch / data * k + 4 * batch / data * k * c.num_layers * heads_dev
-                               * c.head_dim * max_len), "bytes": float(held(c, w))}
+        per_key = (2 * c.kv_lora_rank + c.head_dim) if c.kv_lora_rank else 2 * c.head_dim  # (latent: absorbed form)
+        return {"flops": float(2 * n_w * batch / data * k + 2 * batch / data * k * c.num_layers * heads_dev
+                               * per_key * max_len), "bytes": float(held(c, w))}
 
     # XLA:CPU's own counts count a layer stack under lax.scan once, not once per layer, and include the float32
     # copies XLA:CPU makes of bfloat16 matmul operands, which accelerators do not make: the projection uses the
@@ -287,16 +315,29 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         ar = batch / t(analytic["target_1"])
         row = {"ar_tokens_per_s": ar, "fits": mem["total"] <= h["hbm"],
                "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"], "tokens_per_s": ar}
-        if method in ZOO_TAU:
+        if method in ZOO_TAU or method in REPORTED_TAU:
             step = t(analytic["target_verify"]) + draft_steps * t(analytic["draft_1"])
-            row["tokens_per_s"] = batch * ZOO_TAU[method] / step
+            row["tokens_per_s"] = batch * {**ZOO_TAU, **REPORTED_TAU}[method] / step
         proj[hw] = row
     return {"config": config, "method": method, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
             "max_len": max_len, "dtype": str(jdt), "cache_dtype": str(cdt), "compiled": True,
             "compile_s": compile_s, "param_bytes": stored_bytes, "kv_repeat": r, "extra_param_bytes": extra_params,
             "per_device": mem, "per_device_bytes": mem["total"], "step_costs_per_device": steps,
             "step_floor_per_device": analytic,
-            "tau_assumed": ZOO_TAU.get(method), "projection": proj}
+            "tau_assumed": ZOO_TAU.get(method) or REPORTED_TAU.get(method),
+            "tau_source": "zoo" if method in ZOO_TAU else ("reported" if method in REPORTED_TAU else None),
+            "cache_values_per_token": _cache_values(cfg), "projection": proj}
+
+
+def _cache_values(cfg) -> dict:
+    """Values the KV cache holds per token (all layers), and what full per-head K and V would hold: for latent
+    attention, the latent and rope key against every head's key (nope + rope) and value."""
+    held = sum(cfg.layer_attention(i)[0] * (cfg.layer_attention(i)[1] + cfg.cache_value_dim(i))
+               for i in range(cfg.num_layers) if cfg.kv_source(i) == i)
+    full = cfg.num_layers * cfg.num_heads * (cfg.qk_nope_dim + cfg.head_dim + cfg.v_head_dim) if cfg.kv_lora_rank \
+        else held
+    return {"held": int(held), "full_kv": int(full), "per_layer_held": int(held // cfg.num_layers),
+            "per_layer_full_kv": int(full // cfg.num_layers)}
 
 
 def largest_constant(hlo_text: str) -> int:
@@ -403,7 +444,12 @@ def to_text(r: dict) -> str:
         f = r["step_floor_per_device"][k]
         lines.append(f"| {k} | {c['flops'] / 1e9:.2f} | {c['bytes'] / 1e9:.3f} | {f['flops'] / 1e9:.2f} | "
                      f"{f['bytes'] / 1e9:.3f} |")
-    tau = f" (τ {r['tau_assumed']} as measured on the zoo)" if r["tau_assumed"] else ""
+    src = "as DeepSeek-V3's report gives it" if r.get("tau_source") == "reported" else "as measured on the zoo"
+    tau = f" (τ {r['tau_assumed']} {src})" if r["tau_assumed"] else ""
+    cv = r.get("cache_values_per_token")
+    if cv and cv["full_kv"] != cv["held"]:
+        lines += ["", f"KV cache per token and layer: {cv['per_layer_held']} values held (latent + rope key) vs "
+                      f"{cv['per_layer_full_kv']} for full per-head K and V ({cv['per_layer_full_kv'] / cv['per_layer_held']:.1f}x)"]
     lines += ["", f"Roofline from the counted steps (weights and caches read once per step), per device:", "",
               f"| hardware | fits (XLA / weights + caches) | AR tok/s | {r['method']} tok/s{tau} |", "|---|---|---|---|"]
     for hw, p in r["projection"].items():
@@ -417,7 +463,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help=f"{', '.join(CONFIGS)} or an HF directory (config.json)")
     ap.add_argument("--devices", type=int, required=True, help="devices of the mesh (forced CPU devices)")
     ap.add_argument("--mesh", default=None, help="DATAxMODEL (default 1xDEVICES: params sharded over all)")
-    ap.add_argument("--method", default="ar", choices=["ar", "sd", "eagle"])
+    ap.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "mtp"])
     ap.add_argument("--draft-config", default=None, help=f"sd/tree: the draft's config (default {DEFAULT_DRAFT})")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096)
