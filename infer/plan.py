@@ -229,17 +229,17 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if method not in ("ar", "sd", "eagle", "mtp"):
         raise InputError(f"plan covers ar, sd, eagle and mtp; got {method!r}")
     meth = registry.get(method)
-    from pdecode.sharding import kv_repeat, kv_repeated_cfg
+    from pdecode.sharding import kv_repeat, placed_cfg
 
     stored_bytes = _bytes(abstract_params(cfg, jdt, mesh))  # the checkpoint's own weights
     r = kv_repeat(cfg, mesh)  # kv heads repeated to the model axis, as Model.on_mesh does
-    cfg = kv_repeated_cfg(cfg, r)
+    cfg = placed_cfg(cfg, mesh)
     params = abstract_params(cfg, jdt, mesh)
     target = pdecode.Model(cfg=cfg, params=params, name=config)
     draft, extra_params, opts = None, 0, {}
     if meth.needs_draft:
         dcfg = model_config(draft_config or DEFAULT_DRAFT, vocab=cfg.vocab_size)
-        dcfg = kv_repeated_cfg(dcfg, kv_repeat(dcfg, mesh))
+        dcfg = placed_cfg(dcfg, mesh)
         draft = pdecode.Model(cfg=dcfg, params=abstract_params(dcfg, jdt, mesh), name=draft_config or DEFAULT_DRAFT)
         extra_params = _bytes(draft.params)
         opts = {"gamma": gamma}

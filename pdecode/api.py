@@ -78,10 +78,10 @@ class Model:
             return self
         key = (mesh, indivisible)
         if key not in self._sharded:
-            from pdecode.sharding import kv_repeat, kv_repeated_cfg
+            from pdecode.sharding import kv_repeat, placed_cfg
 
             r = kv_repeat(self.cfg, mesh)
-            cfg = kv_repeated_cfg(self.cfg, r)
+            cfg = placed_cfg(self.cfg, mesh)
             params = _place_tree(self.params, param_specs(self.cfg), param_specs(cfg), mesh, r, indivisible)
             extras = dict(self.extras)
             for kind, val in self.extras.items():
@@ -190,6 +190,21 @@ def as_model(x, what: str = "model", optional: bool = False) -> Model | None:
         return load(x)
     raise InputError(f"{what} must be a pdecode.Model (pdecode.load(...)), a zoo name or a checkpoint directory; "
                      f"got {type(x).__name__}")
+
+
+def assistant_as_draft(m, draft):
+    """(model, draft): a Gemma 4 assistant directory given as ``draft`` is attached to the model (it drafts for
+    `method="assistant"`, which takes no separate draft model); anything else is returned as it is."""
+    from pdecode.model import assistant
+
+    if isinstance(draft, (str, os.PathLike)):
+        try:
+            path = resolve_path(draft)
+        except (InputError, CheckpointError):
+            return m, draft
+        if assistant.is_assistant_dir(path):
+            return attach_heads(as_model(m), path), None
+    return m, draft
 
 
 def attach_heads(m: Model, path: str | os.PathLike) -> Model:
@@ -477,6 +492,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         (target_forwards, new_tokens, tokens_per_forward, tokens_per_s, wall_s, compile_s, and the method's own).
     """
     meth = registry.get(method)
+    m, draft = assistant_as_draft(m, draft)
     m, draft = as_model(m), as_model(draft, "draft", optional=True)
     registry.check_models(meth, m, draft)
     own = tuple(k for k in _parameters(generate) if k not in ("m", "prompts", "method_options"))

@@ -100,6 +100,10 @@ class ModelConfig:
     groups_per_tok: int = 1
     routed_scale: float = 1.0
     dense_layers: int = 0
+    # the experts are split over devices (expert parallelism; set when a model is placed on a mesh): every pass
+    # runs each device's own experts on all its tokens, weighted by the routing (`moe.run_experts`), instead of
+    # gathering the chosen experts' weights, which would copy them across devices
+    experts_sharded: bool = False
     causal: bool = True  # False: bidirectional (masked diffusion models)
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"

@@ -129,6 +129,7 @@ class Engine:
                               f"draft-and-verify methods (sd, lookup, tree, eagle, medusa, mtp, ...)")
         if meth.wants_max_new:  # a masked-diffusion canvas, not a token loop
             raise not_here
+        model, draft = api.assistant_as_draft(model, draft)
         model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
         registry.check_models(meth, model, draft)
         opts = registry.resolve_options(meth, method_options)

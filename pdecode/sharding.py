@@ -168,6 +168,14 @@ def kv_repeated_cfg(cfg, r: int):
     return cfg.replace(num_kv_heads=cfg.num_kv_heads * r, global_kv_heads=gkv and gkv * r)
 
 
+def placed_cfg(cfg, mesh: Mesh | None):
+    """``cfg`` as placed on ``mesh``: kv heads repeated to the model axis (`kv_repeat`) and, when the model axis
+    splits the experts, ``experts_sharded`` set (the expert path that keeps each device's experts at home)."""
+    cfg = kv_repeated_cfg(cfg, kv_repeat(cfg, mesh))
+    m = mesh.shape.get("model", 1) if mesh is not None else 1
+    return cfg.replace(experts_sharded=bool(cfg.num_experts and m > 1 and cfg.num_experts % m == 0))
+
+
 def repeat_kv_heads(params, specs, r: int, shardings=None):
     """``params`` with every weight that has a ``kv_heads`` axis (by its spec) repeated ``r`` times along it, in
     place (`kv_repeat`), computed under jit straight into ``shardings`` when given (no gathering on one device)."""

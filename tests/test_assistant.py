@@ -180,3 +180,24 @@ def test_assistant_that_does_not_fit_is_one_error(pair):
         A.check_pair(acfg, target.cfg.replace(hidden_size=48))
     with pytest.raises(pdecode.errors.InputError, match="needs a Gemma 4 assistant"):
         pdecode.generate(target, [[5, 6]], method="assistant", max_new_tokens=2)
+
+
+def test_assistant_tree_and_draft_argument(pair):
+    """The assistant grows an EAGLE-2 tree (its frontier drafted in one pass per level) and decodes like AR; given
+    as ``draft=`` (its directory) it attaches itself, in generate and in the serving engine."""
+    from pdecode.engine import Engine
+
+    d, _, _ = pair
+    t = pdecode.load(d / "t")
+    ar = pdecode.generate(t, PROMPTS, max_new_tokens=16, stop_at_eos=False).tokens
+    tree = pdecode.generate(t, PROMPTS, method="assistant", draft=d / "a", gamma=3, tree_top_k=2, total_tokens=5,
+                            max_new_tokens=16, stop_at_eos=False)
+    assert tree.tokens == ar
+    assert tree.stats["tokens_per_forward"] > 1.0
+    eng = Engine(t, method="assistant", draft=str(d / "a"), slots=2, max_len=64, chunk=32, gamma=2)
+    reqs = [eng.submit(p, eng.check(p, max_tokens=10, temperature=0.0)) for p in PROMPTS]
+    while not eng.idle:
+        eng.run_once()
+    assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS, max_new_tokens=10).tokens  # (EOS ends a row)
+    with pytest.raises(pdecode.ConfigError, match="tree_top_k > 1"):
+        pdecode.generate(t, PROMPTS[:1], method="assistant", draft=d / "a", total_tokens=3, max_new_tokens=4)

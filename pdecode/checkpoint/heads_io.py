@@ -200,6 +200,9 @@ def import_deepseek_mtp(tensors: dict[str, np.ndarray], cfg: ModelConfig, layer_
 
 def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our first sequential MTP module in DeepSeek-V3's naming (layer index = num_layers)."""
+    if mcfg.kind != "sequential" or not mcfg.emb_first:
+        raise CheckpointError("DeepSeek-V3's MTP layout holds a sequential module reading [enorm(emb); hnorm(h)]: train "
+                              "it with MTPConfig(kind='sequential', emb_first=True)")
     p = f"model.layers.{cfg.num_layers}."
     mod = params["modules"][0]
     block = params_to_tensors({"layers": mod["layers"]}, _head_block(cfg, "model.layers.{i}."))

@@ -362,13 +362,24 @@ def _prepare_assistant(model, draft, opts, samp):
         raise InputError("method 'assistant' needs a Gemma 4 assistant on the model: attach its directory (a "
                          "gemma4_assistant checkpoint) with pdecode.attach_heads(model, path)")
     acfg, ap = model.extras["assistant"]
-    return _spec_plan(model, ap, AssistantDrafter(model.cfg, acfg, _int_opt(opts, "gamma")), opts)
+    k, g = _int_opt(opts, "tree_top_k"), _int_opt(opts, "gamma")
+    n = opts.get("total_tokens")
+    if n is not None:
+        n = _int_opt(opts, "total_tokens")
+        if k == 1 or n > k + (g - 1) * k * k:
+            raise ConfigError(f"total_tokens ({n}) needs tree_top_k > 1 and at most the {k + (g - 1) * k * k} nodes "
+                              f"a tree with tree_top_k={k}, gamma={g} grows")
+    return _spec_plan(model, ap, AssistantDrafter(model.cfg, acfg, g, k, n or 0), opts)
 
 
 register(Method("assistant", _prepare_assistant, needs="Gemma 4 assistant",
-                options={"gamma": Option(4, "int", "tokens drafted per step (a chain)"), **PHASES},
-                summary="a Gemma 4 assistant (gemma4_assistant) reads the target's KV cache and last hidden state "
-                        "and drafts a chain at the root's position"))
+                options={"gamma": Option(4, "int", "tokens drafted per step (the chain's length, the tree's depth)"),
+                         "tree_top_k": Option(1, "int", "children per expanded node (1: a chain; more: an EAGLE-2 "
+                                                        "dynamic tree)"),
+                         "total_tokens": Option(None, "int", "tree nodes kept (default gamma x tree_top_k)"),
+                         **PHASES},
+                summary="a Gemma 4 assistant (gemma4_assistant, attached or given as draft=) reads the target's KV "
+                        "cache and last hidden state and drafts a chain or a tree at the root's position"))
 
 
 def _diffusion_model(model, method):

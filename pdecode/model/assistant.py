@@ -176,19 +176,21 @@ def step(ap, acfg: AssistantConfig, tcfg: ModelConfig, tparams, tok_B: jax.Array
          tcache, n_B: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One draft step: the last seen token ``tok`` at position ``pos`` with a target-width hidden state ``h``,
     attending to the target cache's first ``n`` slots. Returns (float32 logits [B, V], the next hidden state
-    [B, backbone])."""
+    [B, backbone]). ``tok`` [B, T], ``h`` [B, T, D], ``pos`` [B, T]: T independent steps per row in one pass (the
+    frontier of a tree: the drafted tokens write no keys, so the steps do not see one another)."""
     from pdecode.model.families.gemma4 import GEMMA4
     from pdecode.model.transformer import Attention, embed, final_norm, linear, rope_tables
 
+    many = tok_B.ndim == 2
+    tok, h, pos = (tok_B, h_BD, pos_B) if many else (tok_B[:, None], h_BD[:, None], pos_B[:, None])
     c = acfg.cfg
-    e = embed(tparams, tok_B[:, None], tcfg)  # [B, 1, Dt], the target's scaled embedding
-    x = linear(jnp.concatenate([e, h_BD[:, None].astype(e.dtype)], axis=-1), ap["pre_proj"])  # [B, 1, D]
+    e = embed(tparams, tok, tcfg)  # [B, T, Dt], the target's scaled embedding
+    x = linear(jnp.concatenate([e, h.astype(e.dtype)], axis=-1), ap["pre_proj"])  # [B, T, D]
     s = jnp.arange(tcache.max_len)
     seen = s[None, :] < n_B[:, None]
-    full = seen[:, None, :]  # [B, 1, S]
+    full = seen[:, None, :]  # [B, 1, S]: every query of a row sees the same keys
     # a sliding layer: the last sliding_window + 1 committed tokens (the reference's bidirectional window, flipped)
     win = (seen & (s[None, :] >= n_B[:, None] - c.sliding_window - 1))[:, None, :] if c.sliding_window else full
-    pos = pos_B[:, None]
     kinds = c.layer_kinds()
     store = store_layers(tcfg)
     given = {i: tcache.layer(store[k]) for i, k in enumerate(kinds)}
@@ -196,5 +198,8 @@ def step(ap, acfg: AssistantConfig, tcfg: ModelConfig, tparams, tok_B: jax.Array
                     tuple(k == "sliding" for k in kinds), {"inputs": None, "kv": {}, "given": given})
     for i, lp in enumerate(ap["layers"]):
         x, _ = GEMMA4.block(c, lp, x, att, None, i, None, False)
-    h = final_norm({"final_norm": ap["final_norm"]}, c, x)[:, 0]
-    return head_logits(ap, acfg, h), linear(h, ap["post_proj"])
+    h = final_norm({"final_norm": ap["final_norm"]}, c, x)
+    b, t, d = h.shape
+    lg = head_logits(ap, acfg, h.reshape(b * t, d)).reshape(b, t, -1)
+    h = linear(h, ap["post_proj"])
+    return (lg, h) if many else (lg[:, 0], h[:, 0])

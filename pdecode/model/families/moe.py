@@ -120,7 +120,11 @@ def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
 
 def run_experts(cfg, lp, x_ND, w_Nk, idx_Nk):
     """The routed experts' output for N tokens: gathered weights when N * k <= E (decode steps, short verifies),
-    else grouped matmuls (dense over every expert on CPU)."""
+    else grouped matmuls (dense over every expert on CPU). Experts split over devices (``cfg.experts_sharded``)
+    always run dense: each device runs its own experts on every token, and the weighted sum over experts is the one
+    cross-device reduction (a gather of chosen experts' weights would copy them between devices every step)."""
+    if cfg.experts_sharded:
+        return experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk)
     if x_ND.shape[0] * cfg.experts_per_tok <= cfg.num_experts:
         run = experts_gathered
     else:
