@@ -137,35 +137,18 @@ def test_assistant_greedy_equals_ar_and_transformers_assisted_generation(pair):
 def test_assistant_sampling_is_lossless(tmp_path):
     """Speculative sampling with the assistant: the first 3 sampled tokens' marginals equal the exact AR marginals
     (chi-square over 12000 rows); the same test rejects the chain verified with a wrong q."""
-    import scipy.stats as sstats
-
-    from pdecode import sampling
-    from pdecode.api import compiled
-    from pdecode.decode import speculative
     from pdecode.decode.assistant import AssistantDrafter
-    from tests.test_speculative import _exact_marginals, _LyingChain
+    from tests.test_speculative import liar_tokens, marginal_pvalues
 
     make_pair(tmp_path, vocab=16, seed=3)
     m = pdecode.attach_heads(pdecode.load(tmp_path / "t"), tmp_path / "a")
     prompt, n = [3, 7, 3, 7, 3], 12000
-    margs = _exact_marginals(m, prompt, 3)
-
-    def pvalues(toks):
-        return [sstats.chisquare(np.bincount(toks[:, i], minlength=16), margs[i] / margs[i].sum() * n).pvalue
-                for i in range(3)]
-
     out = pdecode.generate(m, [prompt] * n, method="assistant", gamma=3, max_new_tokens=3, temperature=1.0, seed=2,
                            stop_at_eos=False)
-    assert min(pvalues(np.array(out.tokens))) > 1e-4
+    assert min(marginal_pvalues(m, prompt, np.array(out.tokens))) > 1e-4
     assert out.stats["tokens_per_forward"] > 1.0
     acfg, ap = m.extras["assistant"]
-    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
-    args = ((m.params, ap), prompt_a, jnp.full((n,), len(prompt), jnp.int32), jax.random.PRNGKey(1),
-            sampling.Warp.of(1.0))
-    exe, _ = compiled(speculative.generate, dict(cfg=m.cfg, drafter=_LyingChain(AssistantDrafter(m.cfg, acfg, 3)),
-                                                 max_new=3, max_len=64, eos_ids=(),
-                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    assert min(pvalues(np.asarray(exe(*args)[0].tokens))) < 1e-6
+    assert min(marginal_pvalues(m, prompt, liar_tokens(m, AssistantDrafter(m.cfg, acfg, 3), ap, prompt, n))) < 1e-6
 
 
 def test_assistant_that_does_not_fit_is_one_error(pair):

@@ -299,7 +299,8 @@ def _exact_marginals(m, prompt, n_tok):
 
 @dataclasses.dataclass(frozen=True)
 class _LyingChain:
-    """Wraps a chain drafter but reports a uniform q instead of the distribution it sampled from."""
+    """Wraps a chain drafter but reports a uniform q instead of the distribution it sampled from (a drafter of
+    deterministic top-k children, whose proposal has no q, is verified as if it had sampled them from it)."""
 
     inner: object
 
@@ -314,7 +315,33 @@ class _LyingChain:
 
     def propose(self, *a):
         prop, st = self.inner.propose(*a)
+        if prop.q is None:
+            v = self.inner.cfg.vocab_size
+            return prop._replace(q=jnp.full(prop.tokens.shape + (v,), 1.0 / v), rule=Rule.CHAIN_SAMPLING), st
         return prop._replace(q=jnp.full_like(prop.q, 1.0 / prop.q.shape[-1])), st
+
+
+def liar_tokens(m, drafter, dparams, prompt, n: int, new: int = 3) -> np.ndarray:
+    """[n, new] tokens of speculative sampling (temperature 1) with ``drafter`` wrapped in `_LyingChain`: a wrong
+    rule the lossless tests must reject."""
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+
+    prompt_a = jnp.asarray([prompt + [0] * 27] * n, jnp.int32)
+    args = ((m.params, dparams), prompt_a, jnp.full((n,), len(prompt), jnp.int32), jax.random.PRNGKey(1),
+            sampling.Warp.of(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=m.cfg, drafter=_LyingChain(drafter), max_new=new, max_len=64,
+                                                 eos_ids=(), samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    return np.asarray(exe(*args)[0].tokens)
+
+
+def marginal_pvalues(m, prompt, toks: np.ndarray) -> list[float]:
+    """Chi-square p-values of each column of sampled ``toks`` [n, k] against the exact AR marginals."""
+    n, k = toks.shape
+    v = m.cfg.vocab_size
+    margs = _exact_marginals(m, prompt, k)
+    return [sstats.chisquare(np.bincount(toks[:, i], minlength=v), margs[i] / margs[i].sum() * n).pvalue
+            for i in range(k)]
 
 
 @pytest.mark.parametrize("method,opts", [("sd", dict(gamma=3)), ("tree", dict(tree="binary-14")),

@@ -103,6 +103,36 @@ class Family:
         return [Rule(prefix + hf, "layers/" + ours, *rest) for hf, ours, *rest in self.block_names(cfg)]
 
 
+class LayerwiseFamily(Family):
+    """A family whose blocks differ in shape (Gemma 4, DeepSeek-V3): its params are a tuple of per-layer dicts
+    (`transformer.DecodeLayers`) and its tensor names are given per layer (`layer_names`)."""
+
+    def layer_names(self, cfg, i: int) -> list[tuple]:
+        """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
+        raise NotImplementedError
+
+    def block_names(self, cfg):
+        return self.layer_names(cfg, cfg.num_layers - 1)
+
+    def hf_rules(self, cfg, prefix: str = "model."):
+        from pdecode.checkpoint.hf import Rule
+
+        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain")]
+        for i in range(cfg.num_layers):
+            rules += [Rule(f"{prefix}layers.{i}.{hf}", f"layers/{i}/{ours}", lay)
+                      for hf, ours, lay in self.layer_names(cfg, i)]
+        rules.append(Rule(prefix + "norm.weight", "final_norm", "plain"))
+        if not cfg.tie_word_embeddings:
+            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
+        return rules
+
+    def head_block_rules(self, cfg, prefix):
+        from pdecode.checkpoint.hf import Rule
+
+        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
+                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
+
+
 def register(family: Family) -> Family:
     for t in family.model_types:
         if t in FAMILIES and FAMILIES[t] is not family:

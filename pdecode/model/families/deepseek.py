@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
-from pdecode.model.family import Family, register
+from pdecode.model.family import Family, LayerwiseFamily, register
 from pdecode.model.families.llama import check_act
 
 _NEG = -1e30
@@ -94,7 +94,31 @@ def _softmax_over(scores, mask):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-class DeepseekV3(Family):
+def routing_from_hf(model_type: str, hf: dict, kw: dict) -> None:
+    """DeepSeek-V3's expert fields (GLM-4.5 shares them) into ``kw``."""
+    e = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
+    if not e:
+        raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
+    f = int(hf["moe_intermediate_size"])
+    kw.update(num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=f,
+              shared_expert_size=int(hf.get("n_shared_experts") or 0) * f,
+              norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
+              expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
+              routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+              dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+
+
+def routing_to_hf(cfg) -> dict:
+    """The config.json expert fields of `routing_from_hf` (the MTP layers are not written: none are saved)."""
+    return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
+                moe_intermediate_size=cfg.moe_intermediate_size,
+                n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
+                norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
+                routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
+                num_nextn_predict_layers=0)
+
+
+class DeepseekV3(LayerwiseFamily):
     model_types = ("deepseek_v3",)
     architectures = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -114,9 +138,6 @@ class DeepseekV3(Family):
             raise ConfigError(f"{model_type}: scoring_func {scoring!r} is not supported (sigmoid)")
         if int(hf.get("moe_layer_freq", 1)) != 1:
             raise ConfigError(f"{model_type}: moe_layer_freq {hf['moe_layer_freq']} is not supported (1)")
-        e = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
-        if not e:
-            raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
         dr = int(hf["qk_rope_head_dim"])
         dn = int(hf["qk_nope_head_dim"])
         sc = kw.get("rope_scaling")
@@ -135,14 +156,8 @@ class DeepseekV3(Family):
                               "(fp8 block scales are)")
         kw.update(num_kv_heads=1, head_dim=dr, kv_lora_rank=int(hf["kv_lora_rank"]),
                   q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_dim=dn, v_head_dim=int(hf["v_head_dim"]),
-                  rope_interleave=bool(hf.get("rope_interleave", True)), attn_scale=scale,
-                  num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]),
-                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                  shared_expert_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
-                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
-                  expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
-                  routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-                  dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+                  rope_interleave=bool(hf.get("rope_interleave", True)), attn_scale=scale)
+        routing_from_hf(model_type, hf, kw)
 
     def config_to_hf(self, cfg, out):
         super().config_to_hf(cfg, out)
@@ -152,12 +167,7 @@ class DeepseekV3(Family):
         out.update(num_key_value_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
                    q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.head_dim, qk_nope_head_dim=cfg.qk_nope_dim,
                    v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, attention_bias=False,
-                   n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
-                   moe_intermediate_size=cfg.moe_intermediate_size,
-                   n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
-                   routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
-                   topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0,
+                   **routing_to_hf(cfg), topk_method="noaux_tc", scoring_func="sigmoid",
                    rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {})})
 
     # -------------------------------------------------------------------------------- params
@@ -287,27 +297,6 @@ class DeepseekV3(Family):
             names += [(f"mlp.experts.{{e}}.{n}_proj.weight", f"we_{n}", "linear") for n in ("gate", "up", "down")]
         return names
 
-    def block_names(self, cfg):
-        return self.layer_names(cfg, cfg.num_layers - 1)
-
-    def hf_rules(self, cfg, prefix: str = "model."):
-        from pdecode.checkpoint.hf import Rule
-
-        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain")]
-        for i in range(cfg.num_layers):
-            rules += [Rule(f"{prefix}layers.{i}.{hf}", f"layers/{i}/{ours}", lay)
-                      for hf, ours, lay in self.layer_names(cfg, i)]
-        rules.append(Rule(prefix + "norm.weight", "final_norm", "plain"))
-        if not cfg.tie_word_embeddings:
-            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
-        return rules
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
-        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
-                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
-
 
 DEEPSEEK_V3 = register(DeepseekV3())
 
@@ -330,34 +319,20 @@ class Glm4Moe(DeepseekV3):
         frac = float(rp.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)) or 0.5)
         theta, scaling = rope_from_hf(model_type, {k: v for k, v in hf.items() if k != "partial_rotary_factor"},
                                       rp or None)
-        e = int(hf.get("n_routed_experts") or 0)
-        if not e:
-            raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
         hd = kw["head_dim"]
         rot = int(hd * frac)
         if rot % 2:
             raise ConfigError(f"{model_type}: partial_rotary_factor {frac} of head_dim {hd} is odd ({rot})")
         kw.update(rope_theta=theta, rope_scaling=scaling, rotary_dims=rot if rot != hd else 0,
-                  attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)),
-                  num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]),
-                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                  shared_expert_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"]),
-                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
-                  expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
-                  routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-                  dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+                  attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)))
+        routing_from_hf(model_type, hf, kw)
 
     def config_to_hf(self, cfg, out):
         Family.config_to_hf(self, cfg, out)
         sc = cfg.rope_scaling_dict
         out.pop("rope_scaling", None)
         out.pop("rope_theta", None)
-        out.update(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, n_routed_experts=cfg.num_experts,
-                   num_experts_per_tok=cfg.experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
-                   n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
-                   routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
-                   num_nextn_predict_layers=0,
+        out.update(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, **routing_to_hf(cfg),
                    rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {}),
                                     "partial_rotary_factor": (cfg.rotary_dims or cfg.head_dim) / cfg.head_dim})
 

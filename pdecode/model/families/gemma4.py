@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
-from pdecode.model.family import Family, register
+from pdecode.model.family import LayerwiseFamily, register
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
@@ -50,7 +50,7 @@ def _per_layer(hf: dict, key: str, full: list[int]):
     return vals.pop() if vals else None
 
 
-class Gemma4(Family):
+class Gemma4(LayerwiseFamily):
     model_types = ("gemma4_text", "gemma4")
     architectures = {"gemma4_text": "Gemma4ForCausalLM"}
     own_rope = True  # rope_parameters per layer kind, read by config_from_hf
@@ -352,24 +352,12 @@ class Gemma4(Family):
         from pdecode.checkpoint.hf import Rule
 
         p = prefix or ("model.language_model." if cfg.family == "gemma4" else "model.")
-        rules = [Rule(p + "embed_tokens.weight", "embed", "plain")]
-        for i in range(cfg.num_layers):
-            rules += [Rule(f"{p}layers.{i}.{hf}", f"layers/{i}/{ours}", lay) for hf, ours, lay in
-                      self.layer_names(cfg, i)]
-        rules.append(Rule(p + "norm.weight", "final_norm", "plain"))
+        rules = super().hf_rules(cfg, p)
         if cfg.per_layer_input_size:
             rules += [Rule(p + "embed_tokens_per_layer.weight", "ple_embed", "plain"),
                       Rule(p + "per_layer_model_projection.weight", "ple_model_proj", "linear"),
                       Rule(p + "per_layer_projection_norm.weight", "ple_proj_norm", "plain")]
-        if not cfg.tie_word_embeddings:
-            rules.append(Rule("lm_head.weight", "lm_head", "linear"))
         return rules
-
-    def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
-        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
-                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
 
 
 GEMMA4 = register(Gemma4())
