@@ -102,12 +102,19 @@ def cmd_generate(args) -> int:
     from pdecode.decode import registry
     from pdecode.errors import InputError, PdecodeError
 
+    multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
     prompts = _read_prompts(args)
     options = parse_options(args.option)
     clash = sorted(set(options) & set(_FLAGS))
     if clash:
         raise InputError(f"{clash[0]} is not a method option: use {_FLAGS[clash[0]]} instead of -o {clash[0]}=...")
     mesh = _parse_mesh(args.mesh) if args.mesh else None
+    if multi and mesh is None:  # one process per host: the mesh spans every process's devices
+        from pdecode.sharding import make_mesh
+
+        import jax
+
+        mesh = make_mesh(1, jax.device_count())
     compare = _compare_specs(args.compare or [], bool(args.draft))  # checked before anything loads or runs
     if args.plot:
         if _plot_kind(args.method) is None or args.decompose:
@@ -151,6 +158,8 @@ def cmd_generate(args) -> int:
             divs = [d for d in first_divergences(cm, prompts, out.tokens, o.tokens) if d is not None]
             rows[-1]["divergences"] = [dataclasses.asdict(d) | {"tie": d.tie} for d in divs]
             rows[-1]["all_ties"] = all(d.tie for d in divs)
+    if multi and not pdecode.distributed.is_main():
+        return 0  # every process ran the same steps; process 0 prints
     if args.json:
         for p, text, toks in zip(prompts, out.texts, out.tokens):
             row = {"prompt": p, "text": text, "tokens": toks, "stats": out.stats}
@@ -410,6 +419,17 @@ class _GenerateParser(argparse.ArgumentParser):
         return super().format_help() + "\n" + methods_help()
 
 
+def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
+    """One process per host (docs/pods.md): the same command on every host, each with its own --process-id."""
+    d = p.add_argument_group("multi-host (one process per host; also PDECODE_COORDINATOR / PDECODE_NUM_PROCESSES / "
+                             "PDECODE_PROCESS_ID)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's host and a free port")
+    d.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run")
+    d.add_argument("--process-id", type=int, default=None, metavar="I", help="this process (0 .. N-1)")
+    d.add_argument("--dist-timeout", type=int, default=60, metavar="S",
+                   help="seconds to wait for the other processes before failing (default 60)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdecode", description="Parallel text generation in JAX.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -442,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="residual stream / attention dtype (default: --dtype); --dtype bfloat16 --activation-dtype "
                         "float32 is mixed precision (fastest at batch > 1 on CPU)")
-    g.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 2x4")
+    g.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 2x4 (of all processes' devices)")
+    add_distributed_arguments(g)
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt with text and stats")

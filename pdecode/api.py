@@ -181,6 +181,16 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     return m
 
 
+def to_host(x):
+    """``x`` as a numpy array on this process: a result sharded over devices of other processes (a multi-host mesh)
+    is gathered from all of them first (a collective: every process must call it)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
 def as_model(x, what: str = "model", optional: bool = False) -> Model | None:
     """``x`` as a `Model`: a Model as it is, a zoo name or a checkpoint directory loaded (`load`); anything else is
     one line saying what to pass."""
@@ -524,6 +534,11 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     if draft is not None:
         _check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
+    from pdecode import distributed
+
+    distributed.check_mesh(mesh)
+    distributed.check_same_everywhere("prompts, method or options",
+                                      (ids, method, sorted(method_options.items()), max_new_tokens, seed, temperature))
     extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
     plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh, indivisible="replicate") if draft is not None else None,
                         opts, samp, **extra)
@@ -592,6 +607,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     out, dev_stats = exe(*args)
     out = jax.block_until_ready(out)
     wall = time.perf_counter() - t0
+    out, dev_stats = jax.tree.map(to_host, (out, dev_stats))  # (on a multi-process mesh: every process's copy)
 
     tokens_np, count_np = np.asarray(out.tokens), np.asarray(out.count)
     toks = [tokens_np[i, : count_np[i]].tolist() for i in range(len(ids))]

@@ -296,7 +296,7 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
         spec = _get(specs, r.ours)
         lead = _lead(r)
         per_shape = spec.shape[lead:]
-        sharding = _get(shardings, r.ours) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+        sharding = _get(shardings, r.ours) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
         by_index: dict = {}
         for dev, index in sharding.addressable_devices_indices_map(spec.shape).items():
             by_index.setdefault(_slice_key(index, spec.shape), []).append(dev)

@@ -1,0 +1,63 @@
+"""One process of a multi-process run for tests/test_pods.py: ``python tests/pods_worker.py ID PORT OUT [N]``.
+
+Joins the run (N processes, 2 by default, on 127.0.0.1:PORT), then decodes the same prompts with ar, sd, eagle,
+dico and decompose on a 2x4 mesh over every process's devices (the data axis across the processes, the model axis
+within each); process 0 writes the tokens to OUT (JSON), and the errors a mesh short of the run's devices and
+prompts that differ between processes give. With ID "single" it runs alone (its own 8 devices) and writes the
+reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PROMPTS = ["def fib(n):", "import os\n\n\ndef walk(path):", "class Stack:\n    def push(self, x):", "x = [i * i for"]
+DECOMPOSE = "import os\n\n\ndef a(x):\n    \"\"\"A.\"\"\"\n\n\ndef b(y):\n    \"\"\"B.\"\"\""
+
+
+def run(mesh) -> dict:
+    import pdecode
+
+    t = pdecode.load("code-target", mesh=mesh)
+    d = pdecode.load("code-draft", mesh=mesh, indivisible="replicate")
+    e = pdecode.load("code-target-eagle", mesh=mesh)
+    dl = pdecode.load("code-dllm", mesh=mesh, indivisible="replicate")
+    kw = dict(max_new_tokens=12, stop_at_eos=False, mesh=mesh)
+    out = {"ar": pdecode.generate(t, PROMPTS, **kw).tokens,
+           "sd": pdecode.generate(t, PROMPTS, method="sd", draft=d, gamma=3, **kw).tokens,
+           "eagle": pdecode.generate(e, PROMPTS, method="eagle", tree_top_k=2, depth=3, total_tokens=6, **kw).tokens,
+           "dico": pdecode.generate(dl, PROMPTS, method="dico", max_new_tokens=16, mesh=mesh).tokens,
+           "decompose": pdecode.decompose(t, DECOMPOSE, method="ar", max_new_tokens=8, mesh=mesh).fill_tokens}
+    return out
+
+
+def main() -> None:
+    who, port, path = sys.argv[1], sys.argv[2], sys.argv[3]
+    n = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    import pdecode
+
+    if who != "single":
+        pdecode.init_distributed(f"127.0.0.1:{port}", n, int(who), timeout_s=60)
+    import jax
+
+    from pdecode.sharding import make_mesh
+
+    out = run(make_mesh(2, 4))
+    if who != "single":
+        from pdecode.errors import InputError
+
+        t = pdecode.load("code-target")
+        for name, call in (("mesh_error", lambda: pdecode.generate(t, PROMPTS, mesh=make_mesh(1, 4, jax.local_devices()))),
+                           ("prompt_error", lambda: pdecode.generate(t, [PROMPTS[int(who)]], mesh=make_mesh(2, 4)))):
+            try:
+                call()
+                out[name] = None
+            except InputError as e:
+                out[name] = str(e)
+    if jax.process_index() == 0:
+        with open(path, "w") as f:
+            json.dump({"devices": jax.device_count(), "processes": jax.process_count(), **out}, f)
+
+
+if __name__ == "__main__":
+    main()

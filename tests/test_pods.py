@@ -1,0 +1,102 @@
+"""Multi-host runs on one machine (issue 31): two processes with 4 forced CPU devices each join one runtime over
+gloo (127.0.0.1) and decode on a 2x4 mesh spanning both; every method tried gives the tokens one process with all 8
+devices gives. Bad input (an id out of range, no coordinator, a mesh short of the run's devices, prompts that
+differ between processes) is one line and a non-zero exit within a bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "pods_worker.py")
+pytestmark = pytest.mark.xdist_group("pods")  # its subprocesses take both cores: one worker runs them
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PDECODE_COORDINATOR", None)
+    return env
+
+
+def _pair(argv_of, timeout: float = 400):
+    """Run two processes (argv_of(i) for i = 0, 1) to the end: [(rc, stdout, stderr)] in order."""
+    procs = [subprocess.Popen(argv_of(i), env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        return [(p.wait(timeout=timeout), p.stdout.read(), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_processes_decode_like_one_with_all_devices(tmp_path):
+    if jax.device_count() < 8:
+        pytest.skip("the one-process reference needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    port = _port()
+    res = _pair(lambda i: [sys.executable, WORKER, str(i), str(port), str(tmp_path / "multi.json")])
+    assert all(rc == 0 for rc, _, _ in res), res[0][2][-2000:] + res[1][2][-2000:]
+    multi = json.loads((tmp_path / "multi.json").read_text())
+    assert multi["processes"] == 2 and multi["devices"] == 8
+    sys.path.insert(0, str(ROOT / "tests"))
+    import pods_worker
+
+    from pdecode.sharding import make_mesh
+
+    single = pods_worker.run(make_mesh(2, 4))
+    for method in ("ar", "sd", "eagle", "dico", "decompose"):
+        assert multi[method] == single[method], method
+    assert "covers 4 of the run's 8 devices" in multi["mesh_error"]
+    assert "differ between processes" in multi["prompt_error"]
+
+
+def test_cli_runs_on_two_processes_and_prints_once(tmp_path):
+    port = _port()
+    cmd = [sys.executable, "-m", "infer.cli", "generate", "--prompt", "def fib(n):", "--max-new-tokens", "8",
+           "--json", "--mesh", "2x4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    res = _pair(lambda i: cmd + ["--process-id", str(i)])
+    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
+    rows = [json.loads(line) for line in res[0][1].splitlines() if line.startswith("{")]
+    assert len(rows) == 1 and len(rows[0]["tokens"]) == 8
+    assert res[1][1].strip() == ""  # process 1 ran the same steps and printed nothing
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--num-processes", "2", "--process-id", "5"], "--process-id must be in 0..1"),
+    (["--num-processes", "2", "--process-id", "0"], "needs --coordinator"),
+    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
+])
+def test_bad_distributed_flags_are_one_line(argv, msg, capsys):
+    from infer import cli
+
+    assert cli.main(["generate", "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_coordinator_fails_within_the_timeout():
+    """Process 1 of 2 with no process 0 listening: one line and exit 2 after --dist-timeout, not a hang."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "generate", "--prompt", "x", "--coordinator",
+                        f"127.0.0.1:{_port()}", "--num-processes", "2", "--process-id", "1", "--dist-timeout", "5"],
+                       env=_env(4), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and time.perf_counter() - t0 < 90
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "could not join the multi-process run" in lines[0]
