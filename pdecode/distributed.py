@@ -76,6 +76,8 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
     if s is None and len(tpu_hosts) <= 1:
         return False
+    if s is not None:
+        _reach(s, timeout_s)
     try:  # CPU devices talk over gloo (no effect on accelerators); must be set before the backend starts
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (RuntimeError, AttributeError):
@@ -94,6 +96,35 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                                "runs on that host, and that the port is open)") from None
     _STATE["initialized"] = True
     return jax.process_count() > 1
+
+
+def _reach(s: dict, timeout_s: float) -> None:
+    """Fail with one line, before JAX's runtime (which aborts the process on a missing peer), when the coordinator
+    cannot be served (process 0: its address is not this host's) or reached (others: nothing listens there within
+    ``timeout_s``)."""
+    import socket
+    import time
+
+    host, _, port = s["coordinator"].rpartition(":")
+    if s["process_id"] == 0:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            raise DistributedError(f"process 0 cannot serve the coordinator at {s['coordinator']}: {e.strerror} (give "
+                                   "process 0's own host and a free port)") from None
+        return
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= end:
+                raise DistributedError(f"could not reach the coordinator at {s['coordinator']} within {timeout_s}s: "
+                                       f"{e.strerror or e} (is process 0 running, with the same --coordinator?)") from None
+            time.sleep(0.5)
 
 
 def is_main() -> bool:

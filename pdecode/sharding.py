@@ -121,7 +121,17 @@ def param_shardings(specs, mesh: Mesh, rules: dict | None = None, indivisible: s
 
 
 def shard_params(params, specs, mesh: Mesh, rules: dict | None = None, indivisible: str = "error"):
-    return jax.device_put(params, param_shardings(specs, mesh, rules, indivisible))
+    """``params`` placed by their specs on ``mesh``. On a mesh spanning several processes (multi-host), each process
+    puts its own devices' slices of its local copy (every process holds the same params)."""
+    shardings = param_shardings(specs, mesh, rules, indivisible)
+    if all(sh.is_fully_addressable for sh in jax.tree.leaves(shardings)):
+        return jax.device_put(params, shardings)
+
+    def put(a, sh):
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(put, params, shardings)
 
 
 def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:

@@ -75,11 +75,12 @@ def test_cli_runs_on_two_processes_and_prints_once(tmp_path):
     assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
     rows = [json.loads(line) for line in res[0][1].splitlines() if line.startswith("{")]
     assert len(rows) == 1 and len(rows[0]["tokens"]) == 8
-    assert res[1][1].strip() == ""  # process 1 ran the same steps and printed nothing
+    # process 1 ran the same steps and printed none of it (gloo's own connection lines aside)
+    assert not [x for x in res[1][1].splitlines() if not x.startswith("[Gloo]") and x.strip()]
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--num-processes", "2", "--process-id", "5"], "--process-id must be in 0..1"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"], "--process-id must be in 0..1"),
     (["--num-processes", "2", "--process-id", "0"], "needs --coordinator"),
     (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
 ])
@@ -99,4 +100,4 @@ def test_a_missing_coordinator_fails_within_the_timeout():
                        env=_env(4), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and time.perf_counter() - t0 < 90
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "could not join the multi-process run" in lines[0]
+    assert len(lines) == 1 and "could not reach the coordinator" in lines[0]
