@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-PROMPTS = ["def fib(n):", "import os\n\n\ndef walk(path):", "class Stack:\n    def push(self, x):", "x = [i * i for"]
+PROMPTS = ["def fib(n):", "class Stack:\n    def push(self, x):"]
 DECOMPOSE = "import os\n\n\ndef a(x):\n    \"\"\"A.\"\"\"\n\n\ndef b(y):\n    \"\"\"B.\"\"\""
 
 
@@ -22,11 +22,11 @@ def run(mesh) -> dict:
     d = pdecode.load("code-draft", mesh=mesh, indivisible="replicate")
     e = pdecode.load("code-target-eagle", mesh=mesh)
     dl = pdecode.load("code-dllm", mesh=mesh, indivisible="replicate")
-    kw = dict(max_new_tokens=12, stop_at_eos=False, mesh=mesh)
+    kw = dict(max_new_tokens=8, stop_at_eos=False, mesh=mesh)
     out = {"ar": pdecode.generate(t, PROMPTS, **kw).tokens,
            "sd": pdecode.generate(t, PROMPTS, method="sd", draft=d, gamma=3, **kw).tokens,
            "eagle": pdecode.generate(e, PROMPTS, method="eagle", tree_top_k=2, depth=3, total_tokens=6, **kw).tokens,
-           "dico": pdecode.generate(dl, PROMPTS, method="dico", max_new_tokens=16, mesh=mesh).tokens,
+           "dico": pdecode.generate(dl, PROMPTS, method="dico", max_new_tokens=8, mesh=mesh).tokens,
            "decompose": pdecode.decompose(t, DECOMPOSE, method="ar", max_new_tokens=8, mesh=mesh).fill_tokens}
     return out
 

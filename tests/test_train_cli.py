@@ -55,7 +55,8 @@ def test_train_heads_for_own_base_on_mesh(base_dir, tmp_path):
 def test_train_medusa_heads_calibrates_a_tree(base_dir, tmp_path):
     out = tmp_path / "medusa"
     cli.main(["train", "heads", "--base", str(base_dir), "--kind", "medusa", "--data", *DATA, "--out", str(out),
-              "--steps", "2", "--seq-len", "96", "--batch-size", "4", "--work", str(tmp_path / "work")])
+              "--steps", "2", "--seq-len", "96", "--batch-size", "4", "--calibration-prompts", "16",
+              "--work", str(tmp_path / "work")])
     meta = json.loads((out / "heads.json").read_text())
     assert meta["tree"] and meta["tree_calibration"]["nodes"] == 64
     m = pdecode.load(out)

@@ -192,7 +192,7 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                     seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, self_distill: int = 0,
                     mesh=None, fsdp: bool = False, accum: int = 1, compute_dtype: str | None = None,
                     base_dtype: str = "auto", seed: int = 0, calibrate: bool = True, val_fraction: float = 0.05,
-                    command: str | None = None) -> dict:
+                    command: str | None = None, calibration_prompts: int = 96) -> dict:
     """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
     user's text files (``data_paths``; the base's tokenizer; the last ``val_fraction`` held out), or on
     ``self_distill`` tokens of the base's own continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``)
@@ -227,14 +227,16 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
         command = command_line("pdecode train heads", base=base, kind=kind, data=data_paths, out=out, work=work,
                                steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
                                val_fraction=val_fraction, self_distill=self_distill, mesh=mesh, fsdp=fsdp,
-                               accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype)
+                               accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype,
+                               calibration_prompts=calibration_prompts if kind == "medusa" and
+                               calibration_prompts != 96 else None)
     out = Path(out)
     info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model, command,
                         f"heads:{kind}", mesh_plan)
     if kind == "medusa" and calibrate:
         hcfg_l, hp, meta = _load_saved(out, m.cfg)
         info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
-                                                   command + " (tree calibrated after training)")
+                                                   command + " (tree calibrated after training)", calibration_prompts)
     return info
 
 
@@ -342,14 +344,15 @@ def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_
 
 
 def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg, hp, meta: dict, nodes: int,
-                    command: str) -> dict:
+                    command: str, prompts_n: int = 96) -> dict:
     """Measure the heads' per-rank accuracy where they will be used — on the target's own greedy continuations
-    (of 96 training-stream prompts of 64 tokens, to the recipe's window) — and store the best ``nodes``-node tree
+    (of ``prompts_n`` (96) training-stream prompts of 64 tokens, to the recipe's window) — and store the best
+    ``nodes``-node tree
     (`tree.calibrated_paths`) in heads.json, where ``method="medusa"`` picks it up by default."""
     import pdecode
     from pdecode.decode.tree import calibrated_paths
 
-    prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(96)[:, :CALIBRATION_PROMPT]
+    prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(prompts_n)[:, :CALIBRATION_PROMPT]
     target = pdecode.Model(cfg=cfg, params=tparams, name=r.base)  # the base already loaded
     cont = [pdecode.generate(target, [list(map(int, p)) for p in prompts[i: i + 16]],
                              max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False).tokens
@@ -416,6 +419,10 @@ def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3)
     g.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
                    help="the part of --data's tokens held out for the validation metric (at least two windows' worth)")
     g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    if what == "heads":
+        g.add_argument("--calibration-prompts", type=int, default=96, metavar="N",
+                       help="(--kind medusa) training-stream prompts whose greedy continuations calibrate the shipped "
+                            "tree (default 96)")
     g.add_argument("--seed", type=int, default=0, help="initialization and batch order")
     g.add_argument("--mesh", default=None, metavar="DATAxMODEL", help="train on a mesh: data-parallel over DATA, "
                    "the base tensor-parallel over MODEL")
@@ -491,7 +498,8 @@ def main(argv=None):
                                seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
                                compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
-                               val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}")
+                               val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
+                               calibration_prompts=args.calibration_prompts)
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):
