@@ -216,10 +216,16 @@ def export_deepseek_mtp(mcfg: MTPConfig, params, cfg: ModelConfig) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------------ released dirs
 def has_mtp_layer(path: str | Path, cfg: ModelConfig) -> bool:
-    """Whether an HF model directory carries its own MTP layer (``model.layers.{num_layers}.eh_proj.weight``:
-    DeepSeek-V3 / R1, GLM-4.5 releases; transformers drops these tensors when it loads the model)."""
+    """Whether an HF model directory carries its own MTP layer: its config.json declares
+    ``num_nextn_predict_layers`` and ``model.layers.{num_layers}.eh_proj.weight`` is there (DeepSeek-V3 / R1,
+    GLM-4.5 releases; transformers drops these tensors when it loads the model)."""
     path = Path(path)
-    if not path.is_dir() or not (list(path.glob("*.safetensors*"))):
+    conf = path / "config.json"
+    try:  # only a config that declares MTP layers is worth a scan of the tensor headers (done at every load)
+        declared = int(json.loads(conf.read_text()).get("num_nextn_predict_layers") or 0) if conf.exists() else 0
+    except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+        declared = 0
+    if not declared or not list(path.glob("*.safetensors*")):
         return False
     return f"model.layers.{cfg.num_layers}.eh_proj.weight" in CheckpointTensors(path)
 

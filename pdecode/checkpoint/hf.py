@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pdecode.checkpoint.safetensors_io import write_safetensors
+from pdecode.checkpoint.safetensors_io import shape_of, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError, ConfigError
 from pdecode.model.transformer import param_specs
@@ -189,13 +189,6 @@ def _flat(names) -> list[str]:
     return [n for x in names for n in _flat(x)]
 
 
-def _shape(tensors, name: str) -> tuple:
-    """A tensor's shape without reading it (a `CheckpointTensors` would dequantize an fp8 weight to answer)."""
-    if hasattr(tensors, "shape_of"):
-        return tensors.shape_of(name)
-    return tuple(tensors[name].shape)
-
-
 def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str) -> None:
     """Every tensor the rules name is present with the element count its spec needs, or one CheckpointError."""
     missing, bad = [], []
@@ -205,12 +198,12 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
         for name in _flat(_names(r, spec.shape)):
             if name not in tensors:
                 missing.append(name)
-            elif r.rows is not None and (_shape(tensors, name)[0] < r.rows[1] or (r.rows[1] - r.rows[0]) * int(
-                    np.prod(_shape(tensors, name)[1:])) != int(np.prod(per_shape))):
-                bad.append(f"{name}: checkpoint {tuple(_shape(tensors, name))} vs config rows {r.rows} of {per_shape}")
-            elif r.rows is None and int(np.prod(_shape(tensors, name))) != int(np.prod(per_shape)) * (
+            elif r.rows is not None and (shape_of(tensors, name)[0] < r.rows[1] or (r.rows[1] - r.rows[0]) * int(
+                    np.prod(shape_of(tensors, name)[1:])) != int(np.prod(per_shape))):
+                bad.append(f"{name}: checkpoint {shape_of(tensors, name)} vs config rows {r.rows} of {per_shape}")
+            elif r.rows is None and int(np.prod(shape_of(tensors, name))) != int(np.prod(per_shape)) * (
                     2 if r.layout in PAIRED else 1):
-                bad.append(f"{name}: checkpoint {tuple(_shape(tensors, name))} vs config {per_shape}")
+                bad.append(f"{name}: checkpoint {shape_of(tensors, name)} vs config {per_shape}")
     if missing or bad:
         msg = []
         if missing:

@@ -260,5 +260,11 @@ class Renamed:
         return self._t[self._names[name]]
 
     def shape_of(self, name: str) -> tuple:
-        t = self._t
-        return t.shape_of(self._names[name]) if hasattr(t, "shape_of") else tuple(t[self._names[name]].shape)
+        return shape_of(self._t, self._names[name])
+
+
+def shape_of(tensors, name: str) -> tuple:
+    """A tensor's shape without reading it (a `CheckpointTensors` would dequantize an fp8 weight to answer)."""
+    if hasattr(tensors, "shape_of"):
+        return tensors.shape_of(name)
+    return tuple(tensors[name].shape)
