@@ -145,15 +145,16 @@ def split_model(name: str) -> tuple[str, str | None]:
 
 
 class OurRunner:
-    def __init__(self, model, method: str, opts: dict, draft=None, label: str | None = None):
-        self.model, self.method, self.opts, self.draft = model, method, opts, draft
+    def __init__(self, model, method: str, opts: dict, draft=None, label: str | None = None, mesh=None):
+        self.model, self.method, self.opts, self.draft, self.mesh = model, method, opts, draft, mesh
         self.label = label or (method + ("" if not opts else ":" + ",".join(f"{k}={v}" for k, v in opts.items())))
 
     def run(self, batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> dict:
         import pdecode
 
         out = pdecode.generate(self.model, batch, method=self.method, max_new_tokens=new_tokens,
-                               temperature=temperature, seed=seed, draft=self.draft, stop_at_eos=False, **self.opts)
+                               temperature=temperature, seed=seed, draft=self.draft, stop_at_eos=False, mesh=self.mesh,
+                               **self.opts)
         s = out.stats
         return {"new_tokens": s["new_tokens"], "wall_s": s["wall_s"], "compile_s": s["compile_s"],
                 "target_forwards": s["target_forwards"], "draft_forwards": s.get("draft_forwards", 0),
@@ -411,6 +412,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="serve suite: new tokens per row of the fixed-batch reference rows through generate")
     ap.add_argument("--recompute-verify-cost", action="store_true",
                     help="reuse --out/results.json: only (re)measure the verify cost and the projections")
+    ap.add_argument("--mesh", default=None,
+                    help="decode suite: DATAxMODEL mesh over every process's devices (default: none; 1xN on a "
+                         "multi-process run)")
+    from infer.cli import add_distributed_arguments
+
+    add_distributed_arguments(ap)
 
 
 def critical_paths(rows: list[dict], vc_target: list[dict], vc_draft: list[dict]) -> None:
@@ -486,6 +493,19 @@ def run_from_args(args) -> int:
     import jax
 
     import pdecode
+    from pdecode.errors import InputError
+
+    multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+    if (multi or args.mesh) and (args.suite != "decode" or args.peer or args.recompute_verify_cost):
+        raise InputError("--mesh and multi-process runs take the decode suite's pdecode rows only (no --peer, no "
+                         f"--recompute-verify-cost); got --suite {args.suite}"
+                         + (" with --peer" if args.peer else ""))
+    mesh = None
+    if args.mesh or multi:
+        from infer.cli import _parse_mesh
+        from pdecode.sharding import make_mesh
+
+        mesh = _parse_mesh(args.mesh) if args.mesh else make_mesh(1, jax.device_count())
 
     if args.suite == "diffusion":
         from infer import diffusion_bench
@@ -515,7 +535,7 @@ def run_from_args(args) -> int:
         return decompose_bench.run(args)
     args.methods, args.prompts = args.methods or ["ar"], args.prompts or 8
     args.model = args.model or "code-target"
-    model = pdecode.load(args.model, dtype=args.dtype)
+    model = pdecode.load(args.model, dtype=args.dtype, mesh=mesh)
     if args.recompute_verify_cost:
         saved = json.loads((args.out / "results.json").read_text())
         rows, meta = saved["rows"], saved["meta"]
@@ -528,14 +548,16 @@ def run_from_args(args) -> int:
     needs_draft = any(registry.get(split_model(parse_method(m)[0])[0]).needs_draft for m in args.methods) or \
         "transformers-assisted" in args.peer
     draft_name = args.draft or "code-draft"
-    draft = pdecode.load(draft_name, dtype=args.dtype) if (args.draft or needs_draft) else None
+    draft = pdecode.load(draft_name, dtype=args.dtype, mesh=mesh, indivisible="replicate") \
+        if (args.draft or needs_draft) else None
     prompts = default_prompts(model, args.prompts, args.prompt_tokens)
     runners = []
     loaded = {(args.model, args.dtype, None): model, (draft_name, args.dtype, None): draft}
 
     def variant(name, dtype, act):  # one load per (model, params dtype, activation dtype)
         if (name, dtype, act) not in loaded:
-            loaded[(name, dtype, act)] = pdecode.load(name, dtype=dtype, activation_dtype=act)
+            loaded[(name, dtype, act)] = pdecode.load(name, dtype=dtype, activation_dtype=act, mesh=mesh,
+                                                      indivisible="replicate" if name == draft_name else "error")
         return loaded[(name, dtype, act)]
 
     for spec in args.methods:
@@ -546,7 +568,7 @@ def run_from_args(args) -> int:
         # `other`: a model with heads (e.g. code-target-medusa): same target weights, heads attached
         m = variant(other or args.model, dt, act)
         d = variant(draft_name, dt, act) if registry.get(method).needs_draft else None
-        runners.append(OurRunner(m, method, opts, draft=d, label=spec))
+        runners.append(OurRunner(m, method, opts, draft=d, label=spec, mesh=mesh))
     for peer in args.peer:
         if peer == "transformers":
             runners.append(HFRunner(model, "transformers"))
@@ -579,11 +601,15 @@ def run_from_args(args) -> int:
             "new_tokens": args.new_tokens, "repeats": args.repeats, "jax": jax.__version__,
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
             "date": time.strftime("%Y-%m-%d %H:%M")}
-    if not args.no_limit:
+    if mesh is not None:
+        meta["mesh"] = f"{mesh.devices.shape[0]}x{mesh.devices.shape[1]} over {jax.process_count()} process(es)"
+    if not args.no_limit and mesh is None:  # (the CPU limit and verify cost are single-device measurements)
         meta["limit"] = cpu_limit(model, rows, args.prompt_tokens + args.new_tokens // 2)
-    if args.verify_cost:
+    if args.verify_cost and mesh is None:
         add_verify_cost(model, rows, meta, args.batch, args.prompt_tokens + args.new_tokens // 2, args.model,
                         draft=draft)
+    if not pdecode.distributed.is_main():  # every process ran the same rows; process 0 writes them
+        return 0
     md = write_results(args.out, rows, meta)
     print(md)
     print(f"wrote {args.out}/results.json, results.md, tokens_per_s.png", file=sys.stderr)

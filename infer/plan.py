@@ -475,33 +475,52 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq-len", type=int, default=2048, help="--train-heads: tokens per training window")
     ap.add_argument("--accum", type=int, default=1, help="--train-heads: gradient accumulation micro-batches")
     ap.add_argument("--json", action="store_true", help="one JSON object")
+    from infer.cli import add_distributed_arguments
+
+    add_distributed_arguments(ap)
 
 
 def run_from_args(args) -> int:
+    import pdecode
     from infer.cli import _parse_mesh_shape
 
+    # on several processes --devices is the run's total (each process forced devices / processes of them); every
+    # process compiles the same plan, process 0 prints it
+    pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+    main = pdecode.distributed.is_main()
     mesh_shape = _parse_mesh_shape(args.mesh) if args.mesh else None
     if args.train_heads:
         r = plan_train_heads(args.config, args.devices, args.train_heads, args.batch, args.seq_len, mesh_shape,
                              args.dtype, accum=args.accum)
-        print(json.dumps(r) if args.json else train_to_text(r))
+        if main:
+            print(json.dumps(r) if args.json else train_to_text(r))
         return 0
     r = plan(args.config, args.devices, args.method, args.batch, args.max_len, mesh_shape, args.dtype,
              args.cache_dtype, args.draft_config)
-    print(json.dumps(r) if args.json else to_text(r))
+    if main:
+        print(json.dumps(r) if args.json else to_text(r))
     return 0
 
 
-def force_devices(argv: list[str]) -> None:
-    """Before JAX starts: as many forced CPU devices as ``--devices`` asks for, on the CPU platform."""
-    n = ""
+def _flag(argv: list[str], name: str) -> str:
+    v = ""
     for i, a in enumerate(argv):
-        if a == "--devices" and i + 1 < len(argv):
-            n = argv[i + 1]
-        elif a.startswith("--devices="):
-            n = a.split("=", 1)[1]
+        if a == name and i + 1 < len(argv):
+            v = argv[i + 1]
+        elif a.startswith(name + "="):
+            v = a.split("=", 1)[1]
+    return v
+
+
+def force_devices(argv: list[str]) -> None:
+    """Before JAX starts: as many forced CPU devices as ``--devices`` asks for, on the CPU platform (on a run of
+    ``--num-processes`` P, ``--devices`` / P on each process)."""
+    n = _flag(argv, "--devices")
+    procs = _flag(argv, "--num-processes") or os.environ.get("PDECODE_NUM_PROCESSES", "")
     if n:
         if n.isascii() and n.isdecimal():
+            if procs.isascii() and procs.isdecimal() and int(procs) > 1 and int(n) % int(procs) == 0:
+                n = str(int(n) // int(procs))
             flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
             os.environ.setdefault("JAX_PLATFORMS", "cpu")

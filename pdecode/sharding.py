@@ -128,6 +128,8 @@ def shard_params(params, specs, mesh: Mesh, rules: dict | None = None, indivisib
         return jax.device_put(params, shardings)
 
     def put(a, sh):
+        if isinstance(a, jax.Array):  # already global (a load placed it): only its layout may change
+            return a if a.sharding == sh else jax.device_put(a, sh)
         host = np.asarray(a)
         return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 

@@ -9,6 +9,7 @@ reference."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 PROMPTS = ["def fib(n):", "class Stack:\n    def push(self, x):"]
@@ -29,6 +30,38 @@ def run(mesh) -> dict:
            "dico": pdecode.generate(dl, PROMPTS, method="dico", max_new_tokens=8, mesh=mesh).tokens,
            "decompose": pdecode.decompose(t, DECOMPOSE, method="ar", max_new_tokens=8, mesh=mesh).fill_tokens}
     return out
+
+
+def _ts_bytes_read() -> int:
+    """Bytes tensorstore (orbax's reader) has read from files in this process, by its own counter."""
+    import tensorstore as ts
+
+    got = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return int(got[0]["values"][0]["value"]) if got else 0
+
+
+def sums(m) -> list[float]:
+    """One float per param (its sum), from wherever its shards live."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.api import to_host
+
+    return [float(to_host(jax.jit(lambda a: jnp.sum(a.astype(jnp.float32)))(a))) for a in jax.tree.leaves(m.params)]
+
+
+def reads(wide: str, mesh) -> dict:
+    """Load the checkpoints in ``wide`` (hf/, orbax/) on ``mesh``: what this process read, and param sums."""
+    import pdecode
+    from pdecode.checkpoint import hf
+
+    m = pdecode.load(os.path.join(wide, "hf"), mesh=mesh)
+    got = {"hf_slice": hf.LAST_LOAD["slice_bytes"], "hf_pages": hf.LAST_LOAD["page_bytes"], "hf_sums": sums(m)}
+    r0 = _ts_bytes_read()
+    m = pdecode.load(os.path.join(wide, "orbax"), mesh=mesh)
+    got["orbax_read"] = _ts_bytes_read() - r0
+    got["orbax_sums"] = sums(m)
+    return got
 
 
 def main() -> None:
@@ -54,6 +87,17 @@ def main() -> None:
                 out[name] = None
             except InputError as e:
                 out[name] = str(e)
+    wide = os.environ.get("PODS_WIDE")
+    if wide and who != "single":  # each process's reads of a checkpoint split over both (the model axis spans them)
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        got = reads(wide, make_mesh(1, 8))
+        figs = np.asarray([got["hf_slice"], got["hf_pages"], got["orbax_read"]], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(figs)).reshape(-1, 3)
+        out["reads"] = {"hf_slice": every[:, 0].tolist(), "hf_pages": every[:, 1].tolist(),
+                        "orbax_read": every[:, 2].tolist(), "hf_sums": got["hf_sums"],
+                        "orbax_sums": got["orbax_sums"]}
     if jax.process_index() == 0:
         with open(path, "w") as f:
             json.dump({"devices": jax.device_count(), "processes": jax.process_count(), **out}, f)

@@ -16,6 +16,8 @@ from pathlib import Path
 import jax
 import pytest
 
+import pdecode
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "pods_worker.py")
 pytestmark = pytest.mark.xdist_group("pods")  # its subprocesses take both cores: one worker runs them
@@ -36,10 +38,10 @@ def _env(devices: int) -> dict:
     return env
 
 
-def _pair(argv_of, timeout: float = 400):
+def _pair(argv_of, timeout: float = 400, env: dict | None = None):
     """Run two processes (argv_of(i) for i = 0, 1) to the end: [(rc, stdout, stderr)] in order."""
-    procs = [subprocess.Popen(argv_of(i), env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [subprocess.Popen(argv_of(i), env={**_env(4), **(env or {})}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         return [(p.wait(timeout=timeout), p.stdout.read(), p.stderr.read()) for p in procs]
     finally:
@@ -47,11 +49,30 @@ def _pair(argv_of, timeout: float = 400):
             p.kill()
 
 
+def _wide_checkpoint(d: Path) -> int:
+    """A random Llama whose weights split evenly over 8 devices (8 heads, wide MLP rows), as HF safetensors (hf/)
+    and orbax (orbax/); returns the orbax directory's bytes on disk."""
+    from pdecode.checkpoint import orbax as orbax_ckpt
+    from pdecode.checkpoint.hf import save_hf
+    from pdecode.config import ModelConfig
+    from pdecode.model.transformer import init_params
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=4096, num_layers=2, num_heads=8,
+                      num_kv_heads=8, head_dim=64)
+    params = jax.tree.map(lambda a: a.astype("bfloat16"), init_params(cfg, jax.random.PRNGKey(0)))
+    save_hf(cfg, params, d / "hf", dtype="bfloat16")
+    orbax_ckpt.save(cfg, params, d / "orbax")
+    return sum(f.stat().st_size for f in (d / "orbax").rglob("*") if f.is_file())
+
+
 def test_two_processes_decode_like_one_with_all_devices(tmp_path):
+    """Also loading: with the model axis across both processes, each reads about half of a checkpoint."""
     if jax.device_count() < 8:
         pytest.skip("the one-process reference needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     port = _port()
-    res = _pair(lambda i: [sys.executable, WORKER, str(i), str(port), str(tmp_path / "multi.json")])
+    orbax_bytes = _wide_checkpoint(tmp_path / "wide")
+    res = _pair(lambda i: [sys.executable, WORKER, str(i), str(port), str(tmp_path / "multi.json")],
+                env={"PODS_WIDE": str(tmp_path / "wide")})
     assert all(rc == 0 for rc, _, _ in res), res[0][2][-2000:] + res[1][2][-2000:]
     multi = json.loads((tmp_path / "multi.json").read_text())
     assert multi["processes"] == 2 and multi["devices"] == 8
@@ -64,6 +85,17 @@ def test_two_processes_decode_like_one_with_all_devices(tmp_path):
     for method in ("ar", "sd", "eagle", "dico", "decompose"):
         assert multi[method] == single[method], method
     assert "covers 4 of the run's 8 devices" in multi["mesh_error"]
+    # bytes read per process: the slices of its own 4 devices of the safetensors (and the file pages they touch:
+    # a row-split weight's rows are read to page granularity), the orbax chunks its slices cover
+    from pdecode.sharding import make_mesh as mk
+
+    ckpt = (tmp_path / "wide" / "hf" / "model.safetensors").stat().st_size
+    r = multi["reads"]
+    assert max(r["hf_slice"]) <= 0.6 * ckpt, (r, ckpt)
+    assert max(r["hf_pages"]) <= 0.7 * ckpt, (r, ckpt)
+    assert max(r["orbax_read"]) <= 0.6 * orbax_bytes, (r, orbax_bytes)
+    ref = pods_worker.sums(pdecode.load(str(tmp_path / "wide" / "hf"), mesh=mk(1, 8)))
+    assert r["hf_sums"] == pytest.approx(ref, rel=1e-5) and r["orbax_sums"] == pytest.approx(ref, rel=1e-5)
     assert "differ between processes" in multi["prompt_error"]
 
 

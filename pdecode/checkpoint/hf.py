@@ -219,6 +219,8 @@ def _gather(tensors, names, layout: str, per_shape: tuple, sub: tuple = (), dtyp
     if isinstance(names, str):
         a = np.asarray(tensors[names])
         a = _to_ours(a if rows is None else a[rows[0]:rows[1]], layout, per_shape)[sub]
+        if hasattr(tensors, "note_read"):  # what this process reads (`CheckpointTensors.read_stats`)
+            tensors.note_read(names, a)
         return a if dtype is None else a.astype(dtype)
     return np.stack([_gather(tensors, n, layout, per_shape, sub, dtype, rows) for n in names])
 
@@ -256,6 +258,9 @@ def _slice_key(index: tuple, shape: tuple) -> tuple[tuple, ...]:
 
 def _sliced_shape(shape: tuple, index: tuple) -> tuple[int, ...]:
     return tuple(len(range(n)[i]) for n, i in zip(shape, index))
+
+
+LAST_LOAD: dict = {}  # what the last `load_hf_arrays` read: CheckpointTensors.read_stats() and its path
 
 
 def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str = "error") -> tuple[ModelConfig, dict]:
@@ -307,6 +312,8 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
         _set(params, r.ours, jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays))
         for n in _flat(_names(r, spec.shape)):
             src.release(n)
+    LAST_LOAD.clear()
+    LAST_LOAD.update(path=str(path), **src.read_stats())
     return cfg.replace(layout="hf"), _like(params, specs)
 
 

@@ -22,6 +22,9 @@ def is_orbax_dir(path: Path) -> bool:
     return (Path(path) / "params").is_dir() and (Path(path) / "config.json").exists()
 
 
+CHUNK_BYTES = 1 << 20
+
+
 def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     import orbax.checkpoint as ocp
 
@@ -29,8 +32,11 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     if (out / "params").exists():
         shutil.rmtree(out / "params")
+    # chunks of at most CHUNK_BYTES: a process of a multi-host run restores only the chunks its devices' slices
+    # cover, not each whole array
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out / "params", params)
+        ckptr.save(out / "params", params, save_args=save_args)
         ckptr.wait_until_finished()
     stored = str(jax.tree.leaves(params)[0].dtype)  # what dtype="auto" restores
     cfg = cfg.replace(dtype=stored) if stored in ("float32", "bfloat16", "float16") else cfg

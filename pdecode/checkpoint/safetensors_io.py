@@ -210,6 +210,45 @@ class CheckpointTensors:
         self._spans: dict = {}
         self.tensors = read_checkpoint_dir(Path(path), self._spans)
         self.block = quant_block(Path(path))
+        self._base: dict = {}  # id(buffer) -> its address (memory maps)
+        self._runs: dict = {}  # id(buffer) -> [(first page, last page)] of what the loader read
+        self.slice_bytes = 0
+
+    def note_read(self, name: str, view: np.ndarray) -> None:
+        """Account for the loader reading ``view`` (of tensor ``name``): its bytes, and the memory map's pages it
+        touches (what the kernel reads from the file). A view that is not over the map (an fp8 weight dequantized,
+        an .xz file decompressed) counts its tensor whole."""
+        buf, start, n = self._spans.get(name, (None, 0, 0))
+        if buf is None:
+            return
+        if id(buf) not in self._base:
+            self._base[id(buf)] = np.frombuffer(buf, np.uint8, count=1).__array_interface__["data"][0] \
+                if len(buf) else 0
+        base = self._base[id(buf)]
+        addr = view.__array_interface__["data"][0] - base if view.size else start
+        runs = self._runs.setdefault(id(buf), [])
+        if not isinstance(buf, mmap.mmap) or not start <= addr < start + n:
+            self.slice_bytes += n
+            runs.append((np.asarray([start // mmap.PAGESIZE]), np.asarray([(start + n - 1) // mmap.PAGESIZE])))
+            return
+        self.slice_bytes += view.nbytes
+        lo, hi = byte_runs(view, addr)
+        runs.append((lo // mmap.PAGESIZE, (hi - 1) // mmap.PAGESIZE))
+
+    def read_stats(self) -> dict:
+        """What the loader read so far: ``slice_bytes`` (the bytes of the slices it gathered), ``page_bytes`` (the
+        file pages those slices touch, each counted once) and ``checkpoint_bytes`` (every tensor's bytes)."""
+        pages = 0
+        for runs in self._runs.values():
+            lo = np.concatenate([r[0] for r in runs])
+            hi = np.concatenate([r[1] for r in runs])
+            order = np.argsort(lo, kind="stable")
+            lo, hi = lo[order], hi[order]
+            reach = np.maximum.accumulate(hi)  # pages of a sorted list of page ranges, overlaps counted once
+            prev = np.concatenate([[-1], reach[:-1]])
+            pages += int(np.clip(hi - np.maximum(lo, prev + 1) + 1, 0, None).sum())
+        return {"slice_bytes": int(self.slice_bytes), "page_bytes": pages * mmap.PAGESIZE,
+                "checkpoint_bytes": int(sum(n for _, _, n in self._spans.values()))}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -244,6 +283,27 @@ class CheckpointTensors:
             pass
 
 
+def byte_runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the contiguous byte runs a strided ``view`` covers, ``offset`` its first byte's position:
+    the innermost unit-stride axis is one run per index of the other axes."""
+    isz = view.itemsize
+    shape, strides = list(view.shape), list(view.strides)
+    run = isz
+    inner = [i for i, (d, st) in enumerate(zip(shape, strides)) if st == isz and d > 1]
+    if inner:
+        i = inner[0]
+        run = shape[i] * isz
+        del shape[i], strides[i]
+    if int(np.prod(shape)) > 1 << 22:  # too many runs to list (an interleaved half): the whole extent
+        end = offset + sum((d - 1) * st for d, st in zip(shape, strides)) + run
+        return np.asarray([offset], np.int64), np.asarray([end], np.int64)
+    starts = np.asarray([offset], np.int64)
+    for d, st in zip(shape, strides):
+        if d > 1:
+            starts = (starts[:, None] + np.arange(d, dtype=np.int64)[None, :] * st).reshape(-1)
+    return starts, starts + run
+
+
 class Renamed:
     """A read-only view of a tensor mapping under other names (``names``: new -> old), read lazily."""
 
@@ -258,6 +318,10 @@ class Renamed:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._t[self._names[name]]
+
+    def note_read(self, name: str, view: np.ndarray) -> None:
+        if hasattr(self._t, "note_read"):
+            self._t.note_read(self._names[name], view)
 
     def shape_of(self, name: str) -> tuple:
         return shape_of(self._t, self._names[name])
