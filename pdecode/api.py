@@ -251,15 +251,22 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
     """Write the model in HF format (config.json, model.safetensors, tokenizer files) for `transformers`; a model
     placed on a mesh with its kv heads repeated is written with the checkpoint's own kv heads."""
     dtype = dtype or str(jnp.dtype(m.dtype).name)
+    cfg, params = stored_kv_heads(m)
+    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+
+
+def stored_kv_heads(m: Model) -> tuple:
+    """(cfg, params) of ``m`` with the checkpoint's own kv heads: a model placed with its kv heads repeated
+    (`pdecode.sharding.kv_repeat`) gives every r-th one back (the repeats are copies); others as they are."""
     cfg, params = m.cfg, m.params
     src = m._source_cfg
-    if src is not None and src.num_kv_heads != cfg.num_kv_heads:  # undo `kv_repeat`: every r-th kv head
+    if src is not None and src.num_kv_heads != cfg.num_kv_heads:
         r = cfg.num_kv_heads // src.num_kv_heads
         take = lambda a, s: jax.lax.slice_in_dim(a, 0, a.shape[s.axes.index("kv_heads")], r,  # noqa: E731
                                                  axis=s.axes.index("kv_heads")) if "kv_heads" in s.axes else a
         params = jax.tree.map(take, params, param_specs(cfg))
         cfg = cfg.replace(num_kv_heads=src.num_kv_heads, global_kv_heads=src.global_kv_heads)
-    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+    return cfg, params
 
 
 # ------------------------------------------------------------------------------------------------ compile cache

@@ -140,6 +140,17 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier ``name`` (after process 0 wrote a file the others read); a
+    no-op in a single process."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def check_same_everywhere(what: str, value) -> None:
     """Raise the same one-line InputError on every process when ``value`` (anything with a stable repr) differs
     between processes; a no-op in a single process."""

@@ -126,14 +126,19 @@ def shard_params(params, specs, mesh: Mesh, rules: dict | None = None, indivisib
     shardings = param_shardings(specs, mesh, rules, indivisible)
     if all(sh.is_fully_addressable for sh in jax.tree.leaves(shardings)):
         return jax.device_put(params, shardings)
+    return jax.tree.map(place, params, shardings)
 
-    def put(a, sh):
-        if isinstance(a, jax.Array):  # already global (a load placed it): only its layout may change
-            return a if a.sharding == sh else jax.device_put(a, sh)
-        host = np.asarray(a)
-        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
-    return jax.tree.map(put, params, shardings)
+def place(a, sh: NamedSharding):
+    """``a`` (a host array, a one-process jax array or a global one) as a jax array with sharding ``sh``, also on a
+    mesh spanning several processes: there each process puts its own devices' slices of its copy (every process
+    holds the same value), and an array already global is only re-laid out."""
+    if sh.is_fully_addressable:
+        return jax.device_put(a, sh)
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return a if a.sharding == sh else jax.device_put(a, sh)
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
 
 def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:

@@ -133,3 +133,33 @@ def test_a_missing_coordinator_fails_within_the_timeout():
     assert r.returncode == 2 and time.perf_counter() - t0 < 90
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "could not reach the coordinator" in lines[0]
+
+
+def test_heads_train_on_two_processes_like_one(tmp_path):
+    """`pdecode train heads` with each process making its own rows of every batch (data split over the processes
+    on a 2x4 mesh) reaches the loss and heads one process with all 8 devices reaches on the same global batches."""
+    if jax.device_count() < 8:
+        pytest.skip("the one-process reference needs 8 devices")
+    text = tmp_path / "data.txt"
+    text.write_text((ROOT / "pdecode" / "api.py").read_text()[:20000])
+    args = ["--base", "code-target", "--kind", "mtp", "--data", str(text), "--steps", "4", "--batch-size", "8",
+            "--seq-len", "32", "--mesh", "2x4"]
+    port = _port()
+    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", "train", "heads", *args, "--out", str(tmp_path / "multi"),
+                           "--work", str(tmp_path / "work_multi"), "--coordinator", f"127.0.0.1:{port}",
+                           "--num-processes", "2", "--process-id", str(i)])
+    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:] + res[1][2][-1500:]
+    from train import heads
+
+    heads.main([*args, "--out", str(tmp_path / "single"), "--work", str(tmp_path / "work_single")])
+    multi = json.loads((tmp_path / "multi" / "train_info.json").read_text())
+    single = json.loads((tmp_path / "single" / "train_info.json").read_text())
+    assert multi["loss_curve"]["loss"] == pytest.approx(single["loss_curve"]["loss"], rel=1e-5)
+    assert multi["final_eval"]["depth1_agreement"] == pytest.approx(single["final_eval"]["depth1_agreement"], abs=1e-6)
+    from pdecode.checkpoint.heads_io import load_heads
+
+    cfg = pdecode.load("code-target").cfg
+    a, b = load_heads(tmp_path / "multi", cfg)[2], load_heads(tmp_path / "single", cfg)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert abs(float(jax.numpy.asarray(x, "float32").sum()) - float(jax.numpy.asarray(y, "float32").sum())) \
+            <= 1e-2 * (1 + float(abs(jax.numpy.asarray(y, "float32")).sum()) * 1e-3)

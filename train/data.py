@@ -135,10 +135,11 @@ class TokenBatches:
             raise ValueError(f"token stream of {len(stream)} tokens is shorter than one window ({seq_len + 1})")
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
 
-    def batch(self, i: int) -> np.ndarray:
+    def batch(self, i: int, rows: slice | None = None) -> np.ndarray:
+        """Batch ``i``; ``rows``: only those rows of it (one process's share of a multi-process run)."""
         rng = np.random.default_rng([self.seed, i])
         starts = rng.integers(0, len(self.stream) - self.seq_len - 1, size=self.batch_size)
-        return np.stack([self.stream[s: s + self.seq_len + 1] for s in starts])
+        return np.stack([self.stream[s: s + self.seq_len + 1] for s in starts[rows or slice(None)]])
 
     def fixed_eval(self, n_windows: int) -> np.ndarray:
         """Non-overlapping consecutive windows from the start (deterministic eval set)."""

@@ -108,7 +108,7 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
         return jnp.mean(jnp.argmax(lg, -1) == t_next[:, 1:])
 
     def eval_fn(hp):
-        vals = [float(agree(hp, tparams, jnp.asarray(w))) for w in data.eval_batches(windows, EVAL_BATCH)]
+        vals = [float(agree(hp, tparams, np.asarray(w, np.int32))) for w in data.eval_batches(windows, EVAL_BATCH)]
         return {"depth1_agreement": float(np.mean(vals))}
 
     return eval_fn
@@ -134,7 +134,7 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
           f"{r.batch_size}x{r.seq_len}", file=sys.stderr)
     t0 = time.perf_counter()
     hp, hist = train(_objective(r, cfg), hp, tparams, batches.batch, tc, ckpt_dir=ckpt_dir, eval_fn=eval_fn,
-                     desc=desc, mesh_plan=mesh_plan)
+                     desc=desc, mesh_plan=mesh_plan, local_batch_fn=batches.batch)
     wall = time.perf_counter() - t0
     info = {"name": out.name, "command": command, "kind": r.kind, "params": n_params, "base_model": base_model,
             "final_eval": hist["eval"][-1] if hist["eval"] else None,
@@ -142,9 +142,15 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
             "evals": hist["eval"], "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
             "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
             "ttt_steps": r.ttt_steps}
-    save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, jax.device_get(hp), base_model=base_model,
-               dtype=ml_dtypes.bfloat16, compress=True)
-    (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    from pdecode import distributed
+    from pdecode.api import to_host
+
+    host = jax.tree.map(to_host, hp)  # (gathered from every process's devices on a multi-process mesh)
+    if distributed.is_main():  # one writer of a multi-process run
+        save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, host, base_model=base_model,
+                   dtype=ml_dtypes.bfloat16, compress=True)
+        (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    distributed.barrier("heads saved")
     if hist["eval"]:
         print(f"{desc}: depth-1 agreement {hist['eval'][-1]['depth1_agreement']:.3f}, {wall / 60:.1f} min -> {out}",
               file=sys.stderr)
@@ -203,6 +209,11 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
     from train.loop import MeshPlan
 
     m = pdecode.load(base, dtype=base_dtype, mesh=mesh)
+    if m._source_cfg is not None and m._source_cfg.num_kv_heads != m.cfg.num_kv_heads:
+        # heads are trained (and saved) for the base's own kv heads: the frozen base keeps them (replicated over
+        # the model axis where it does not divide them) instead of the placed model's repeats
+        cfg0, p0 = pdecode.api.stored_kv_heads(m)
+        m = dataclasses.replace(m, cfg=cfg0, params=p0, _sharded={}, _placed=None, _source_cfg=None)
     if m.tokenizer is None:
         raise InputError(f"--base {base}: no tokenizer.json next to the weights; training reads text through it")
     hcfg, ttt = head_config(kind, m.cfg)
@@ -236,7 +247,8 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
     if kind == "medusa" and calibrate:
         hcfg_l, hp, meta = _load_saved(out, m.cfg)
         info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
-                                                   command + " (tree calibrated after training)", calibration_prompts)
+                                                   command + " (tree calibrated after training)", calibration_prompts,
+                                                   mesh=mesh)
     return info
 
 
@@ -332,7 +344,9 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
             rows.append(jnp.mean(top[k, :, start:n, :] == t_next[:, start + k + 1:, None], axis=(0, 1)))
         return jnp.stack(rows)
 
-    accs = [np.asarray(counts(hp, tparams, jnp.asarray(w))) for w in data.eval_batches(windows, EVAL_BATCH)]
+    from pdecode.api import to_host
+
+    accs = [to_host(counts(hp, tparams, np.asarray(w, np.int32))) for w in data.eval_batches(windows, EVAL_BATCH)]
     return np.mean(accs, axis=0)
 
 
@@ -344,7 +358,7 @@ def calibrate_medusa_tree(name: str, zoo: Path, work: Path, nodes: int = MEDUSA_
 
 
 def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg, hp, meta: dict, nodes: int,
-                    command: str, prompts_n: int = 96) -> dict:
+                    command: str, prompts_n: int = 96, mesh=None) -> dict:
     """Measure the heads' per-rank accuracy where they will be used — on the target's own greedy continuations
     (of ``prompts_n`` (96) training-stream prompts of 64 tokens, to the recipe's window) — and store the best
     ``nodes``-node tree
@@ -355,7 +369,7 @@ def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg
     prompts = data.TokenBatches(tr, r.seq_len, 1).fixed_eval(prompts_n)[:, :CALIBRATION_PROMPT]
     target = pdecode.Model(cfg=cfg, params=tparams, name=r.base)  # the base already loaded
     cont = [pdecode.generate(target, [list(map(int, p)) for p in prompts[i: i + 16]],
-                             max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False).tokens
+                             max_new_tokens=r.seq_len + 1 - CALIBRATION_PROMPT, stop_at_eos=False, mesh=mesh).tokens
             for i in range(0, len(prompts), 16)]
     windows = np.concatenate([prompts, np.asarray([t for c in cont for t in c], np.int32)], axis=1)
     acc = medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows, start=CALIBRATION_PROMPT)
@@ -366,7 +380,11 @@ def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg
                                 "data": f"the base's greedy continuations of {len(prompts)} training-stream prompts "
                                         f"({CALIBRATION_PROMPT} + {r.seq_len + 1 - CALIBRATION_PROMPT} tokens)",
                                 "command": command}
-    (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    from pdecode import distributed
+
+    if distributed.is_main():
+        (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    distributed.barrier("tree calibrated")
     print(f"{out.name}: calibrated tree of {nodes} nodes, expected {expected:.3f} tokens/step "
           f"(head top-1 accuracy {', '.join(f'{a:.3f}' for a in acc[:, 0])})", file=sys.stderr)
     return meta["tree_calibration"]
@@ -477,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train heads on N tokens generated by the target itself instead of the corpus")
     ap.add_argument("--kind", choices=KINDS, help="(with --base) which heads to train")
     add_base_arguments(ap, "heads")
+    from infer.cli import add_distributed_arguments
+
+    add_distributed_arguments(ap)  # (with --base) one process per host; the default mesh is PROCESSESxLOCAL
     return ap
 
 
@@ -491,9 +512,16 @@ def main(argv=None):
             ap.error("--base trains heads for your own model; --only / --eval-only / --calibrate-tree are for the "
                      "zoo recipes")
         check_base_arguments(ap, args, ("kind",))
-        from pdecode.sharding import mesh_from_spec
+        import pdecode
+        from pdecode.sharding import make_mesh, mesh_from_spec
 
-        mesh = mesh_from_spec(args.mesh) if args.mesh else None
+        multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+        if multi and not args.mesh:  # one process per host: data-parallel over the hosts, the base split within each
+            import jax
+
+            mesh = make_mesh(jax.process_count(), jax.local_device_count())
+        else:
+            mesh = mesh_from_spec(args.mesh) if args.mesh else None
         return train_heads_for(args.base, args.kind, args.data, args.out, args.work, steps=args.steps or 500,
                                seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,

@@ -164,22 +164,47 @@ class MeshPlan:
         return param_shardings(self.frozen_specs, self.mesh, self.rules(), indivisible="replicate")
 
     def place(self, params, frozen):
-        params = jax.device_put(params, self.param_shardings())
+        from pdecode.sharding import place
+
+        params = jax.tree.map(place, params, self.param_shardings())
         if frozen is not None:
-            frozen = jax.device_put(frozen, self.frozen_shardings())
+            sh = self.frozen_shardings()
+            frozen = jax.tree.map(place, frozen, sh) if not hasattr(sh, "mesh") else \
+                jax.tree.map(lambda a: place(a, sh), frozen)
         return params, frozen
 
     def place_scalars(self, tree):
         """Leaves on a single device (an optimizer's step count) replicated over the mesh instead."""
         from jax.sharding import NamedSharding, PartitionSpec as P
 
+        from pdecode.sharding import place
+
         rep = NamedSharding(self.mesh, P())
-        return jax.tree.map(lambda a: a if len(a.sharding.device_set) > 1 else jax.device_put(a, rep), tree)
+        return jax.tree.map(lambda a: a if len(a.sharding.device_set) > 1 else place(a, rep), tree)
 
     def place_batch(self, batch):
+        from pdecode.sharding import batch_sharding, place
+
+        return jax.tree.map(lambda x: place(x, batch_sharding(self.mesh, np.shape(x))), batch)
+
+    def local_rows(self, rows: int) -> slice:
+        """The rows of a global batch of ``rows`` that this process's devices hold (all of them in a one-process
+        run, or when the data axis lies within each process)."""
         from pdecode.sharding import batch_sharding
 
-        return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, np.shape(x))), batch)
+        idx = batch_sharding(self.mesh, (rows,)).addressable_devices_indices_map((rows,)).values()
+        spans = sorted({s[0].indices(rows)[:2] for s in idx})
+        lo, hi = spans[0][0], spans[-1][1]
+        if sum(b - a for a, b in spans) != hi - lo:
+            raise ValueError(f"this process's batch rows {spans} are not one contiguous range")
+        return slice(lo, hi)
+
+    def place_local_batch(self, local, rows: int):
+        """A global batch of ``rows`` from this process's rows of it (`local_rows`): data sharded by process."""
+        from pdecode.sharding import batch_sharding
+
+        return jax.make_array_from_process_local_data(batch_sharding(self.mesh, (rows,) + local.shape[1:]), local,
+                                                      (rows,) + local.shape[1:])
 
 
 def _check_accum(tc: TrainConfig, batch) -> None:
@@ -210,8 +235,11 @@ def time_step(objective: Callable, params: Any, frozen: Any, batch: np.ndarray, 
 
 def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int], np.ndarray], tc: TrainConfig,
           ckpt_dir: str | Path | None = None, eval_fn: Callable[[Any], dict] | None = None, desc: str = "train",
-          tokens_per_step: int | None = None, mesh_plan: MeshPlan | None = None) -> tuple[Any, dict]:
-    """Train ``params`` (see the module's doc); ``mesh_plan`` runs it data-parallel or FSDP on a mesh."""
+          tokens_per_step: int | None = None, mesh_plan: MeshPlan | None = None,
+          local_batch_fn: Callable[[int, slice], np.ndarray] | None = None) -> tuple[Any, dict]:
+    """Train ``params`` (see the module's doc); ``mesh_plan`` runs it data-parallel or FSDP on a mesh. On a mesh
+    spanning several processes, ``local_batch_fn(step, rows)`` (if given) makes only this process's ``rows`` of
+    step ``step``'s global batch (`MeshPlan.local_rows`): each process reads its own share of the data."""
     import orbax.checkpoint as ocp
 
     opt = make_optimizer(tc)
@@ -251,8 +279,12 @@ def train(objective: Callable, params: Any, frozen: Any, batch_fn: Callable[[int
     key = jax.random.PRNGKey(tc.seed)
     stopped_early = False
     step = start
+    by_process = local_batch_fn is not None and mesh_plan is not None and jax.process_count() > 1
+    rows = int(np.shape(jax.tree.leaves(first)[0])[0])
+    mine = mesh_plan.local_rows(rows) if by_process else None
     for step in range(start + 1, tc.steps + 1):
-        batch = place_batch(batch_fn(step))
+        batch = mesh_plan.place_local_batch(local_batch_fn(step, mine), rows) if by_process else \
+            place_batch(batch_fn(step))
         params, opt_state, loss, metrics = step_fn(params, frozen, opt_state, batch, jax.random.fold_in(key, step))
         if step % tc.log_every == 0 or step == tc.steps:
             lv = float(loss)
