@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -91,8 +92,10 @@ class Worker:
     """Runs the engine in one thread: requests come in through `submit` (any thread), events go out to the event
     loop through each request's asyncio queue."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, lockstep=None):
         self.engine, self.loop = engine, loop
+        self.lockstep = lockstep  # several processes: every call also goes to the others (pdecode.lockstep)
+        self.calls = lockstep or engine
         self._inbox: list = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -129,6 +132,8 @@ class Worker:
         self._stop = True
         self._wake.set()
         self.thread.join(timeout=30)
+        if self.lockstep is not None:
+            self.lockstep.leader.close()  # the other processes stop too
 
     def _take_inbox(self):
         with self._lock:
@@ -137,24 +142,26 @@ class Worker:
             if item[0] == "cancel":
                 req = item[1].get("req")
                 if req is not None:
-                    self.engine.cancel(req)
+                    self.calls.cancel(req)
                 else:
                     item[1]["cancelled"] = True
                 continue
             prompt, controls, seed, callback, holder = item
             if holder.get("cancelled"):
                 continue
-            holder["req"] = self.engine.submit(prompt, controls, seed=seed, callback=callback)
+            holder["req"] = self.calls.submit(prompt, controls, seed=seed, callback=callback)
 
     def _run(self):
         try:
             while not self._stop:
                 self._take_inbox()
                 if self.engine.idle:
+                    if self.lockstep is not None:
+                        self.lockstep.flush()  # (submissions cancelled before they ran: the others drop them too)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                self.engine.run_once()
+                self.calls.run_once()
         except BaseException as e:  # an engine failure: every waiting request learns of it (a 500)
             self.error = e
             logger.exception("the engine failed: every request from now on gets a 500")
@@ -186,6 +193,17 @@ class Server:
         self.active = 0  # requests inside a handler
         self._runs: dict[int, tuple] = {}  # id -> (engine holder, event queue) of each request submitted
         self.created = int(time.time())
+        self.lockstep = None  # a multi-process run: process 0's side of pdecode.lockstep
+        self.lost: str | None = None  # why the run broke (a process died)
+
+    def process_lost(self, why: str, exit_after_s: float = 2.0) -> None:
+        """Another process of the run died: /health answers 503 at once, and this process exits (code 3) with one
+        line shortly after; its engine may be blocked in a collective with the dead process, which nothing ends."""
+        self.lost = why
+        logger.error("%s: the server stops (restart every process of the run)", why)
+        timer = threading.Timer(exit_after_s, lambda: (logging.shutdown(), os._exit(3)))
+        timer.daemon = True
+        timer.start()
 
     # -------------------------------------------------------------------------------------- parsing
     def _common(self, body: dict, fields: set, kind: str) -> dict:
@@ -521,6 +539,8 @@ class Server:
                                                   "owned_by": "pdecode"}]})
 
     async def health(self, request):
+        if self.lost is not None:  # a process of a multi-process run died: this one exits in a moment
+            return _json({"status": "failed", "error": self.lost}, status=503)
         ok = self.worker is not None and self.worker.error is None
         status = "draining" if ok and self.draining else "ok" if ok else "failed"
         return _json({"status": status, "method": self.engine.method,
@@ -619,7 +639,7 @@ class Server:
         app.router.add_get("/health", self.health)
 
         async def on_startup(app):
-            self.worker = Worker(self.engine, asyncio.get_running_loop())
+            self.worker = Worker(self.engine, asyncio.get_running_loop(), self.lockstep)
             self.worker.start()
 
         async def on_shutdown(app):  # after the site stopped listening (SIGINT); SIGTERM has drained already
@@ -676,6 +696,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="the server's log (stderr): info has one line per request; debug adds passing health checks")
     ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
+    ap.add_argument("--mesh", default=None, help="DATAxMODEL mesh over every process's devices (default: none; on "
+                                                 "several processes PROCESSESxLOCAL, slots split over the hosts)")
+    from infer.cli import add_distributed_arguments
+
+    add_distributed_arguments(ap)
+    ap.add_argument("--control-port", type=int, default=None, help="several processes: the port process 0 sends "
+                    "each engine round on to the others (default: the coordinator's port + 1)")
 
 
 def run_from_args(args) -> int:
@@ -690,9 +717,23 @@ def run_from_args(args) -> int:
         return 2
     _setup_logging(args.log_level)
     options = parse_options(args.option)
-    load = lambda name: pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype)  # noqa: E731
+    multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+    mesh = None
+    if args.mesh or multi:
+        import jax
+
+        from infer.cli import _parse_mesh
+        from pdecode.sharding import make_mesh
+
+        mesh = _parse_mesh(args.mesh) if args.mesh else make_mesh(jax.process_count(), jax.local_device_count())
+        pdecode.distributed.check_mesh(mesh)
+
+    def load(name, indivisible="error"):
+        return pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype, mesh=mesh,
+                            indivisible=indivisible)
+
     model = load(args.model)
-    draft = load(args.draft) if args.draft else None
+    draft = load(args.draft, "replicate") if args.draft else None
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
                     steps_per_call=args.steps_per_call, **options)
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
@@ -701,6 +742,28 @@ def run_from_args(args) -> int:
     XLA_COMPILES["on"] = True
     logger.info("%d programs compiled in %.1fs", engine.compiles, secs)
     server = Server(engine, args.served_name or args.model, drain_s=args.drain)
+    if multi:
+        import jax
+
+        from pdecode import lockstep
+
+        from pdecode.errors import InputError
+
+        flags = pdecode.distributed.settings(args.coordinator, args.num_processes, args.process_id)
+        if flags is None:
+            raise InputError("pdecode serve on several processes needs --coordinator (or PDECODE_COORDINATOR): "
+                             "its host carries the control channel")
+        address = lockstep.control_address(flags["coordinator"], args.control_port)
+        if not pdecode.distributed.is_main():  # no HTTP here: repeat process 0's engine calls until it stops
+            logger.info("process %d follows process 0's engine rounds", jax.process_index())
+            line = lockstep.follow(engine, address, jax.process_index(), timeout_s=args.dist_timeout + 60)
+            logger.info("%s", line)
+            return 0 if line == "stopped" else 3
+        leader = lockstep.Leader(("0.0.0.0" if ":" not in address[0] else "::", address[1]),
+                                 jax.process_count() - 1, timeout_s=args.dist_timeout + 60,
+                                 on_lost=server.process_lost)
+        server.lockstep = lockstep.LockstepEngine(engine, leader)
+        logger.info("%d other process(es) follow this one's engine rounds", jax.process_count() - 1)
     asyncio.run(_serve(server, args.host, args.port))
     logger.info("stopped")
     return 0

@@ -105,6 +105,13 @@ class Event:
     forwards: int = 0
 
 
+def to_host(x):
+    """A result as numpy on this process (gathered when it lies on other processes' devices)."""
+    from pdecode.api import to_host as gather
+
+    return gather(x)
+
+
 class Engine:
     """Decode slots over one model (module docstring). ``method``: ar, or a draft-and-verify method (sd, lookup,
     tree, eagle, medusa, mtp, lookahead, jacobi, layerskip, with their ``method_options``); ``draft``: its draft
@@ -176,6 +183,8 @@ class Engine:
         self._reqs: dict[int, Request] = {}  # id -> request, until its last event
         self._inflight: collections.deque = collections.deque()  # dispatched calls whose results are not read yet
         self.state = None
+        self.mesh = getattr(model, "_placed", None)  # the mesh the model is placed on (None: one device)
+        self._state_sh = None
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------------------------------ device functions
@@ -247,7 +256,7 @@ class Engine:
         layers = pre.layers
         if layers is not None:
             layers = layers.at[:, :, pos].set(fo.layer_hidden.astype(layers.dtype), mode="drop")
-        return Prefill(cache=cache, hidden=hidden, layers=layers, logits=logits)
+        return self._replicated(Prefill(cache=cache, hidden=hidden, layers=layers, logits=logits))
 
     def _admit_fn(self, params, st: EngineState, tokens_AC, n_A, slot_A, seed_A, warp_A, limit_A, stop_ids_AS,
                   pre=None, prompt_1L=None, plen_1=None, *, axes):
@@ -283,7 +292,8 @@ class Engine:
             loop = jax.tree.map(put, loop, rows, axes)
             warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
         out = rows.out
-        return EngineState(loop=loop, warp=warp), (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards)
+        return self._pin(EngineState(loop=loop, warp=warp)), self._replicated(
+            (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
     def _step_fn(self, params, st: EngineState, *, samp, k: int):
         """``k`` steps; returns (state, (count before, count after, done, the tokens and logprobs from the count
@@ -307,15 +317,46 @@ class Engine:
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
-        return EngineState(loop=loop, warp=st.warp), (c0, out.count, out.done, new, lps, out.row_forwards)
+        return self._pin(EngineState(loop=loop, warp=st.warp)), self._replicated(
+            (c0, out.count, out.done, new, lps, out.row_forwards))
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
 
-    @staticmethod
-    def _release_fn(st: EngineState, slot):
+    def _release_fn(self, st: EngineState, slot):
         out = st.loop.out
-        return st.replace(loop=st.loop.replace(out=out.replace(done=out.done.at[slot].set(True))))
+        return self._pin(st.replace(loop=st.loop.replace(out=out.replace(done=out.done.at[slot].set(True)))))
+
+    # ------------------------------------------------------------------------------------------ mesh
+    # On a mesh (a model placed by `Model.on_mesh`, one process or several) every program's state has one fixed
+    # layout — its row axis over ``data`` where the slots divide, the rest replicated — so that a state made by one
+    # compiled program is what the next was compiled for; a long prompt's prefill state and the results read back
+    # on the host are replicated.
+    def _state_shardings(self):
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = self.mesh
+        data = mesh.shape["data"]
+
+        def sh(x, ax):
+            spec = [None] * len(x.shape)
+            if ax is not None and x.shape[ax] % data == 0:
+                spec[ax] = "data"
+            return NamedSharding(mesh, P(*spec))
+
+        shapes = jax.eval_shape(self._empty, self.params)
+        loop = jax.tree.map(sh, shapes.loop, self._axes)
+        return EngineState(loop=loop, warp=jax.tree.map(lambda x: sh(x, 0), shapes.warp))
+
+    def _pin(self, st):
+        return st if self.mesh is None else jax.lax.with_sharding_constraint(st, self._state_sh)
+
+    def _replicated(self, tree):
+        if self.mesh is None:
+            return tree
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
 
     # ------------------------------------------------------------------------------------------ compile
     def _compile(self, name, fn, *args, static=None, donate=()):
@@ -346,9 +387,12 @@ class Engine:
         variants, release); returns the seconds it took. Called by the first `run_once` if not before."""
         t0 = time.perf_counter()
         if self.state is None:
-            self.state = jax.jit(self._empty)(self.params)
-            self.compiles += 1
             self._axes = self._batch_axes()
+            if self.mesh is not None:
+                self._state_sh = self._state_shardings()
+            pinned = {} if self.mesh is None else {"out_shardings": self._state_sh}
+            self.state = jax.jit(self._empty, **pinned)(self.params)
+            self.compiles += 1
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
                 self._admit_exe(c, rows)
@@ -537,7 +581,7 @@ class Engine:
         kind, reqs, outs = item
         events = []
         if kind == "admit":
-            tok, lp, done, fw = (np.asarray(x) for x in outs)
+            tok, lp, done, fw = (to_host(x) for x in outs)
             for i, r in enumerate(reqs):
                 if r.finish_reason is None:
                     r.forwards = int(fw[i])
@@ -548,7 +592,7 @@ class Engine:
                     if ev is not None:
                         events.append(ev)
             return events
-        c0, c1, done, new, lps, fw = (np.asarray(x) for x in outs)
+        c0, c1, done, new, lps, fw = (to_host(x) for x in outs)
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue

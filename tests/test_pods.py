@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -163,3 +164,80 @@ def test_heads_train_on_two_processes_like_one(tmp_path):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert abs(float(jax.numpy.asarray(x, "float32").sum()) - float(jax.numpy.asarray(y, "float32").sum())) \
             <= 1e-2 * (1 + float(abs(jax.numpy.asarray(y, "float32")).sum()) * 1e-3)
+
+
+def _serve_pair(port: int, http: int):
+    """`pdecode serve` on two processes (2x4 mesh: the slots split over the processes); (procs, health url)."""
+    cmd = [sys.executable, "-m", "infer.cli", "serve", "--port", str(http), "--slots", "2", "--max-len", "64",
+           "--chunk", "32", "--steps-per-call", "2", "--mesh", "2x4", "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--dist-timeout", "120"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=_env(4), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    url = f"http://127.0.0.1:{http}"
+    import urllib.request
+
+    end = time.monotonic() + 400
+    while time.monotonic() < end:
+        assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-2000:] + procs[1].stderr.read()[-2000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return procs, url
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("the two-process server did not come up")
+
+
+def _health(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def test_serve_on_two_processes(tmp_path):
+    """Process 0 serves HTTP and sends each engine round to process 1: the openai client gets what
+    `pdecode.generate` gives (plain and streamed); SIGTERM on process 0 drains and stops both. A second run: the
+    follower killed, /health answers 503 and process 0 exits with one line within 30 s."""
+    openai = pytest.importorskip("openai")
+    prompts = ["def fib(n):", "class Stack:\n    def push(self, x):"]
+    procs, url = _serve_pair(_port(), _port())
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        got = [client.completions.create(model="code-target", prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="code-target", prompt=prompts[1], max_tokens=8, temperature=0, stream=True))
+        procs[0].send_signal(signal.SIGTERM)
+        rcs = [p.wait(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    m = pdecode.load("code-target")
+    ref = pdecode.generate(m, prompts, max_new_tokens=8).texts
+    assert got == ref and streamed == ref[1]
+    assert rcs == [0, 0], procs[1].stderr.read()[-1500:]
+
+    procs, url = _serve_pair(_port(), _port())
+    try:
+        procs[1].kill()
+        t0 = time.monotonic()
+        codes = []
+        while procs[0].poll() is None and time.monotonic() - t0 < 60:
+            codes.append(_health(url))
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        rc = procs[0].wait(timeout=30)
+        err = procs[0].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+    assert took < 30 and rc == 3, (took, rc, err[-1500:])
+    assert 503 in codes and 200 not in codes[codes.index(503):]
+    assert len([x for x in err.splitlines() if "process 1 of the run is gone" in x]) == 1
