@@ -1,6 +1,8 @@
 """Attention implementations (`attention.attend(..., impl=)`) against the XLA reference, on the CPU: the
 `jax.nn.dot_product_attention` path (its XLA implementation) and the Pallas splash kernel in interpret mode, for
-every mask kind pdecode builds, GQA, float32 and bfloat16 caches; "auto" and the refusals of explicit impls."""
+every mask kind pdecode builds, GQA, float32 and bfloat16 caches; "auto" and the refusals of explicit impls. On a
+GPU the cuDNN path joins them, on a TPU the compiled splash kernel (scripts/device_check.sh runs this file there);
+a case the impl cannot serve (`attention._why_not`: cuDNN takes no float32) is skipped with its reason."""
 
 import functools
 
@@ -16,7 +18,7 @@ from pdecode.model import attention
 B, H, KV, HD = 2, 4, 2, 16  # GQA: two query heads per kv head
 T_STEP, S_CACHE = 8, 128  # a pass of 8 fresh tokens over a 128-slot cache (the splash kernel tiles keys by 128)
 T_PREFILL = 128
-IMPLS = ("dot_product", "pallas_interpret")  # the ones that run on a CPU
+IMPLS = ("dot_product", "pallas_interpret") + {"gpu": ("cudnn",), "tpu": ("pallas",)}.get(jax.default_backend(), ())
 DTYPES = ("float32", "bfloat16")
 TOL = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
 CASES = ("chain", "tree", "block", "empty_query")
@@ -47,6 +49,13 @@ def _rows(case):
     return slice(i * B, (i + 1) * B)
 
 
+def _skip_unservable(impl, q, k, v):
+    why = attention._why_not(impl, q.shape, k.shape, k.dtype, v.dtype, jax.default_backend()) \
+        if impl not in ("xla", "dot_product", "pallas_interpret") else None
+    if why is not None:
+        pytest.skip(f"{impl}: {why}")
+
+
 @functools.lru_cache(maxsize=None)
 def _cache_pass(impl, dtype):
     q, k, v = _qkv(T_STEP, S_CACHE, jnp.dtype(dtype), seed=0)
@@ -58,6 +67,7 @@ def _cache_pass(impl, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cache_pass_matches_xla(impl, dtype, case):
+    _skip_unservable(impl, *_qkv(T_STEP, S_CACHE, jnp.dtype(dtype), seed=0))
     got, (_, _, v) = _cache_pass(impl, dtype)
     ref, _ = _cache_pass("xla", dtype)
     assert np.isfinite(got).all()
@@ -100,6 +110,7 @@ def _attend_prefill(q, k, v, mask, impl, causal_self):
 def test_causal_prefill_with_right_padding_matches_xla(impl, dtype, causal_self):
     """A prefill over right-padded rows (no cache), as a plain mask and as the training passes' CausalSelfMask."""
     q, k, v, mask = _prefill(jnp.dtype(dtype), causal_self=False)
+    _skip_unservable(impl, q, k, v)
     got = np.asarray(_attend_prefill(q, k, v, mask, impl, causal_self).astype(jnp.float32))
     ref = np.asarray(_attend_prefill(q, k, v, mask, "xla", causal_self).astype(jnp.float32))
     assert np.isfinite(got).all()
@@ -110,6 +121,7 @@ def test_causal_prefill_with_right_padding_matches_xla(impl, dtype, causal_self)
 def test_gradients_of_a_training_pass_match_xla(impl):
     """A training pass (CausalSelfMask, no cache) differentiates through each impl as through the reference."""
     q, k, v, mask = _prefill(jnp.float32, causal_self=True)
+    _skip_unservable(impl, q, k, v)
     w = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
 
     def loss(impl_, q, k, v):
