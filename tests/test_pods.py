@@ -241,3 +241,40 @@ def test_serve_on_two_processes(tmp_path):
     assert took < 30 and rc == 3, (took, rc, err[-1500:])
     assert 503 in codes and 200 not in codes[codes.index(503):]
     assert len([x for x in err.splitlines() if "process 1 of the run is gone" in x]) == 1
+
+
+def test_plan_on_two_processes_is_the_one_process_plan(tmp_path):
+    """`pdecode plan --devices 8` on two processes (4 forced devices each) prints once the per-device bytes one
+    process with 8 forced devices computes."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "head_dim": 8, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}))
+    args = ["plan", "--config", str(tmp_path), "--devices", "8", "--batch", "4", "--max-len", "256", "--json"]
+    port = _port()
+    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", *args, "--coordinator", f"127.0.0.1:{port}",
+                           "--num-processes", "2", "--process-id", str(i)], timeout=200)
+    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
+    multi = [json.loads(x) for x in res[0][1].splitlines() if x.startswith("{")]
+    assert len(multi) == 1 and not [x for x in res[1][1].splitlines() if x.startswith("{")]
+    env = {k: v for k, v in _env(8).items() if k != "XLA_FLAGS"}
+    single = json.loads(subprocess.run([sys.executable, "-m", "infer.cli", *args], env=env, capture_output=True,
+                                       text=True, timeout=200).stdout)
+    assert multi[0]["per_device"] == single["per_device"] and multi[0]["param_bytes"] == single["param_bytes"]
+
+
+def test_bench_on_two_processes_writes_once(tmp_path):
+    """`pdecode bench` (decode suite) on two processes over a 2x4 mesh: process 0 writes the results, with the mesh
+    named; other suites refuse the multi-process flags with one line."""
+    port = _port()
+    args = ["bench", "--methods", "ar", "--batch", "2", "--prompts", "2", "--new-tokens", "4", "--repeats", "1",
+            "--no-limit", "--mesh", "2x4", "--out", str(tmp_path / "out"), "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
+    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", *args, "--process-id", str(i)], timeout=300)
+    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
+    got = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert got["meta"]["mesh"] == "2x4 over 2 process(es)" and [r["method"] for r in got["rows"]] == ["ar"]
+    assert "| ar |" in res[0][1] and "| ar |" not in res[1][1]
+    from infer import cli
+
+    assert cli.main(["bench", "--suite", "edit", "--mesh", "2x4"]) == 2
