@@ -64,6 +64,35 @@ def reads(wide: str, mesh) -> dict:
     return got
 
 
+def commands(work: str) -> dict:
+    """The CLI commands on this process of the run (already joined): each one's exit code and what it printed."""
+    import contextlib
+    import io
+
+    from infer import cli
+
+    w = os.path.join
+    runs = {
+        "generate": ["generate", "--prompt", "def fib(n):", "--max-new-tokens", "8", "--json", "--mesh", "2x4"],
+        "bench": ["bench", "--methods", "ar", "--batch", "2", "--prompts", "2", "--new-tokens", "4", "--repeats", "1",
+                  "--no-limit", "--mesh", "2x4", "--out", w(work, "bench")],
+        "plan": ["plan", "--config", w(work, "plan"), "--devices", "8", "--batch", "4", "--max-len", "256", "--json"],
+        "heads": ["train", "heads", *HEADS_ARGS, "--data", w(work, "data.txt"), "--out", w(work, "heads_multi"),
+                  "--work", w(work, "heads_work")],
+    }
+    got = {}
+    for name, argv in runs.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli.main(argv)
+        got[name] = {"rc": rc, "stdout": buf.getvalue()}
+    return got
+
+
+HEADS_ARGS = ["--base", "code-target", "--kind", "mtp", "--steps", "4", "--batch-size", "8", "--seq-len", "32",
+              "--mesh", "2x4"]
+
+
 def main() -> None:
     who, port, path = sys.argv[1], sys.argv[2], sys.argv[3]
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -98,6 +127,10 @@ def main() -> None:
         out["reads"] = {"hf_slice": every[:, 0].tolist(), "hf_pages": every[:, 1].tolist(),
                         "orbax_read": every[:, 2].tolist(), "hf_sums": got["hf_sums"],
                         "orbax_sums": got["orbax_sums"]}
+    work = os.environ.get("PODS_WORK")
+    if work and who != "single":  # every command on both processes; each process writes what it printed
+        with open(os.path.join(work, f"commands.{who}.json"), "w") as f:
+            json.dump(commands(work), f)
     if jax.process_index() == 0:
         with open(path, "w") as f:
             json.dump({"devices": jax.device_count(), "processes": jax.process_count(), **out}, f)

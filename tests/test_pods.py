@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import pdecode
@@ -66,50 +67,115 @@ def _wide_checkpoint(d: Path) -> int:
     return sum(f.stat().st_size for f in (d / "orbax").rglob("*") if f.is_file())
 
 
-def test_two_processes_decode_like_one_with_all_devices(tmp_path):
-    """Also loading: with the model axis across both processes, each reads about half of a checkpoint."""
+PLAN_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+               "head_dim": 8, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory):
+    """One run of tests/pods_worker.py on two processes (4 devices each): the methods on a 2x4 mesh, the loads of a
+    checkpoint split over both, then `pdecode generate / bench / plan / train heads` on both (one start-up for all
+    of them: the tests below each check one part)."""
     if jax.device_count() < 8:
         pytest.skip("the one-process reference needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    d = tmp_path_factory.mktemp("pods")
+    orbax_bytes = _wide_checkpoint(d / "wide")
+    (d / "plan").mkdir()
+    (d / "plan" / "config.json").write_text(json.dumps(PLAN_CONFIG))
+    (d / "data.txt").write_text((ROOT / "pdecode" / "api.py").read_text()[:20000])
     port = _port()
-    orbax_bytes = _wide_checkpoint(tmp_path / "wide")
-    res = _pair(lambda i: [sys.executable, WORKER, str(i), str(port), str(tmp_path / "multi.json")],
-                env={"PODS_WIDE": str(tmp_path / "wide")})
+    res = _pair(lambda i: [sys.executable, WORKER, str(i), str(port), str(d / "multi.json")],
+                env={"PODS_WIDE": str(d / "wide"), "PODS_WORK": str(d)}, timeout=600)
     assert all(rc == 0 for rc, _, _ in res), res[0][2][-2000:] + res[1][2][-2000:]
-    multi = json.loads((tmp_path / "multi.json").read_text())
-    assert multi["processes"] == 2 and multi["devices"] == 8
+    return {"dir": d, "multi": json.loads((d / "multi.json").read_text()), "orbax_bytes": orbax_bytes,
+            "commands": [json.loads((d / f"commands.{i}.json").read_text()) for i in range(2)]}
+
+
+def _worker():
     sys.path.insert(0, str(ROOT / "tests"))
     import pods_worker
 
+    return pods_worker
+
+
+def test_two_processes_decode_like_one_with_all_devices(pods):
+    multi = pods["multi"]
+    assert multi["processes"] == 2 and multi["devices"] == 8
     from pdecode.sharding import make_mesh
 
-    single = pods_worker.run(make_mesh(2, 4))
+    single = _worker().run(make_mesh(2, 4))
     for method in ("ar", "sd", "eagle", "dico", "decompose"):
         assert multi[method] == single[method], method
     assert "covers 4 of the run's 8 devices" in multi["mesh_error"]
-    # bytes read per process: the slices of its own 4 devices of the safetensors (and the file pages they touch:
-    # a row-split weight's rows are read to page granularity), the orbax chunks its slices cover
-    from pdecode.sharding import make_mesh as mk
-
-    ckpt = (tmp_path / "wide" / "hf" / "model.safetensors").stat().st_size
-    r = multi["reads"]
-    assert max(r["hf_slice"]) <= 0.6 * ckpt, (r, ckpt)
-    assert max(r["hf_pages"]) <= 0.7 * ckpt, (r, ckpt)
-    assert max(r["orbax_read"]) <= 0.6 * orbax_bytes, (r, orbax_bytes)
-    ref = pods_worker.sums(pdecode.load(str(tmp_path / "wide" / "hf"), mesh=mk(1, 8)))
-    assert r["hf_sums"] == pytest.approx(ref, rel=1e-5) and r["orbax_sums"] == pytest.approx(ref, rel=1e-5)
     assert "differ between processes" in multi["prompt_error"]
 
 
-def test_cli_runs_on_two_processes_and_prints_once(tmp_path):
-    port = _port()
-    cmd = [sys.executable, "-m", "infer.cli", "generate", "--prompt", "def fib(n):", "--max-new-tokens", "8",
-           "--json", "--mesh", "2x4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    res = _pair(lambda i: cmd + ["--process-id", str(i)])
-    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
-    rows = [json.loads(line) for line in res[0][1].splitlines() if line.startswith("{")]
+def test_each_process_reads_its_share_of_a_checkpoint(pods):
+    """With the model axis across both processes, each reads about half of a safetensors or orbax checkpoint: the
+    slices of its own 4 devices (and the file pages they touch: a row-split weight's rows are read to page
+    granularity), the orbax chunks its slices cover; and the params are the checkpoint's."""
+    from pdecode.sharding import make_mesh
+
+    wide = pods["dir"] / "wide"
+    ckpt = (wide / "hf" / "model.safetensors").stat().st_size
+    r = pods["multi"]["reads"]
+    assert max(r["hf_slice"]) <= 0.6 * ckpt, (r, ckpt)
+    assert max(r["hf_pages"]) <= 0.7 * ckpt, (r, ckpt)
+    assert max(r["orbax_read"]) <= 0.6 * pods["orbax_bytes"], (r, pods["orbax_bytes"])
+    ref = _worker().sums(pdecode.load(str(wide / "hf"), mesh=make_mesh(1, 8)))
+    assert r["hf_sums"] == pytest.approx(ref, rel=1e-5) and r["orbax_sums"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_cli_runs_on_two_processes_and_prints_once(pods):
+    zero, one = (c["generate"] for c in pods["commands"])
+    assert zero["rc"] == one["rc"] == 0
+    rows = [json.loads(line) for line in zero["stdout"].splitlines() if line.startswith("{")]
     assert len(rows) == 1 and len(rows[0]["tokens"]) == 8
-    # process 1 ran the same steps and printed none of it (gloo's own connection lines aside)
-    assert not [x for x in res[1][1].splitlines() if not x.startswith("[Gloo]") and x.strip()]
+    assert not one["stdout"].strip()  # process 1 ran the same steps and printed none of it
+
+
+def test_bench_on_two_processes_writes_once(pods):
+    zero, one = (c["bench"] for c in pods["commands"])
+    assert zero["rc"] == one["rc"] == 0
+    got = json.loads((pods["dir"] / "bench" / "results.json").read_text())
+    assert got["meta"]["mesh"] == "2x4 over 2 process(es)" and [r["method"] for r in got["rows"]] == ["ar"]
+    assert "tokens/s" in zero["stdout"] and not one["stdout"].strip()
+    from infer import cli
+
+    assert cli.main(["bench", "--suite", "edit", "--mesh", "2x4"]) == 2  # other suites refuse a mesh, one line
+
+
+def test_plan_on_two_processes_is_the_one_process_plan(pods):
+    """`pdecode plan --devices 8` over both processes prints once the per-device bytes one process computes."""
+    zero, one = (c["plan"] for c in pods["commands"])
+    assert zero["rc"] == one["rc"] == 0 and not one["stdout"].strip()
+    multi = json.loads(zero["stdout"])
+    from infer.plan import plan
+
+    single = plan(str(pods["dir"] / "plan"), 8, "ar", 4, 256)
+    assert multi["per_device"] == single["per_device"] and multi["param_bytes"] == single["param_bytes"]
+
+
+def test_heads_train_on_two_processes_like_one(pods):
+    """`pdecode train heads` with each process making its own rows of every batch (the data axis across the
+    processes on a 2x4 mesh) reaches the loss and heads one process with all 8 devices reaches."""
+    assert [c["heads"]["rc"] for c in pods["commands"]] == [0, 0]
+    from train import heads
+
+    d = pods["dir"]
+    heads.main([*_worker().HEADS_ARGS, "--data", str(d / "data.txt"), "--out", str(d / "heads_single"),
+                "--work", str(d / "heads_work_single")])
+    multi = json.loads((d / "heads_multi" / "train_info.json").read_text())
+    single = json.loads((d / "heads_single" / "train_info.json").read_text())
+    assert multi["loss_curve"]["loss"] == pytest.approx(single["loss_curve"]["loss"], rel=1e-5)
+    assert multi["final_eval"]["depth1_agreement"] == pytest.approx(single["final_eval"]["depth1_agreement"], abs=1e-6)
+    from pdecode.checkpoint.heads_io import load_heads
+
+    cfg = pdecode.load("code-target").cfg
+    a, b = load_heads(d / "heads_multi", cfg)[2], load_heads(d / "heads_single", cfg)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=2e-2)
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -134,36 +200,6 @@ def test_a_missing_coordinator_fails_within_the_timeout():
     assert r.returncode == 2 and time.perf_counter() - t0 < 90
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "could not reach the coordinator" in lines[0]
-
-
-def test_heads_train_on_two_processes_like_one(tmp_path):
-    """`pdecode train heads` with each process making its own rows of every batch (data split over the processes
-    on a 2x4 mesh) reaches the loss and heads one process with all 8 devices reaches on the same global batches."""
-    if jax.device_count() < 8:
-        pytest.skip("the one-process reference needs 8 devices")
-    text = tmp_path / "data.txt"
-    text.write_text((ROOT / "pdecode" / "api.py").read_text()[:20000])
-    args = ["--base", "code-target", "--kind", "mtp", "--data", str(text), "--steps", "4", "--batch-size", "8",
-            "--seq-len", "32", "--mesh", "2x4"]
-    port = _port()
-    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", "train", "heads", *args, "--out", str(tmp_path / "multi"),
-                           "--work", str(tmp_path / "work_multi"), "--coordinator", f"127.0.0.1:{port}",
-                           "--num-processes", "2", "--process-id", str(i)])
-    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:] + res[1][2][-1500:]
-    from train import heads
-
-    heads.main([*args, "--out", str(tmp_path / "single"), "--work", str(tmp_path / "work_single")])
-    multi = json.loads((tmp_path / "multi" / "train_info.json").read_text())
-    single = json.loads((tmp_path / "single" / "train_info.json").read_text())
-    assert multi["loss_curve"]["loss"] == pytest.approx(single["loss_curve"]["loss"], rel=1e-5)
-    assert multi["final_eval"]["depth1_agreement"] == pytest.approx(single["final_eval"]["depth1_agreement"], abs=1e-6)
-    from pdecode.checkpoint.heads_io import load_heads
-
-    cfg = pdecode.load("code-target").cfg
-    a, b = load_heads(tmp_path / "multi", cfg)[2], load_heads(tmp_path / "single", cfg)[2]
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert abs(float(jax.numpy.asarray(x, "float32").sum()) - float(jax.numpy.asarray(y, "float32").sum())) \
-            <= 1e-2 * (1 + float(abs(jax.numpy.asarray(y, "float32")).sum()) * 1e-3)
 
 
 def _serve_pair(port: int, http: int):
@@ -241,40 +277,3 @@ def test_serve_on_two_processes(tmp_path):
     assert took < 30 and rc == 3, (took, rc, err[-1500:])
     assert 503 in codes and 200 not in codes[codes.index(503):]
     assert len([x for x in err.splitlines() if "process 1 of the run is gone" in x]) == 1
-
-
-def test_plan_on_two_processes_is_the_one_process_plan(tmp_path):
-    """`pdecode plan --devices 8` on two processes (4 forced devices each) prints once the per-device bytes one
-    process with 8 forced devices computes."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "head_dim": 8, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}))
-    args = ["plan", "--config", str(tmp_path), "--devices", "8", "--batch", "4", "--max-len", "256", "--json"]
-    port = _port()
-    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", *args, "--coordinator", f"127.0.0.1:{port}",
-                           "--num-processes", "2", "--process-id", str(i)], timeout=200)
-    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
-    multi = [json.loads(x) for x in res[0][1].splitlines() if x.startswith("{")]
-    assert len(multi) == 1 and not [x for x in res[1][1].splitlines() if x.startswith("{")]
-    env = {k: v for k, v in _env(8).items() if k != "XLA_FLAGS"}
-    single = json.loads(subprocess.run([sys.executable, "-m", "infer.cli", *args], env=env, capture_output=True,
-                                       text=True, timeout=200).stdout)
-    assert multi[0]["per_device"] == single["per_device"] and multi[0]["param_bytes"] == single["param_bytes"]
-
-
-def test_bench_on_two_processes_writes_once(tmp_path):
-    """`pdecode bench` (decode suite) on two processes over a 2x4 mesh: process 0 writes the results, with the mesh
-    named; other suites refuse the multi-process flags with one line."""
-    port = _port()
-    args = ["bench", "--methods", "ar", "--batch", "2", "--prompts", "2", "--new-tokens", "4", "--repeats", "1",
-            "--no-limit", "--mesh", "2x4", "--out", str(tmp_path / "out"), "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", "2"]
-    res = _pair(lambda i: [sys.executable, "-m", "infer.cli", *args, "--process-id", str(i)], timeout=300)
-    assert [rc for rc, _, _ in res] == [0, 0], res[0][2][-1500:]
-    got = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert got["meta"]["mesh"] == "2x4 over 2 process(es)" and [r["method"] for r in got["rows"]] == ["ar"]
-    assert "| ar |" in res[0][1] and "| ar |" not in res[1][1]
-    from infer import cli
-
-    assert cli.main(["bench", "--suite", "edit", "--mesh", "2x4"]) == 2
