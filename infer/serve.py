@@ -702,7 +702,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
     add_distributed_arguments(ap)
     ap.add_argument("--control-port", type=int, default=None, help="several processes: the port process 0 sends "
-                    "each engine round on to the others (default: the coordinator's port + 1)")
+                    "each engine round on to the others (default: the coordinator's port + 1; on a Cloud TPU slice "
+                    "with no flags, 8477 on worker 0)")
 
 
 def run_from_args(args) -> int:
@@ -750,10 +751,14 @@ def run_from_args(args) -> int:
         from pdecode.errors import InputError
 
         flags = pdecode.distributed.settings(args.coordinator, args.num_processes, args.process_id)
-        if flags is None:
-            raise InputError("pdecode serve on several processes needs --coordinator (or PDECODE_COORDINATOR): "
-                             "its host carries the control channel")
-        address = lockstep.control_address(flags["coordinator"], args.control_port)
+        if flags is not None:
+            address = lockstep.control_address(flags["coordinator"], args.control_port)
+        else:  # a Cloud TPU slice joined by JAX's own detection: worker 0 (JAX's coordinator host) leads
+            hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+            if not hosts:
+                raise InputError("pdecode serve on several processes needs --coordinator (or PDECODE_COORDINATOR): "
+                                 "its host carries the control channel")
+            address = (hosts[0], args.control_port or lockstep.TPU_CONTROL_PORT)
         if not pdecode.distributed.is_main():  # no HTTP here: repeat process 0's engine calls until it stops
             logger.info("process %d follows process 0's engine rounds", jax.process_index())
             line = lockstep.follow(engine, address, jax.process_index(), timeout_s=args.dist_timeout + 60)

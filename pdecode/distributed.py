@@ -103,7 +103,6 @@ def _reach(s: dict, timeout_s: float) -> None:
     cannot be served (process 0: its address is not this host's) or reached (others: nothing listens there within
     ``timeout_s``)."""
     import socket
-    import time
 
     host, _, port = s["coordinator"].rpartition(":")
     if s["process_id"] == 0:
@@ -115,15 +114,23 @@ def _reach(s: dict, timeout_s: float) -> None:
             raise DistributedError(f"process 0 cannot serve the coordinator at {s['coordinator']}: {e.strerror} (give "
                                    "process 0's own host and a free port)") from None
         return
+    connect((host.strip("[]"), int(port)), timeout_s, f"the coordinator at {s['coordinator']}",
+            "is process 0 running, with the same --coordinator?").close()
+
+
+def connect(address: tuple[str, int], timeout_s: float, what: str, hint: str):
+    """A TCP connection to ``address``, retried until ``timeout_s``; then one `DistributedError` naming ``what``."""
+    import socket
+    import time
+
     end = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-                return
+            return socket.create_connection(address, timeout=2)
         except OSError as e:
             if time.monotonic() >= end:
-                raise DistributedError(f"could not reach the coordinator at {s['coordinator']} within {timeout_s}s: "
-                                       f"{e.strerror or e} (is process 0 running, with the same --coordinator?)") from None
+                raise DistributedError(f"could not reach {what} within {timeout_s:g}s: {e.strerror or e} "
+                                       f"({hint})") from None
             time.sleep(0.5)
 
 

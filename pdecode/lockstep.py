@@ -22,7 +22,10 @@ import time
 from typing import Callable
 
 from pdecode import generation
-from pdecode.distributed import DistributedError
+from pdecode.distributed import DistributedError, connect
+
+
+TPU_CONTROL_PORT = 8477  # on a Cloud TPU slice joined without flags: next to JAX's own coordinator port (8476)
 
 
 def control_address(coordinator: str, port: int | None) -> tuple[str, int]:
@@ -136,16 +139,8 @@ class LockstepEngine:
 def follow(engine, address: tuple[str, int], process_id: int, timeout_s: float = 120.0) -> str:
     """A follower's whole life: connect to process 0, then apply each round it sends until ``stop`` (returns
     "stopped") or until process 0 is gone (returns a line saying so)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            conn = socket.create_connection(address, timeout=5)
-            break
-        except OSError as e:
-            if time.monotonic() >= end:
-                raise DistributedError(f"could not reach process 0's control channel at {address[0]}:{address[1]} "
-                                       f"within {timeout_s:.0f}s: {e.strerror or e}") from None
-            time.sleep(0.5)
+    conn = connect(address, timeout_s, f"process 0's control channel at {address[0]}:{address[1]}",
+                   "is process 0 serving, with the same --coordinator and --control-port?")
     conn.settimeout(None)
     conn.sendall((json.dumps({"process": process_id}) + "\n").encode())
     reqs: dict = {}
