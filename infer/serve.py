@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -42,7 +43,7 @@ from typing import Any
 
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                      "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of", "user",
-                     "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids"}
+                     "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls"}
@@ -233,8 +234,13 @@ class Server:
         if not isinstance(stream, bool):
             raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
         so = body.get("stream_options")
-        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
-            raise BadRequest("stream_options takes only {\"include_usage\": true|false}", "stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}
+                               or not all(isinstance(v, bool) for v in so.values())):
+            raise BadRequest("stream_options takes {\"include_usage\": true|false, \"continuous_usage_stats\": "
+                             "true|false}", "stream_options")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
@@ -255,8 +261,9 @@ class Server:
             top_k=_number(body, "top_k", defaults["top_k"], 0, integer=True),
             min_p=_number(body, "min_p", defaults["min_p"], 0, 1),
             repetition_penalty=_number(body, "repetition_penalty", defaults["repetition_penalty"], 0, lo_open=True),
-            stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream,
-            include_usage=bool((so or {}).get("include_usage", False)))
+            stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream, ignore_eos=ignore_eos,
+            include_usage=bool((so or {}).get("include_usage", False)),
+            continuous_usage=bool((so or {}).get("continuous_usage_stats", False)))
 
     def _check(self, prompt: list[int], max_tokens, c: dict, logprobs: bool):
         from pdecode.errors import InputError
@@ -264,23 +271,32 @@ class Server:
         try:
             return self.engine.check(prompt, max_tokens=max_tokens, temperature=c["temperature"], top_p=c["top_p"],
                                      top_k=c["top_k"], min_p=c["min_p"], repetition_penalty=c["repetition_penalty"],
-                                     stop=c["stop"], stop_token_ids=c["stop_token_ids"], logprobs=logprobs)
+                                     stop=c["stop"], stop_token_ids=c["stop_token_ids"], logprobs=logprobs,
+                                     ignore_eos=c["ignore_eos"])
         except InputError as e:
             raise BadRequest(str(e)) from None
 
     def _room(self, prompt) -> int:
         return max(1, self.engine.max_len - self.engine.extra - 1 - len(prompt))
 
+    def _scoring(self, c: dict, what: str, param: str):
+        """Refusals for requests scored by a forward of their own (`pdecode.token_logprobs`)."""
+        if c["stream"]:
+            raise BadRequest(f"{what} cannot be streamed: send the request with stream false", param)
+        if self.lockstep is not None:
+            raise BadRequest(f"{what} is not supported on a multi-process server", param)
+
     def parse_completion(self, body: dict):
         c = self._common(body, COMPLETION_FIELDS, "/v1/completions")
-        if body.get("echo"):
-            raise BadRequest("echo is not supported", "echo")
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
         if body.get("suffix"):
             raise BadRequest("suffix is not supported", "suffix")
-        lp = _number(body, "logprobs", None, 0, integer=True)
-        if lp:
-            raise BadRequest("top logprobs are not supported: logprobs=0 returns the log-probability of each chosen "
-                             "token", "logprobs")
+        lp = _number(body, "logprobs", None, 0, 20, integer=True)
+        c["echo"], c["top"] = echo, lp or 0
+        if echo or c["top"]:
+            self._scoring(c, "echo" if echo else "logprobs > 0", "echo" if echo else "logprobs")
         prompts = body.get("prompt")
         tok = self.engine.model.tokenizer
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(
@@ -299,7 +315,11 @@ class Server:
                 ids.append(list(p))
             else:
                 raise BadRequest("each prompt must be a string or a list of token ids", "prompt")
-        max_tokens = _number(body, "max_tokens", None, 1, integer=True)
+        max_tokens = _number(body, "max_tokens", None, 0 if echo else 1, integer=True)
+        if max_tokens == 0:  # echo only: the prompt scored, nothing generated
+            for p in ids:
+                self._check(p, 1, c, False)
+            return ids, [None] * len(ids), c, True
         checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
         return ids, checked, c, lp is not None
 
@@ -313,9 +333,11 @@ class Server:
         logprobs = body.get("logprobs", False)
         if not isinstance(logprobs, bool):
             raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
-        if _number(body, "top_logprobs", 0, 0, 20, integer=True):
-            raise BadRequest("top_logprobs is not supported: logprobs=true returns the log-probability of each "
-                             "chosen token", "top_logprobs")
+        c["top"] = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        if c["top"]:
+            if not logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            self._scoring(c, "top_logprobs", "top_logprobs")
         tok = self.engine.model.tokenizer
         if tok is None:
             raise BadRequest("this model has no tokenizer, so it cannot render chat messages", "messages")
@@ -330,8 +352,8 @@ class Server:
         return prompt, ctl, c, logprobs
 
     # -------------------------------------------------------------------------------------- handlers
-    async def _body(self, request) -> dict:
-        request["pdecode"].generates = True
+    async def _body(self, request, generates: bool = True) -> dict:
+        request["pdecode"].generates = generates
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -407,16 +429,30 @@ class Server:
         if c["stream"]:
             return await self._stream(request, rid, "text_completion", ids, checked, c, logprobs, chat=False)
         try:
-            results = await self._all(self._collect(request, p, ctl, c["seed"]) for p, ctl in zip(ids, checked))
+            results = await self._all(self._collect(request, p, ctl, c["seed"]) if ctl is not None else
+                                      self._nothing() for p, ctl in zip(ids, checked))
         except Cut:
             return self._cut_response(request)
         choices = []
+        tok = self.engine.model.tokenizer
+        name = (lambda t: tok.decode([t])) if tok else str  # noqa: E731
         for i, (text, reason, toks, lps) in enumerate(results):
             lp = None
-            if logprobs:
-                tok = self.engine.model.tokenizer
-                lp = {"tokens": [tok.decode([t]) if tok else str(t) for t in toks], "token_logprobs": lps,
-                      "top_logprobs": None, "text_offset": None}
+            if c["echo"] or c["top"]:  # every logprob from one scoring forward over prompt + completion
+                full = ids[i] + toks
+                got, tops = await self._score(full, c["top"])
+                first = 0 if c["echo"] else len(ids[i])  # the first token reported
+                shown = full[first:]
+                lp = {"tokens": [name(t) for t in shown],
+                      "token_logprobs": [None if j == 0 else got[j - 1] for j in range(first, len(full))],
+                      "top_logprobs": [None if j == 0 else _top_dict(tops[j - 1], name)
+                                       for j in range(first, len(full))] if c["top"] else None,
+                      "text_offset": list(itertools.accumulate([0] + [len(name(t)) for t in shown[:-1]]))}
+                if c["echo"]:
+                    text = (tok.decode(ids[i]) if tok else "") + text
+            elif logprobs:
+                lp = {"tokens": [name(t) for t in toks], "token_logprobs": lps, "top_logprobs": None,
+                      "text_offset": None}
             choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
         n_prompt = sum(len(p) for p in ids)
         n_out = sum(len(r[2]) for r in results)
@@ -437,12 +473,29 @@ class Server:
         lp = None
         if logprobs:
             tok = self.engine.model.tokenizer
-            lp = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
-                              for t, v in zip(toks, lps)]}
+            tops = [[]] * len(toks)
+            if c["top"]:  # chosen and top logprobs from one scoring forward over prompt + completion
+                got, scored = await self._score(prompt + toks, c["top"])
+                lps = got[len(prompt) - 1:]
+                tops = [[{"token": tok.decode([t]), "logprob": v, "bytes": None} for t, v in row]
+                        for row in scored[len(prompt) - 1:]]
+            lp = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": top}
+                              for t, v, top in zip(toks, lps, tops)]}
         return _json({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                    "finish_reason": reason, "logprobs": lp}],
                       "usage": _usage(len(prompt), len(toks))})
+
+    @staticmethod
+    async def _nothing():
+        return "", "length", [], []
+
+    async def _score(self, ids: list[int], top: int):
+        """`pdecode.token_logprobs` of ``ids`` off the event loop (the engine thread runs on meanwhile)."""
+        import pdecode
+
+        return await asyncio.get_running_loop().run_in_executor(None, pdecode.token_logprobs, self.engine.model, ids,
+                                                                top)
 
     async def _collect(self, request, prompt, ctl, seed):
         parts, toks, lps, reason = [], [], [], None
@@ -483,9 +536,12 @@ class Server:
                 if logprobs and ev is not None and ev.tokens:
                     ch["logprobs"] = {"tokens": [tok.decode([t]) if tok else str(t) for t in ev.tokens],
                                       "token_logprobs": ev.logprobs, "top_logprobs": None, "text_offset": None}
-            return {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [ch]}
+            out = {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [ch]}
+            if c["continuous_usage"]:  # (vLLM's extension: the usage so far in every chunk, for load testers)
+                out["usage"] = _usage(usage["prompt"], usage["sofar"])
+            return out
 
-        usage = {"prompt": sum(len(p) for p in ids), "completion": 0}
+        usage = {"prompt": sum(len(p) for p in ids), "completion": 0, "sofar": 0}
 
         async def one(i, prompt, ctl):
             if chat:
@@ -494,6 +550,7 @@ class Server:
                                          "finish_reason": None, "logprobs": None}]})
 
             async def on_event(ev):
+                usage["sofar"] += len(ev.tokens)
                 if ev.finish_reason is None:
                     await send(chunk(i, ev.text, None, ev))
                 else:
@@ -534,9 +591,68 @@ class Server:
                 pass
         return resp
 
+    @property
+    def context(self) -> int:
+        """Tokens of prompt + completion one request may hold (what clients such as lm-eval size their inputs by)."""
+        return self.engine.max_len - self.engine.extra - 1
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pdecode",
+                "max_model_len": self.context, "context_length": self.context}
+
     async def models(self, request):
-        return _json({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
-                                                  "owned_by": "pdecode"}]})
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        name = request.match_info["name"]
+        if name != self.name:
+            raise BadRequest(f"model {name!r} is not served here; this server serves {self.name!r}", "model", 404)
+        return _json(self._model_card())
+
+    async def tokenize(self, request):
+        """{"prompt": text} or {"messages": [...]} (chat-rendered) -> {"tokens", "count", "max_model_len"}."""
+        from pdecode import chat
+        from pdecode.errors import InputError
+
+        body = await self._body(request, generates=False)
+        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens"})
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r} for /tokenize; it takes prompt or messages (and model, "
+                             "add_special_tokens)", unknown[0])
+        tok = self.engine.model.tokenizer
+        if tok is None:
+            raise BadRequest("this model has no tokenizer", "prompt")
+        if ("prompt" in body) == ("messages" in body):
+            raise BadRequest("send exactly one of prompt (a string) or messages (a chat)", "prompt")
+        if "messages" in body:
+            try:
+                ids = chat.encode_chat(tok, chat.render(tok, chat.check_messages(body["messages"])))
+            except InputError as e:
+                raise BadRequest(str(e), "messages") from None
+        else:
+            if not isinstance(body["prompt"], str):
+                raise BadRequest("prompt must be a string", "prompt")
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise BadRequest("add_special_tokens must be true or false", "add_special_tokens")
+            ids = tok.encode(body["prompt"]) if special else tok.encode(body["prompt"], add_special_tokens=False)
+        return _json({"tokens": list(ids), "count": len(ids), "max_model_len": self.context})
+
+    async def detokenize(self, request):
+        """{"tokens": [ids]} -> {"prompt": text}."""
+        body = await self._body(request, generates=False)
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r} for /detokenize; it takes tokens (and model)", unknown[0])
+        ids = body.get("tokens")
+        vocab = self.engine.vocab
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        tok = self.engine.model.tokenizer
+        if tok is None:
+            raise BadRequest("this model has no tokenizer", "tokens")
+        return _json({"prompt": tok.decode(ids)})
 
     async def health(self, request):
         if self.lost is not None:  # a process of a multi-process run died: this one exits in a moment
@@ -636,6 +752,9 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
 
         async def on_startup(app):
@@ -665,6 +784,15 @@ def _count_compiles():
             XLA_COMPILES["n"] += 1
 
     jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def _top_dict(row: list, name) -> dict:
+    """OpenAI's legacy top_logprobs entry: token text -> log-probability, likeliest first (a text two ids decode to
+    keeps the likelier)."""
+    out: dict = {}
+    for t, v in row:
+        out.setdefault(name(t), v)
+    return out
 
 
 def _usage(p: int, c: int) -> dict:

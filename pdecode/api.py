@@ -735,6 +735,41 @@ def _forward_logits(params, tokens, lengths, *, cfg):
     return unembed(params, cfg, forward(params, cfg, tokens, pos, mask).hidden)
 
 
+SCORE_TOP = 20  # alternatives `token_logprobs` computes per position (the most OpenAI's API asks for)
+
+
+def _score(params, tokens, lengths, *, cfg):
+    """Per position t of each row: log p(tokens[t + 1] | tokens[: t + 1]) and the SCORE_TOP likeliest next tokens
+    with their log-probabilities (the raw distribution: temperature 1, nothing truncated)."""
+    logp = jax.nn.log_softmax(_forward_logits(params, tokens, lengths, cfg=cfg).astype(jnp.float32), axis=-1)
+    nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    chosen = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+    top_lp, top_id = jax.lax.top_k(logp, min(SCORE_TOP, cfg.vocab_size))
+    return chosen, top_id, top_lp
+
+
+def token_logprobs(m: Model, ids: list[int], top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Score a token sequence with one forward: for each token after the first, its log-probability given the ones
+    before it, and the ``top`` (<= 20) likeliest tokens at that position as (id, log-probability), likeliest first
+    (the raw distribution). What ``echo`` with ``logprobs`` reports (an evaluation harness's loglikelihood). Lengths
+    are padded to a power of two (>= 16): one compile per bucket, not per length."""
+    m = as_model(m)
+    if not 0 <= top <= SCORE_TOP:
+        raise InputError(f"top must be between 0 and {SCORE_TOP}, got {top}")
+    n = len(ids)
+    if n < 1 or min(ids) < 0 or max(ids) >= m.cfg.vocab_size:
+        raise InputError(f"ids must be 1 or more token ids in [0, {m.cfg.vocab_size})")
+    size = max(16, 1 << (n - 1).bit_length())
+    tokens = np.zeros((1, size), np.int32)
+    tokens[0, :n] = ids
+    lengths = np.asarray([n], np.int32)
+    exe, _ = compiled(_score, {"cfg": m.cfg}, m.params, tokens, lengths)
+    chosen, top_id, top_lp = (to_host(x)[0] for x in exe(m.params, tokens, lengths))
+    lps = [float(x) for x in chosen[: n - 1]]
+    tops = [[(int(i), float(v)) for i, v in zip(top_id[t, :top], top_lp[t, :top])] for t in range(n - 1)]
+    return lps, tops
+
+
 def forward_logits(m: Model, ids) -> jax.Array:
     """Plain pass over token ids [B, T] -> float32 logits [B, T, V] (causal unless the model is bidirectional)."""
     m = as_model(m)

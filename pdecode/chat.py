@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from pdecode.errors import InputError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
 PLAIN_FORMAT = "<role>: <content>, messages separated by a blank line, then 'assistant:'"
 
 
@@ -47,7 +47,7 @@ def check_messages(messages: Any) -> list[dict]:
             content = "".join(texts)
         if not isinstance(content, str):
             raise InputError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        out.append({**msg, "role": role, "content": content})
+        out.append({**msg, "role": "system" if role == "developer" else role, "content": content})
     return out
 
 

@@ -169,7 +169,9 @@ class Engine:
         self.max_len = int(max_len)
         if self.max_len < CHUNKS[0] + self.extra + 2:
             raise InputError(f"max_len must be at least {CHUNKS[0] + self.extra + 2} for method {method!r}")
+        # EOS is each row's first stop ids (not compiled in): a request may ignore it (``ignore_eos``)
         self.eos = api.eos_ids(model)
+        self.stop_width = MAX_STOP_IDS + len(self.eos)
         self.kv_dtype = api.resolve_cache_dtype(model, cache_dtype)
         # the decode layout once (fused, unstacked, the embedding transposed), not at every step call
         self.params = jax.jit(self._prepare)(plan.params)  # target params, or (target, drafter) params
@@ -205,10 +207,10 @@ class Engine:
         tp, dp = self._layout(params)
         if self.drafter is None:
             return ar.start(prompt_BP, plen_B, cache, logits, key, warp, stops, max_new=self.max_len,
-                            eos_ids=self.eos, samp=samp)
+                            eos_ids=(), samp=samp)
         return speculative.start(tp, dp, prompt_BP, plen_B, cache, logits, pre, key, warp, stops,
                                  cfg=self.model.cfg, drafter=self.drafter, max_new=self.max_len,
-                                 max_len=self.max_len, eos_ids=self.eos, samp=samp, cache_dtype=self.kv_dtype)
+                                 max_len=self.max_len, eos_ids=(), samp=samp, cache_dtype=self.kv_dtype)
 
     def _row_state(self, params, b: int):
         """The loop state of ``b`` rows (for shapes): from zeros."""
@@ -221,7 +223,7 @@ class Engine:
         hid = jnp.zeros((b, self.max_len, cfg.hidden_size), hd)
         layers = jnp.zeros((len(self._hid), b, self.max_len, cfg.hidden_size), hd) if self._hid else None
         warp = sampling.Warp.of(*(np.zeros(b),) * 4, np.ones(b))
-        stops = common.Stops(limit=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32))
+        stops = common.Stops(limit=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, self.stop_width), -1, jnp.int32))
         key = jnp.zeros((b, 2), jnp.uint32)
         return self._start(params, prompt, plen, cache, jnp.zeros((b, self.vocab), jnp.float32),
                            ForwardOut(hidden=hid, cache=None, layer_hidden=layers), key, warp, stops, self.full)
@@ -301,10 +303,10 @@ class Engine:
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         if self.drafter is None:
-            one = ar.make_step(tp, st.warp, cfg=cfg, eos_ids=self.eos, samp=samp)
+            one = ar.make_step(tp, st.warp, cfg=cfg, eos_ids=(), samp=samp)
         else:
             one = speculative.make_step(tp, dp, st.warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
-                                        eos_ids=self.eos, samp=samp)
+                                        eos_ids=(), samp=samp)
         c0 = st.loop.out.count
 
         def cond(c):
@@ -418,10 +420,11 @@ class Engine:
             top_k=f(lambda x: x.top_k if x and x.temperature > 0 else 0, np.int32),
             min_p=f(lambda x: x.min_p if x and x.temperature > 0 else 0.0, np.float32),
             penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32))
-        ids = np.full((len(c), MAX_STOP_IDS), -1, np.int32)
+        ids = np.full((len(c), self.stop_width), -1, np.int32)
         for i, x in enumerate(c):
             if x:
-                ids[i, : len(x.stop_token_ids)] = x.stop_token_ids
+                row = (() if x.ignore_eos else tuple(self.eos)) + tuple(x.stop_token_ids)
+                ids[i, : len(row)] = row
         n = np.asarray([len(r.prompt) - r.fed if r is not None else 1 for r in reqs], np.int32)
         slots = np.asarray([r.slot if r is not None else 0 for r in reqs], np.int32)
         seeds = np.asarray([r.seed if r is not None else 0 for r in reqs], np.uint32)
@@ -622,7 +625,8 @@ class Engine:
             return self._finish(r, text, "stop", release=not device_done)
         if device_done:
             last = r.tokens[-1] if r.tokens else -1
-            reason = "stop" if (last in self.eos or last in r.controls.stop_token_ids) else "length"
+            eos = last in self.eos and not r.controls.ignore_eos
+            reason = "stop" if (eos or last in r.controls.stop_token_ids) else "length"
             return self._finish(r, text, reason, release=False)
         hold = generation.held_back(text, stops) if stops else 0
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of it

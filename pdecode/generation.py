@@ -72,6 +72,7 @@ class Controls:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    ignore_eos: bool = False  # the serving engine: EOS does not end this request (its budget or stops do)
 
     def sampling(self, vocab_size: int | None = None) -> sampling.Sampling:
         return sampling.validate(self.temperature, self.top_k, self.top_p, vocab_size, self.min_p,
@@ -91,7 +92,8 @@ def resolve(gen: dict, vocab_size: int, given: dict[str, Any]) -> Controls:
     return Controls(max_new_tokens=v["max_new_tokens"], temperature=float(v["temperature"]), top_k=int(v["top_k"]),
                     top_p=float(v["top_p"]), min_p=float(v["min_p"]),
                     repetition_penalty=float(v["repetition_penalty"]), stop=stop,
-                    stop_token_ids=tuple(int(t) for t in ids), logprobs=bool(given.get("logprobs") or False))
+                    stop_token_ids=tuple(int(t) for t in ids), logprobs=bool(given.get("logprobs") or False),
+                    ignore_eos=bool(given.get("ignore_eos") or False))
 
 
 MAX_STOP_STRINGS = 16

@@ -127,6 +127,25 @@ def test_stop_strings_logprobs_and_streaming_text(code_engine):
     np.testing.assert_allclose(r.logprobs, free.logprobs[0][:n], atol=1e-4)
 
 
+def test_ignore_eos_runs_a_request_to_its_budget():
+    """EOS is each row's own stop id in the engine: a request with ignore_eos runs past it to max_tokens (what load
+    testers ask for), its neighbour in the same batch stops there."""
+    import dataclasses
+
+    m = pdecode.load("code-target", dtype="float32")
+    prompt = m.tokenizer.encode("def fib(n):")
+    free = pdecode.generate(m, [prompt], max_new_tokens=12, stop_at_eos=False).tokens[0]
+    eos = free[3]
+    k = free.index(eos)
+    eng = Engine(dataclasses.replace(m, cfg=m.cfg.replace(eos_token_ids=(eos,))), slots=2, max_len=64, chunk=32)
+    a = eng.submit(prompt, eng.check(prompt, max_tokens=12, temperature=0.0))
+    b = eng.submit(prompt, eng.check(prompt, max_tokens=12, temperature=0.0, ignore_eos=True))
+    while not eng.idle:
+        eng.run_once()
+    assert a.tokens == free[: k + 1] and a.finish_reason == "stop"
+    assert b.tokens == free and b.finish_reason == "length"
+
+
 def test_cancel_frees_the_slot(code_engine):
     m, eng = code_engine
     ps = [m.tokenizer.encode(s) for s in ("import os\n", "class A:\n", "x = 1\n")]

@@ -184,7 +184,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x" * 4000}, 400, "shorten the prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10000}, 400, "ask for at most"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "top logprobs are not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs must be <= 20"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo cannot be streamed"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo must be true or false"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop must be"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt must be"),
@@ -194,8 +197,16 @@ BAD = [
     ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages is required"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role must be one of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "top_logprobs is not supported"),
+     "top_logprobs needs logprobs: true"),
     ("/v1/nowhere", {"prompt": "x"}, 404, "Not Found"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, 400, "stream_options takes"),
+    ("/tokenize", {"prompt": "x", "messages": []}, 400, "exactly one of prompt"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt must be a string"),
+    ("/tokenize", {"text": "x"}, 400, "unknown field 'text'"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "token ids in"),
+    ("/detokenize", {"tokens": "abc"}, 400, "token ids in"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos must be true or false"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "unknown field 'min_tokens'"),
 ]
 
 
@@ -206,6 +217,81 @@ def test_bad_requests_get_4xx_with_a_message(server, path, body, status, msg):
     assert code == status, text
     err = json.loads(text)["error"]
     assert msg in err["message"], err
+
+
+def test_models_tokenize_developer_role_and_continuous_usage(server, model):
+    """What lm-eval and load testers read: the context length in /v1/models (and /v1/models/{id}); /tokenize and
+    /detokenize; the developer role (as system); usage in every streamed chunk with continuous_usage_stats."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    card = json.loads(get(server.url + "/v1/models")[1])["data"][0]
+    assert card["max_model_len"] == 255 and card["context_length"] == 255  # --max-len 256, ar: one slot kept
+    assert client.models.retrieve("code-target").id == "code-target"
+    assert get(server.url + "/v1/models/gpt-9")[0] == 404
+    code, text = request(server.url + "/tokenize", {"prompt": "def fib(n):"})
+    got = json.loads(text)
+    assert code == 200 and got["tokens"] == model.tokenizer.encode("def fib(n):") and got["count"] == len(got["tokens"])
+    assert json.loads(request(server.url + "/detokenize", {"tokens": got["tokens"]})[1])["prompt"] == \
+        model.tokenizer.decode(got["tokens"])
+    msgs = [{"role": "developer", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    as_system = [{**msgs[0], "role": "system"}, msgs[1]]
+    chat_ids = json.loads(request(server.url + "/tokenize", {"messages": msgs})[1])["tokens"]
+    assert chat_ids == json.loads(request(server.url + "/tokenize", {"messages": as_system})[1])["tokens"]
+    a = client.chat.completions.create(model="code-target", messages=msgs, max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model="code-target", messages=as_system, max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    chunks = list(client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    sofar = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks) and sofar == sorted(sofar) and sofar[-1] == 12
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    r = client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})  # (guidellm's default request)
+    assert r.usage.completion_tokens == 6
+
+
+def test_echo_and_top_logprobs_score_like_forward_logits(server, model):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs=1, max_tokens=1): every prompt token after the
+    first gets its log-probability given the ones before (the first none), equal to `pdecode.forward_logits`'s, with
+    its top alternative; max_tokens=0 only scores; logprobs=k gives k alternatives per generated token, and chat's
+    top_logprobs the same."""
+    import numpy as np
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompt = "def fib(n):\n    return fib(n - 1) + fib(n - 2)"
+    ids = model.tokenizer.encode(prompt)
+    logp = np.asarray(jax_log_softmax(pdecode.forward_logits(model, [ids])[0]))
+    want = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+    r = client.completions.create(model="code-target", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1: len(ids)], want, atol=2e-3)
+    assert abs(sum(lp.token_logprobs[1: len(ids)]) - sum(want)) <= 2e-3
+    for t in range(1, len(ids)):  # the top-1 alternative is the argmax of the same distribution
+        (text, v), = lp.top_logprobs[t].items()
+        assert text == model.tokenizer.decode([int(logp[t - 1].argmax())]) and abs(v - logp[t - 1].max()) < 2e-3
+    only = client.completions.create(model="code-target", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    np.testing.assert_allclose(only.choices[0].logprobs.token_logprobs[1:], want, atol=2e-3)
+    r = client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(len(top) == 3 for top in lp.top_logprobs)
+    assert all(max(top, key=top.get) == t for top, t in zip(lp.top_logprobs, lp.tokens))  # greedy: the top-1
+    c = client.chat.completions.create(model="code-target", messages=[{"role": "user", "content": "Sort a list."}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(x.top_logprobs) == 2 and x.top_logprobs[0].token == x.token
+                                     for x in content)
+
+
+def jax_log_softmax(x):
+    import jax
+
+    return jax.nn.log_softmax(x.astype("float32"), axis=-1)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server, model):
