@@ -7,4 +7,11 @@ bash scripts/setup.sh
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true}"
 # Two pytest workers: most of the suite's time is XLA compiling (single-threaded), so two processes keep both cores
 # busy. PDECODE_TEST_WORKERS=0 runs everything in this one process. `bash scripts/test.sh -m fast`: the unit tier only.
-exec python3 -m pytest -q -n "${PDECODE_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"
+# One compilation cache on disk for the whole run (JAX's persistent cache, a fresh directory): the servers, CLI runs
+# and multi-process workers the tests start, and both workers, load a program another process already compiled.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  export JAX_COMPILATION_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdecode-test-xla.XXXXXX")"
+  export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+python3 -m pytest -q -n "${PDECODE_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"

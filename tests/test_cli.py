@@ -232,6 +232,7 @@ def test_generate_keeps_compiled_executables_on_disk(tmp_path):
     entry it finds instead of compiling), and the tokens are the same."""
     cache = tmp_path / "xla"
     env = dict(os.environ, PDECODE_COMPILE_CACHE_DIR=str(cache))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # (the test run's own shared cache, scripts/test.sh)
     cmd = [sys.executable, "-m", "infer.cli", "generate", "--model", "code-target", "--prompt", "def f(x):",
            "--max-new-tokens", "8", "--json"]
     runs = []
