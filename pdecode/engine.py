@@ -468,11 +468,15 @@ class Engine:
         """Queue a request (``controls`` from `check`); its events go to ``callback`` and are returned by
         `run_once`."""
         if seed is None:
-            seed = int(self._rng.integers(0, 2**31 - 1))
+            seed = self.draw_seed()
         r = Request(prompt=list(prompt), controls=controls, seed=int(seed) % (2**32), id=next(self._ids),
                     callback=callback, t_submit=time.perf_counter())
         self.queue.append(r)
         return r
+
+    def draw_seed(self) -> int:
+        """A fresh seed for a request that gave none."""
+        return int(self._rng.integers(0, 2**31 - 1))
 
     def cancel(self, req: Request) -> None:
         """Stop a request (a client gone): its slot is freed at the next `run_once`."""

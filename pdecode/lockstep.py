@@ -4,7 +4,7 @@ Every process holds an `Engine` over the same model on one mesh; each compiled s
 The engine's host side is deterministic given the requests it is handed and when (`Engine.submit`,
 `Engine.cancel`, `Engine.run_once`), so process 0 — the one with the HTTP server — sends every round's submissions
 (prompt, controls, seed), cancellations and whether it runs a step to the others over one TCP connection each
-(`Leader` / `Follower`, newline-delimited JSON on ``--control-port``, by default the coordinator's port + 1); they
+(`Leader` / `follow`, newline-delimited JSON on ``--control-port``, by default the coordinator's port + 1); they
 apply the same calls in the same order and run the same compiled programs in lockstep.
 
 A follower that dies closes its connection: process 0 notices at once (`Leader.lost`), and the server answers
@@ -54,7 +54,6 @@ class Leader:
             raise DistributedError(f"process 0 cannot listen for the other processes on {address[0]}:{address[1]}: "
                                    f"{e.strerror} (pass a free --control-port)") from None
         srv.listen(followers)
-        srv.settimeout(timeout_s)
         self.conns: dict[int, socket.socket] = {}
         end = time.monotonic() + timeout_s
         try:
@@ -117,7 +116,7 @@ class LockstepEngine:
 
     def submit(self, prompt, controls, seed=None, callback=None):
         if seed is None:  # drawn here, sent to all: every process samples with the same keys
-            seed = int(self.engine._rng.integers(0, 2**31 - 1))
+            seed = self.engine.draw_seed()
         r = self.engine.submit(prompt, controls, seed=seed, callback=callback)
         self._ops.append(["submit", list(prompt), dataclasses.asdict(controls), int(seed)])
         return r

@@ -209,10 +209,10 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
     from train.loop import MeshPlan
 
     m = pdecode.load(base, dtype=base_dtype, mesh=mesh)
-    if m._source_cfg is not None and m._source_cfg.num_kv_heads != m.cfg.num_kv_heads:
-        # heads are trained (and saved) for the base's own kv heads: the frozen base keeps them (replicated over
-        # the model axis where it does not divide them) instead of the placed model's repeats
-        cfg0, p0 = pdecode.api.stored_kv_heads(m)
+    # heads are trained (and saved) for the base's own kv heads: the frozen base keeps them (replicated over the
+    # model axis where it does not divide them) instead of a placed model's repeats
+    cfg0, p0 = pdecode.api.stored_kv_heads(m)
+    if cfg0 is not m.cfg:
         m = dataclasses.replace(m, cfg=cfg0, params=p0, _sharded={}, _placed=None, _source_cfg=None)
     if m.tokenizer is None:
         raise InputError(f"--base {base}: no tokenizer.json next to the weights; training reads text through it")

@@ -164,13 +164,15 @@ class MeshPlan:
         return param_shardings(self.frozen_specs, self.mesh, self.rules(), indivisible="replicate")
 
     def place(self, params, frozen):
+        from jax.sharding import NamedSharding
+
         from pdecode.sharding import place
 
         params = jax.tree.map(place, params, self.param_shardings())
         if frozen is not None:
-            sh = self.frozen_shardings()
-            frozen = jax.tree.map(place, frozen, sh) if not hasattr(sh, "mesh") else \
-                jax.tree.map(lambda a: place(a, sh), frozen)
+            sh = self.frozen_shardings()  # one sharding for every frozen leaf, or a tree of them
+            frozen = jax.tree.map(lambda a: place(a, sh), frozen) if isinstance(sh, NamedSharding) else \
+                jax.tree.map(place, frozen, sh)
         return params, frozen
 
     def place_scalars(self, tree):
