@@ -25,6 +25,30 @@ def is_orbax_dir(path: Path) -> bool:
 CHUNK_BYTES = 1 << 20
 
 
+# axes split one index per chunk: a heads / experts axis is what a mesh's model axis divides, and orbax's own choice
+# (halving the largest dimension) would leave it whole in a weight under CHUNK_BYTES
+PER_INDEX_AXES = ("heads", "kv_heads", "experts")
+
+
+def _save_args(cfg: ModelConfig, params):
+    """Chunks of at most CHUNK_BYTES, a heads / experts axis split one index per chunk: a process of a multi-host
+    run restores only the chunks its devices' slices cover, not each whole array."""
+    import orbax.checkpoint as ocp
+
+    from pdecode.model.transformer import is_spec
+
+    specs = {jax.tree_util.keystr(k): s
+             for k, s in jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]}
+
+    def one(path, a):
+        spec = specs.get(jax.tree_util.keystr(path))
+        axes = () if spec is None or len(spec.axes) != a.ndim else \
+            tuple(i for i, name in enumerate(spec.axes) if name in PER_INDEX_AXES)
+        return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=axes[:1])
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     import orbax.checkpoint as ocp
 
@@ -32,9 +56,7 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     if (out / "params").exists():
         shutil.rmtree(out / "params")
-    # chunks of at most CHUNK_BYTES: a process of a multi-host run restores only the chunks its devices' slices
-    # cover, not each whole array
-    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+    save_args = _save_args(cfg, params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / "params", params, save_args=save_args)
         ckptr.wait_until_finished()
