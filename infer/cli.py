@@ -93,7 +93,8 @@ def _parse_mesh(spec: str):
 _FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
           "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "mesh": "--mesh",
           "stop_at_eos": "--ignore-eos", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
-          "stop": "--stop"}
+          "stop": "--stop", "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+          "min_tokens": "--min-tokens"}
 
 
 def cmd_generate(args) -> int:
@@ -137,6 +138,8 @@ def cmd_generate(args) -> int:
         return pdecode.generate(model, prompts, method=method, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                min_tokens=args.min_tokens,
                                 draft=d, mesh=mesh, stop_at_eos=not args.ignore_eos, **opts)  # no key of _FLAGS
 
     if args.decompose:
@@ -454,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, in [-2, 2] (0 = off)")
+    g.add_argument("--min-tokens", type=int, default=None, help="EOS and stop ids cannot end a row before this many")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--seed", type=int, default=0)
     # the choices are pdecode.config.DTYPES, written out so building the parser does not import jax

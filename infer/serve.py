@@ -43,7 +43,8 @@ from typing import Any
 
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                      "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of", "user",
-                     "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"}
+                     "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+                     "min_tokens"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls"}
@@ -220,11 +221,11 @@ class Server:
             raise BadRequest("n > 1 is not supported: send the request n times (with different seeds)", "n")
         if _number(body, "best_of", 1, 1, integer=True) != 1:
             raise BadRequest("best_of > 1 is not supported", "best_of")
-        for f in ("presence_penalty", "frequency_penalty"):
-            if _number(body, f, 0.0) != 0:
-                raise BadRequest(f"{f} is not supported: use repetition_penalty (1 = off)", f)
-        if body.get("logit_bias"):
-            raise BadRequest("logit_bias is not supported", "logit_bias")
+        pres, freq = (_number(body, f, 0.0, -2, 2) for f in ("presence_penalty", "frequency_penalty"))
+        bias = body.get("logit_bias")
+        if bias is not None and not isinstance(bias, dict):
+            raise BadRequest("logit_bias must be an object mapping token ids to biases in [-100, 100]", "logit_bias")
+        min_tokens = _number(body, "min_tokens", 0, 0, integer=True)
         if body.get("tools") or body.get("tool_choice") not in (None, "none"):
             raise BadRequest("tool calls are not supported", "tools")
         rf = body.get("response_format")
@@ -261,6 +262,7 @@ class Server:
             top_k=_number(body, "top_k", defaults["top_k"], 0, integer=True),
             min_p=_number(body, "min_p", defaults["min_p"], 0, 1),
             repetition_penalty=_number(body, "repetition_penalty", defaults["repetition_penalty"], 0, lo_open=True),
+            presence_penalty=pres, frequency_penalty=freq, logit_bias=bias or None, min_tokens=min_tokens,
             stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream, ignore_eos=ignore_eos,
             include_usage=bool((so or {}).get("include_usage", False)),
             continuous_usage=bool((so or {}).get("continuous_usage_stats", False)))
@@ -272,7 +274,9 @@ class Server:
             return self.engine.check(prompt, max_tokens=max_tokens, temperature=c["temperature"], top_p=c["top_p"],
                                      top_k=c["top_k"], min_p=c["min_p"], repetition_penalty=c["repetition_penalty"],
                                      stop=c["stop"], stop_token_ids=c["stop_token_ids"], logprobs=logprobs,
-                                     ignore_eos=c["ignore_eos"])
+                                     ignore_eos=c["ignore_eos"], presence_penalty=c["presence_penalty"],
+                                     frequency_penalty=c["frequency_penalty"], logit_bias=c["logit_bias"],
+                                     min_tokens=c["min_tokens"])
         except InputError as e:
             raise BadRequest(str(e)) from None
 

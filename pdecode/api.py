@@ -457,7 +457,9 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
              cache_dtype: str | None = None, shared_prefix: int = 0, stop_token_ids: Sequence[int] = (),
              stop_at_dedent: bool = False, min_p: float | None = None, repetition_penalty: float | None = None,
              stop: str | Sequence[str] | None = None, logprobs: bool = False, refine: str | None = None,
-             editor: Model | None = None, refine_iterations: int = 4, **method_options) -> GenerateOutput:
+             editor: Model | None = None, refine_iterations: int = 4, presence_penalty: float | None = None,
+             frequency_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
+             min_tokens: int | None = None, **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -477,6 +479,13 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         repetition_penalty: logits of tokens already in the prompt or output divided by this when positive,
             multiplied when negative (1: off; `transformers`' rule). Speculative methods verify against the penalised
             distribution, so they stay lossless with respect to it.
+        presence_penalty: OpenAI's, in [-2, 2]: subtracted from the logit of every token already in the row's
+            output (0: off). Lossless under speculation as the repetition penalty is.
+        frequency_penalty: OpenAI's, in [-2, 2]: this times the token's count in the row's output so far is
+            subtracted from its logit (0: off).
+        logit_bias: {token id: bias in [-100, 100]} added to those logits at every step (the same for every row).
+        min_tokens: EOS and stop ids cannot end a row before it has this many new tokens (stop strings count from
+            there on too); at most max_new_tokens.
         stop: a string or strings that end a row: the text is cut before the first one, the tokens after the token
             that completed it (generation runs to the budget first; `pdecode.Engine` stops at once).
         logprobs: also return each new token's log-probability under the model (the penalised logits, before
@@ -519,7 +528,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     ctl = generation.resolve(m.generation_config, m.cfg.vocab_size, dict(
         max_new_tokens=None if isinstance(max_new_tokens, (list, tuple, np.ndarray)) else max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        stop=stop, stop_token_ids=list(stop_token_ids), logprobs=logprobs))
+        stop=stop, stop_token_ids=list(stop_token_ids), logprobs=logprobs, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens))
     if max_new_tokens is None:
         max_new_tokens = ctl.max_new_tokens
     budgets = None
@@ -572,8 +582,9 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     n_shared = _shared_prefix(ids, shared_prefix)
     eos = tuple(sorted(set(eos_ids(m)) | set(ctl.stop_token_ids))) if stop_at_eos else ctl.stop_token_ids
 
-    if (samp.penalty or samp.logprobs) and not plan.history_controls:
-        what = "repetition_penalty" if samp.penalty else "logprobs"
+    if (samp.processing or samp.logprobs) and not plan.history_controls:
+        what = ("repetition_penalty" if samp.penalty else "presence_penalty / frequency_penalty" if samp.counts
+                else "logit_bias" if samp.bias else "min_tokens" if samp.min_tokens else "logprobs")
         raise InputError(f"method {method!r} does not take {what}: it works with the autoregressive loops (ar and "
                          f"the draft-and-verify methods); drop it")
     takes_stops = "stops" in _parameters(plan.fn)
@@ -591,7 +602,9 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
 
         prompt_j = jax.device_put(prompt_j, batch_sharding(mesh, prompt.shape))
         len_j = jax.device_put(len_j, batch_sharding(mesh, prompt_len.shape))
-    warp = sampling.Warp.of(ctl.temperature, ctl.top_p, ctl.top_k, ctl.min_p, ctl.repetition_penalty)
+    warp = sampling.Warp.of(ctl.temperature, ctl.top_p, ctl.top_k, ctl.min_p, ctl.repetition_penalty,
+                            ctl.presence_penalty, ctl.frequency_penalty, ctl.min_tokens,
+                            ctl.bias_vector(m.cfg.vocab_size) if ctl.logit_bias else None)
     args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), warp)
     if takes_stops:
         limit = np.asarray(budgets if budgets is not None else [max_new_tokens] * len(ids), np.int32)
@@ -626,7 +639,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     reasons = ["stop" if (t and t[-1] in eos) or len(t) < c else "length" for t, c in zip(toks, cap)]
     if ctl.stop and m.tokenizer is not None:
         for i, t in enumerate(toks):
-            cut, text, hit = generation.cut_at_stop(t, m.tokenizer.decode, ctl.stop)
+            cut, text, hit = generation.cut_at_stop(t, m.tokenizer.decode, ctl.stop, ctl.min_tokens)
             if hit:
                 toks[i], texts[i], reasons[i] = cut, text, "stop"
                 if lps is not None:

@@ -153,7 +153,7 @@ class Engine:
         self.vocab = model.cfg.vocab_size
         self.top_k_max = min(int(top_k_max), self.vocab)
         self.full = sampling.Sampling(greedy=False, top_k=self.top_k_max, use_top_p=True, use_min_p=True,
-                                      penalty=True, logprobs=True)
+                                      penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True)
         self.fast = sampling.Sampling(greedy=True)  # every live slot greedy, no penalty, no logprobs
         plan = meth.prepare(model, draft, opts, self.full)
         if plan.fn is ar.generate:
@@ -222,7 +222,7 @@ class Engine:
         hd = self._hidden_dtype()
         hid = jnp.zeros((b, self.max_len, cfg.hidden_size), hd)
         layers = jnp.zeros((len(self._hid), b, self.max_len, cfg.hidden_size), hd) if self._hid else None
-        warp = sampling.Warp.of(*(np.zeros(b),) * 4, np.ones(b))
+        warp = self._warp_of([None] * b)
         stops = common.Stops(limit=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, self.stop_width), -1, jnp.int32))
         key = jnp.zeros((b, 2), jnp.uint32)
         return self._start(params, prompt, plen, cache, jnp.zeros((b, self.vocab), jnp.float32),
@@ -233,8 +233,7 @@ class Engine:
         loop = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         loop = loop.replace(out=loop.out.replace(done=jnp.ones((self.slots,), bool)))
         n = self.slots
-        return EngineState(loop=loop, warp=sampling.Warp.of(np.zeros(n), np.ones(n), np.zeros(n, np.int32),
-                                                            np.zeros(n), np.ones(n)))
+        return EngineState(loop=loop, warp=jax.tree.map(jnp.asarray, self._warp_of([None] * n)))
 
     def _batch_axes(self):
         """Per leaf of the loop state: its row axis (None for counters shared by the batch), from the shapes at two
@@ -414,12 +413,7 @@ class Engine:
         """The admission call's arguments for ``reqs`` (their rows of ``tokens``); None entries: warm-up rows."""
         c = [r.controls if r is not None else None for r in reqs]
         f = lambda get, dt: np.asarray([get(x) for x in c], dt)  # noqa: E731
-        warp = sampling.Warp(
-            temperature=f(lambda x: x.temperature if x else 0.0, np.float32),
-            top_p=f(lambda x: x.top_p if x else 1.0, np.float32),
-            top_k=f(lambda x: x.top_k if x and x.temperature > 0 else 0, np.int32),
-            min_p=f(lambda x: x.min_p if x and x.temperature > 0 else 0.0, np.float32),
-            penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32))
+        warp = self._warp_of(c)
         ids = np.full((len(c), self.stop_width), -1, np.int32)
         for i, x in enumerate(c):
             if x:
@@ -430,6 +424,23 @@ class Engine:
         seeds = np.asarray([r.seed if r is not None else 0 for r in reqs], np.uint32)
         return (self.params, self.state, tokens, n, slots, seeds, warp, f(lambda x: x.max_new_tokens if x else 1,
                                                                             np.int32), ids)
+
+    def _warp_of(self, c: list) -> sampling.Warp:
+        """The rows' sampling values (numpy), from their controls (None: a blank row)."""
+        f = lambda get, dt: np.asarray([get(x) for x in c], dt)  # noqa: E731
+        bias = np.zeros((len(c), self.vocab), np.float32)
+        for i, x in enumerate(c):
+            if x is not None and x.logit_bias:
+                bias[i] = x.bias_vector(self.vocab)
+        return sampling.Warp(
+            temperature=f(lambda x: x.temperature if x else 0.0, np.float32),
+            top_p=f(lambda x: x.top_p if x else 1.0, np.float32),
+            top_k=f(lambda x: x.top_k if x and x.temperature > 0 else 0, np.int32),
+            min_p=f(lambda x: x.min_p if x and x.temperature > 0 else 0.0, np.float32),
+            penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32),
+            presence=f(lambda x: x.presence_penalty if x else 0.0, np.float32),
+            frequency=f(lambda x: x.frequency_penalty if x else 0.0, np.float32),
+            min_tokens=f(lambda x: x.min_tokens if x else 0, np.int32), bias=bias)
 
     def _admit_exe(self, size: int, rows: int = 1, pre=None):
         args = self._admit_args(np.zeros((rows, size), np.int32), [None] * rows)
@@ -576,7 +587,7 @@ class Engine:
         self._inflight.append(("admit", [r], outs))
 
     def _dispatch_step(self, live):
-        plain = all(r.controls.temperature == 0 and r.controls.repetition_penalty == 1.0 and not r.controls.logprobs
+        plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
                     for r in live)
         exe = self._exe[(("step", plain), (("k", self.k), ("samp", self.fast if plain else self.full)))]
         self.state, outs = exe(self.params, self.state)
@@ -620,10 +631,11 @@ class Engine:
         if r.t_first is None and r.tokens:
             r.t_first = time.perf_counter()
         text = tok.decode(r.tokens) if tok is not None else ""
-        stops = r.controls.stop
-        at = generation.find_stop(text, stops) if stops else -1
+        stops, mn = r.controls.stop, r.controls.min_tokens
+        after = generation.stop_after(r.tokens, tok.decode, mn) if stops and mn else 0
+        at = generation.find_stop(text, stops, after) if stops and after >= 0 else -1
         if at >= 0:
-            cut, text, _ = generation.cut_at_stop(r.tokens, tok.decode, stops)
+            cut, text, _ = generation.cut_at_stop(r.tokens, tok.decode, stops, mn)
             r.tokens = cut
             r.logprobs = r.logprobs[: len(cut)]
             return self._finish(r, text, "stop", release=not device_done)
@@ -689,7 +701,8 @@ def stream(m, prompts, method: str = "ar", draft=None, max_new_tokens: int | Non
     """`pdecode.generate` as a stream: yields ``(index, Event)`` as text arrives, ``index`` the prompt's position;
     each prompt's last event has ``finish_reason`` set. Runs on a `Engine` (kept warm for the next call with the
     same model, method, options and sizes); ``controls_and_options``: generate's sampling controls (temperature,
-    top_k, top_p, min_p, repetition_penalty, stop, stop_token_ids, logprobs) and the method's options.
+    top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens, stop,
+    stop_token_ids, logprobs) and the method's options.
 
         for i, ev in pdecode.stream(m, ["def fib(n):"], max_new_tokens=64):
             print(ev.text, end="", flush=True)
@@ -697,7 +710,7 @@ def stream(m, prompts, method: str = "ar", draft=None, max_new_tokens: int | Non
     from pdecode import api
 
     control_names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "stop", "stop_token_ids",
-                     "logprobs")
+                     "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
     controls = {k: controls_and_options.pop(k) for k in control_names if k in controls_and_options}
     ids = api.encode_prompts(m, prompts)
     budget = max_new_tokens if max_new_tokens is not None else \

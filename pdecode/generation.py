@@ -73,10 +73,30 @@ class Controls:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False  # the serving engine: EOS does not end this request (its budget or stops do)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending
+    min_tokens: int = 0  # EOS and stop ids banned (and stop strings not matched) before this many new tokens
 
     def sampling(self, vocab_size: int | None = None) -> sampling.Sampling:
         return sampling.validate(self.temperature, self.top_k, self.top_p, vocab_size, self.min_p,
-                                 self.repetition_penalty, self.logprobs)
+                                 self.repetition_penalty, self.logprobs, self.presence_penalty,
+                                 self.frequency_penalty, bool(self.logit_bias), self.min_tokens)
+
+    @property
+    def processing(self) -> bool:
+        """Whether a stage of logits processing is on (`sampling.Sampling.processing`)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    def bias_vector(self, vocab_size: int):
+        """The logit bias as a dense [V] float32 vector (numpy)."""
+        import numpy as np
+
+        v = np.zeros((vocab_size,), np.float32)
+        for t, b in self.logit_bias:
+            v[t] = b
+        return v
 
 
 def resolve(gen: dict, vocab_size: int, given: dict[str, Any]) -> Controls:
@@ -89,11 +109,46 @@ def resolve(gen: dict, vocab_size: int, given: dict[str, Any]) -> Controls:
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InputError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]!r}")
+    pres, freq = (0.0 if given.get(k) is None else given[k] for k in ("presence_penalty", "frequency_penalty"))
+    sampling.check_values(0.0, 0, 1.0, presence_penalty=pres, frequency_penalty=freq)
+    bias = check_logit_bias(given.get("logit_bias"), vocab_size)
+    mn = given.get("min_tokens")
+    mn = 0 if mn is None else mn
+    if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
+        raise InputError(f"min_tokens must be an integer >= 0, got {mn!r}")
+    if mn > v["max_new_tokens"]:
+        raise InputError(f"min_tokens ({mn}) is larger than the new-token budget ({v['max_new_tokens']})")
     return Controls(max_new_tokens=v["max_new_tokens"], temperature=float(v["temperature"]), top_k=int(v["top_k"]),
                     top_p=float(v["top_p"]), min_p=float(v["min_p"]),
                     repetition_penalty=float(v["repetition_penalty"]), stop=stop,
                     stop_token_ids=tuple(int(t) for t in ids), logprobs=bool(given.get("logprobs") or False),
-                    ignore_eos=bool(given.get("ignore_eos") or False))
+                    ignore_eos=bool(given.get("ignore_eos") or False), presence_penalty=float(pres),
+                    frequency_penalty=float(freq), logit_bias=bias, min_tokens=int(mn))
+
+
+MAX_LOGIT_BIAS = 1024  # entries per request
+
+
+def check_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({token id: bias in [-100, 100]}; ids may be strings of digits, as JSON keys are) as sorted
+    (id, bias) pairs; None or {}: ()."""
+    import math
+
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise InputError(f"logit_bias must be a map from token id to a bias in [-100, 100], got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InputError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for k, b in bias.items():
+        t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InputError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {k!r}")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or math.isnan(b) or not -100 <= b <= 100:
+            raise InputError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        out[t] = float(b)
+    return tuple(sorted(out.items()))
 
 
 MAX_STOP_STRINGS = 16
@@ -112,10 +167,20 @@ def check_stop(stop) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def find_stop(text: str, stops: Sequence[str]) -> int:
-    """Where the earliest stop string starts in ``text`` (-1: none)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def find_stop(text: str, stops: Sequence[str], after: int = 0) -> int:
+    """Where the earliest stop string ending past character ``after`` starts in ``text`` (-1: none)."""
+    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else -1
+
+
+def stop_after(tokens: list[int], decode, min_tokens: int) -> int:
+    """Where stop strings may end past (characters; `find_stop`'s ``after``) with ``min_tokens``: -1 while fewer
+    tokens are out."""
+    if not min_tokens:
+        return 0
+    if len(tokens) < min_tokens:
+        return -1
+    return len(decode(tokens[: min_tokens - 1]))
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
@@ -130,17 +195,19 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return n
 
 
-def cut_at_stop(tokens: list[int], decode, stops: Sequence[str]) -> tuple[list[int], str, bool]:
+def cut_at_stop(tokens: list[int], decode, stops: Sequence[str], min_tokens: int = 0) -> tuple[list[int], str, bool]:
     """(tokens up to the one completing the earliest stop string, the text before that stop string, whether a stop
-    string was found); without one: (tokens, their text, False)."""
+    string was found); without one: (tokens, their text, False). With ``min_tokens``, a stop string counts only
+    once that many tokens are out and only where it ends past the text of the first ``min_tokens - 1``."""
     text = decode(tokens)
-    at = find_stop(text, stops) if stops else -1
+    after = stop_after(tokens, decode, min_tokens)
+    at = find_stop(text, stops, after) if stops and after >= 0 else -1
     if at < 0:
         return tokens, text, False
-    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds the stop string
+    lo, hi = max(1, min_tokens), len(tokens)  # the shortest prefix whose text holds the stop string
     while lo < hi:
         mid = (lo + hi) // 2
-        if find_stop(decode(tokens[:mid]), stops) >= 0:
+        if find_stop(decode(tokens[:mid]), stops, after) >= 0:
             hi = mid
         else:
             lo = mid + 1

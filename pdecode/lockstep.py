@@ -35,7 +35,8 @@ def control_address(coordinator: str, port: int | None) -> tuple[str, int]:
 
 
 def _controls(d: dict) -> generation.Controls:
-    return generation.Controls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731 (JSON lists back to tuples)
+    return generation.Controls(**{k: tup(v) for k, v in d.items()})
 
 
 class Leader:

@@ -2,9 +2,12 @@
 
 The target's distribution passes two stages, in the order `transformers` applies them:
 
-* *processing* of the raw logits by the decode loop, which knows the history: the repetition penalty (`penalize`;
-  a logit of a token already in the prompt or the output is divided by the penalty when positive, multiplied when
-  negative);
+* *processing* of the raw logits by the decode loop, which knows the history (`penalize`, in vLLM's order): the
+  logit bias added (``logit_bias``: per token id); the repetition penalty (a logit of a token already in the prompt
+  or the output divided by the penalty when positive, multiplied when negative); the presence and frequency
+  penalties (OpenAI's: ``presence * [count > 0] + frequency * count`` subtracted, ``count`` the token's occurrences
+  in the output so far); and, while a row has fewer than ``min_tokens`` new tokens, its stop tokens (EOS and stop
+  ids) banned;
 * *warping* (`warp`): temperature, then top-k, then top-p (nucleus), then min-p.
 
 Every method samples from and verifies against the processed and warped distribution, so the lossless methods stay
@@ -38,7 +41,9 @@ NEG_INF = -1e30
 class Sampling:
     """What is compiled in (static). ``greedy``: every row is greedy (no sampling code at all); ``top_k``: the
     largest top-k a row may ask for (0: top-k off); ``use_top_p`` / ``use_min_p`` / ``penalty``: those stages are
-    on; ``logprobs``: the loop records the log-probability of every chosen token."""
+    on; ``logprobs``: the loop records the log-probability of every chosen token; ``counts``: the presence /
+    frequency penalties (the loop keeps each row's output token counts); ``bias``: a logit bias; ``min_tokens``:
+    stop tokens banned below a row's minimum."""
 
     greedy: bool = True
     top_k: int = 0
@@ -46,40 +51,63 @@ class Sampling:
     use_min_p: bool = False
     penalty: bool = False
     logprobs: bool = False
+    counts: bool = False
+    bias: bool = False
+    min_tokens: bool = False
+
+    @property
+    def processing(self) -> bool:
+        """Whether any stage needs the loop's history or the row's output length (methods without the history
+        keeping loops refuse these)."""
+        return self.penalty or self.counts or self.bias or self.min_tokens
 
 
 @struct.dataclass
 class Warp:
     """The sampling values (traced): each a scalar or a [B] array. ``temperature`` 0 = greedy; ``top_p`` 1 = off;
-    ``top_k`` 0 = off (at most `Sampling.top_k`); ``min_p`` 0 = off; ``penalty`` 1 = no repetition penalty."""
+    ``top_k`` 0 = off (at most `Sampling.top_k`); ``min_p`` 0 = off; ``penalty`` 1 = no repetition penalty;
+    ``presence`` / ``frequency`` 0 = off; ``min_tokens`` 0 = off; ``bias``: None, or [V] (the batch) or [B, V]
+    (per row) added to the logits."""
 
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
     min_p: jax.Array
     penalty: jax.Array
+    presence: jax.Array = None
+    frequency: jax.Array = None
+    min_tokens: jax.Array = None
+    bias: jax.Array | None = None
 
     @staticmethod
-    def of(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, penalty=1.0) -> "Warp":
+    def of(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, penalty=1.0, presence=0.0, frequency=0.0,
+           min_tokens=0, bias=None) -> "Warp":
         f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         return Warp(temperature=f(temperature), top_p=f(top_p), top_k=jnp.asarray(top_k, jnp.int32),
-                    min_p=f(min_p), penalty=f(penalty))
+                    min_p=f(min_p), penalty=f(penalty), presence=f(presence), frequency=f(frequency),
+                    min_tokens=jnp.asarray(min_tokens, jnp.int32), bias=None if bias is None else f(bias))
 
 
 def validate(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None, min_p: float = 0.0,
-             repetition_penalty: float = 1.0, logprobs: bool = False) -> Sampling:
-    """Check one request's sampling values; returns the static `Sampling` they need."""
-    check_values(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty)
+             repetition_penalty: float = 1.0, logprobs: bool = False, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, logit_bias: bool = False, min_tokens: int = 0) -> Sampling:
+    """Check one request's sampling values; returns the static `Sampling` they need (``logit_bias``: whether the
+    request has one)."""
+    check_values(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty, presence_penalty,
+                 frequency_penalty)
     return Sampling(greedy=temperature == 0, top_k=int(top_k) if temperature else 0,
                     use_top_p=top_p < 1.0 and temperature > 0, use_min_p=min_p > 0 and temperature > 0,
-                    penalty=repetition_penalty != 1.0, logprobs=bool(logprobs))
+                    penalty=repetition_penalty != 1.0, logprobs=bool(logprobs),
+                    counts=presence_penalty != 0 or frequency_penalty != 0, bias=bool(logit_bias),
+                    min_tokens=min_tokens > 0)
 
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def check_values(temperature, top_k, top_p, vocab_size=None, min_p=0.0, repetition_penalty=1.0) -> None:
+def check_values(temperature, top_k, top_p, vocab_size=None, min_p=0.0, repetition_penalty=1.0,
+                 presence_penalty=0.0, frequency_penalty=0.0) -> None:
     """One-line errors for out-of-range sampling values."""
     if not _number(temperature) or temperature < 0 or math.isinf(temperature):
         raise InputError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
@@ -93,6 +121,9 @@ def check_values(temperature, top_k, top_p, vocab_size=None, min_p=0.0, repetiti
         raise InputError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
     if not _number(repetition_penalty) or repetition_penalty <= 0 or math.isinf(repetition_penalty):
         raise InputError(f"repetition_penalty must be a number > 0 (1 = off), got {repetition_penalty!r}")
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not _number(v) or not -2.0 <= v <= 2.0:
+            raise InputError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
 
 
 def _rows(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -131,14 +162,45 @@ def _top_p(x: jax.Array, top_p) -> jax.Array:
     return jnp.where(x < thresh, NEG_INF, x)
 
 
-def penalize(logits: jax.Array, seen: jax.Array, s: Sampling, w: Warp) -> jax.Array:
-    """The repetition penalty (when compiled in): logits of ``seen`` tokens (bool, broadcastable to ``logits``)
-    divided by the penalty where positive, multiplied where negative."""
-    if not s.penalty:
+def penalize(logits: jax.Array, seen: jax.Array | None, s: Sampling, w: Warp, counts: jax.Array | None = None,
+             ban: jax.Array | None = None) -> jax.Array:
+    """The processing stages compiled in (module docstring): ``seen`` (bool) the repetition penalty's history,
+    ``counts`` (int) the output's token counts, ``ban`` (bool) tokens ruled out — each broadcastable to
+    ``logits`` [B, ..., V] (None where that stage is off)."""
+    if not (s.penalty or s.counts or s.bias) and ban is None:
         return logits
     x = logits.astype(jnp.float32)
-    pen = _rows(w.penalty, x)
-    return jnp.where(seen, jnp.where(x > 0, x / pen, x * pen), x)
+    if s.bias:
+        x = x + bias_rows(w.bias, x)
+    x = _penalties(x, seen, counts, s, w)
+    return x if ban is None else jnp.where(ban, NEG_INF, x)
+
+
+def bias_rows(bias: jax.Array, like: jax.Array) -> jax.Array:
+    """A [V] or per-row [B, V] logit bias shaped to broadcast against ``like`` [B, ..., V]."""
+    return bias if bias.ndim == 1 else bias.reshape((bias.shape[0],) + (1,) * (like.ndim - 2) + (bias.shape[-1],))
+
+
+def _penalties(x, seen, counts, s: Sampling, w: Warp):
+    """The repetition, presence and frequency penalties of float32 logits ``x`` (after the bias)."""
+    if s.penalty:
+        pen = _rows(w.penalty, x)
+        x = jnp.where(seen, jnp.where(x > 0, x / pen, x * pen), x)
+    if s.counts:
+        c = counts.astype(jnp.float32)
+        x = x - _rows(w.frequency, x) * c - _rows(w.presence, x) * (c > 0)
+    return x
+
+
+def penalize_at(x_at: jax.Array, bias_at: jax.Array | None, counts_at: jax.Array | None, s: Sampling,
+                w: Warp) -> jax.Array:
+    """`penalize` of raw logits ``x_at`` [B, ..., K] of tokens known to be in the history (seen), ``bias_at`` their
+    bias and ``counts_at`` their counts (same shape; None where off): a drafted tree's nodes re-process the tokens
+    on their own path this way."""
+    x = x_at.astype(jnp.float32)
+    if s.bias:
+        x = x + bias_at
+    return _penalties(x, True, counts_at, s, w)
 
 
 def mark_seen(seen_BV: jax.Array, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array:
@@ -146,6 +208,13 @@ def mark_seen(seen_BV: jax.Array, tokens_BK: jax.Array, valid_BK: jax.Array) -> 
     b, v = seen_BV.shape
     idx = jnp.where(valid_BK, tokens_BK, v)
     return seen_BV.at[jnp.arange(b)[:, None], idx].set(True, mode="drop")
+
+
+def add_counts(counts_BV: jax.Array, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array:
+    """The token-count table [B, V] with one more of ``tokens[b, k]`` where ``valid[b, k]``."""
+    b, v = counts_BV.shape
+    idx = jnp.where(valid_BK, tokens_BK, v)
+    return counts_BV.at[jnp.arange(b)[:, None], idx].add(1, mode="drop")
 
 
 def argmax(x: jax.Array) -> jax.Array:

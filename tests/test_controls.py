@@ -30,18 +30,24 @@ def sharp(small_vocab):  # noqa: F811
     return pdecode.Model(cfg=t.cfg, params={**t.params, "final_norm": t.params["final_norm"] * 6}), d
 
 
-def _processed_marginals(m, prompt, n_tok, penalty=1.0, min_p=0.0):
-    """Exact marginals of the first n_tok tokens sampled at T = 1 from the penalised, min-p filtered distribution
-    (every prefix enumerated; `transformers`' rules written out in numpy)."""
+def _processed_marginals(m, prompt, n_tok, penalty=1.0, min_p=0.0, presence=0.0, frequency=0.0,
+                         bias=None):
+    """Exact marginals of the first n_tok tokens sampled at T = 1 from the processed (bias added, repetition,
+    presence and frequency penalties), min-p filtered distribution (every prefix enumerated; `transformers`' and
+    OpenAI's rules written out in numpy)."""
     v = m.cfg.vocab_size
     prefixes, probs = [[]], np.array([1.0])
     margs = []
     for _ in range(n_tok):
         lg = np.asarray(pdecode.forward_logits(m, [prompt + pre for pre in prefixes]))[:, -1].astype(np.float64)
         for i, pre in enumerate(prefixes):
+            for t, b in (bias or {}).items():
+                lg[i, t] += b
             seen = sorted(set(prompt + pre))
             x = lg[i, seen]
             lg[i, seen] = np.where(x > 0, x / penalty, x * penalty)
+            count = np.bincount(np.asarray(pre, np.int64), minlength=v)[:v]
+            lg[i] -= frequency * count + presence * (count > 0)
         cond = np.exp(lg - lg.max(-1, keepdims=True))
         cond /= cond.sum(-1, keepdims=True)
         if min_p:
@@ -87,7 +93,7 @@ def test_a_penalty_blind_to_the_drafted_path_fails_the_test(sharp, monkeypatch):
     The same test rejects it."""
     target, draft = sharp
 
-    def committed_only(logits, seen, tokens, parents, max_depth, samp, warp):
+    def committed_only(logits, seen, tokens, parents, max_depth, samp, warp, *a, **kw):
         return sampling.penalize(logits, seen[:, None, :], samp, warp)
 
     monkeypatch.setattr(speculative, "penalize_nodes", committed_only)
@@ -98,6 +104,62 @@ def test_a_penalty_blind_to_the_drafted_path_fails_the_test(sharp, monkeypatch):
     finally:
         pdecode.clear_compile_cache()
     assert _min_pvalue(np.array(out.tokens), _processed_marginals(target, PROMPT, 3, PEN)) < 1e-6
+
+
+PRES, FREQ, BIAS = -2.0, -1.5, {1: 2.0, 5: -3.0}  # negative penalties favour repeats: a strong effect
+
+
+@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=3)),
+                                         ("tree", dict(tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))], ids=["sd", "tree"])
+def test_presence_frequency_and_logit_bias_sampling_is_lossless(sharp, method, opts):
+    """OpenAI's presence / frequency penalties count the output so far; a drafted node counts the tokens on its
+    own path too: the marginals of the first tokens equal those of AR sampling from the processed distribution."""
+    target, draft = sharp
+    out = pdecode.generate(target, [PROMPT] * N, method=method, draft=draft, max_new_tokens=3, temperature=1.0,
+                           presence_penalty=PRES, frequency_penalty=FREQ, logit_bias=BIAS, seed=5,
+                           stop_at_eos=False, **opts)
+    toks = np.array(out.tokens)
+    want = _processed_marginals(target, PROMPT, 3, presence=PRES, frequency=FREQ, bias=BIAS)
+    assert _min_pvalue(toks, want) > 1e-4
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, bias=BIAS)) < 1e-6  # the penalties show
+
+
+def test_counts_blind_to_the_drafted_path_fail_the_test(sharp, monkeypatch):
+    """The wrong rule: presence / frequency from the committed output only (not the drafted tokens above a node).
+    The same test rejects it."""
+    target, draft = sharp
+
+    def committed_only(logits, seen, tokens, parents, max_depth, samp, warp, counts=None, *a, **kw):
+        return sampling.penalize(logits, None, samp, warp, counts[:, None, :])
+
+    monkeypatch.setattr(speculative, "penalize_nodes", committed_only)
+    pdecode.clear_compile_cache()
+    try:
+        out = pdecode.generate(target, [PROMPT] * N, method="sd", draft=draft, gamma=3, max_new_tokens=3,
+                               temperature=1.0, presence_penalty=PRES, frequency_penalty=FREQ, seed=5,
+                               stop_at_eos=False)
+    finally:
+        pdecode.clear_compile_cache()
+    assert _min_pvalue(np.array(out.tokens), _processed_marginals(target, PROMPT, 3, presence=PRES,
+                                                                  frequency=FREQ)) < 1e-6
+
+
+def test_greedy_with_penalties_bias_and_min_tokens_equals_ar(models):  # noqa: F811
+    """Greedy speculative decoding with presence / frequency penalties, a logit bias and min_tokens gives AR's
+    tokens under the same controls; min_tokens holds a stop id back, a bias of +100 takes over."""
+    t = models["target"]
+    free = pdecode.generate(t, PROMPTS, max_new_tokens=16, stop_at_eos=False)
+    sid = free.tokens[0][1]  # row 0 would stop at its second token
+    kw = dict(max_new_tokens=16, stop_at_eos=False, presence_penalty=0.8, frequency_penalty=0.6,
+              logit_bias={int(free.tokens[1][3]): -5.0, 7: 1.5}, min_tokens=6, stop_token_ids=[sid])
+    ref = pdecode.generate(t, PROMPTS, **kw)
+    assert ref.tokens != free.tokens
+    assert all(len(x) >= 6 and sid not in x[:5] for x in ref.tokens)  # no stop before the 6th token
+    for method, opts in (("sd", dict(gamma=3)), ("tree", dict(tree="binary-14"))):
+        out = pdecode.generate(t, PROMPTS, method=method, draft=models["small"], **kw, **opts)
+        assert out.tokens == ref.tokens, method
+    forced = pdecode.generate(t, PROMPTS[:2], max_new_tokens=5, stop_at_eos=False, logit_bias={"9": 100})
+    assert forced.tokens == [[9] * 5] * 2
 
 
 @pytest.mark.parametrize("method,opts", [("sd", dict(gamma=3)), ("lookup", {}), ("tree", dict(tree="binary-14"))])
@@ -137,7 +199,7 @@ def test_per_row_values_and_keys(sharp):
     # row r's draws depend on its key alone: the same keys in another batch composition give the same rows
     sub = slice(0, 64)
     args2 = ((target.params, draft.params), prompt[sub], plen[sub], keys[sub],
-             jax.tree.map(lambda a: a[sub], warp))
+             jax.tree.map(lambda a: a[sub] if a.ndim else a, warp))
     exe2, _ = compiled(speculative.generate, static, *args2)
     assert (np.asarray(exe2(*args2)[0].tokens) == toks[sub]).all()
 
@@ -206,7 +268,10 @@ def test_bad_controls(models):  # noqa: F811
     t = models["target"]
     for kw, msg in [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
                     (dict(temperature=float("nan")), "temperature"), (dict(stop_token_ids=[10**9]), "stop_token_ids"),
-                    (dict(stop=3), "stop must be")]:
+                    (dict(stop=3), "stop must be"), (dict(presence_penalty=2.5), "presence_penalty"),
+                    (dict(frequency_penalty="1"), "frequency_penalty"), (dict(logit_bias={10**9: 1}), "logit_bias"),
+                    (dict(logit_bias={3: 101}), "logit_bias"), (dict(logit_bias=[3]), "logit_bias"),
+                    (dict(min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens")]:
         with pytest.raises(InputError, match=msg):
             pdecode.generate(t, PROMPTS[:1], max_new_tokens=4, **kw)
 
@@ -218,3 +283,8 @@ def test_stop_string_helpers():
     dec = lambda t: "".join(chr(97 + x) for x in t)  # noqa: E731
     assert generation.cut_at_stop([0, 1, 2, 3, 4], dec, ["cd"]) == ([0, 1, 2, 3], "ab", True)
     assert generation.cut_at_stop([0, 1], dec, ["zz"]) == ([0, 1], "ab", False)
+    # min_tokens: a stop string inside the first min_tokens - 1 tokens does not count; one ending later does
+    assert generation.cut_at_stop([0, 1, 2, 3, 1, 2, 4], dec, ["bc"], min_tokens=4) == ([0, 1, 2, 3, 1, 2], "abcd",
+                                                                                      True)
+    assert generation.cut_at_stop([0, 1, 2], dec, ["bc"], min_tokens=4) == ([0, 1, 2], "abc", False)
+    assert generation.cut_at_stop([0, 1, 2], dec, ["bc"], min_tokens=3) == ([0, 1, 2], "a", True)

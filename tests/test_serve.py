@@ -188,7 +188,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo cannot be streamed"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo must be true or false"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be <= 2"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias keys must be token ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias values must be numbers"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias must be an object"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop must be"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt must be"),
     ("/v1/completions", {"prompt": [[1, -4]]}, 400, "token ids must lie"),
@@ -206,7 +209,7 @@ BAD = [
     ("/detokenize", {"tokens": [1, -2]}, 400, "token ids in"),
     ("/detokenize", {"tokens": "abc"}, 400, "token ids in"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos must be true or false"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "unknown field 'min_tokens'"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens (9) is larger"),
 ]
 
 
@@ -249,6 +252,33 @@ def test_models_tokenize_developer_role_and_continuous_usage(server, model):
     r = client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})  # (guidellm's default request)
     assert r.usage.completion_tokens == 6
+
+
+def test_penalties_logit_bias_and_min_tokens_like_generate(server, model):
+    """presence / frequency penalties, logit_bias (ids as JSON's string keys) and min_tokens reach the engine's
+    slots: greedy output equal to `pdecode.generate` with the same controls, streamed or not; a bias of +100 on a
+    token makes every token that one."""
+    import pdecode
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    free = pdecode.generate(model, ["def fib(n):"], max_new_tokens=12, stop_at_eos=False)
+    sid = free.tokens[0][1]
+    kw = dict(presence_penalty=0.7, frequency_penalty=0.9, logit_bias={free.tokens[0][4]: -4.0, 11: 2.0})
+    want = pdecode.generate(model, ["def fib(n):"], max_new_tokens=12, stop_token_ids=[sid], min_tokens=5, **kw)
+    assert want.tokens != free.tokens and len(want.tokens[0]) >= 5
+    body = dict(presence_penalty=0.7, frequency_penalty=0.9,
+                logit_bias={str(k): v for k, v in kw["logit_bias"].items()})
+    extra = {"min_tokens": 5, "stop_token_ids": [sid]}
+    r = client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                  extra_body=extra, **body)
+    assert r.choices[0].text == want.texts[0]
+    streamed = client.completions.create(model="code-target", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                         stream=True, extra_body=extra, **body)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.texts[0]
+    forced = client.completions.create(model="code-target", prompt="x = ", max_tokens=4, temperature=0,
+                                       logit_bias={"9": 100})
+    assert forced.choices[0].text == model.tokenizer.decode([9] * 4)
 
 
 def test_echo_and_top_logprobs_score_like_forward_logits(server, model):

@@ -33,22 +33,27 @@ class ARState:
     key: jax.Array  # one key, or one per row ([B, 2])
     forwards: jax.Array  # scalar int32
     seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
+    counts: jax.Array | None = None  # [B, V] int32: tokens of the output (the presence / frequency penalties')
 
 
 def start(prompt_BP, prompt_len_B, cache, logits_BV, key, warp, stops, *, max_new: int, eos_ids: tuple[int, ...],
           samp: sampling.Sampling) -> ARState:
     """The loop state after a prefill (``cache`` holding the prompts, ``logits`` at each prompt's last token): the
     first token drawn and appended."""
-    b = prompt_BP.shape[0]
-    seen = common.prompt_seen(prompt_BP, prompt_len_B, logits_BV.shape[-1], samp)
-    logits_BV = sampling.penalize(logits_BV, seen, samp, warp)
+    b, v = prompt_BP.shape[0], logits_BV.shape[-1]
+    seen = common.prompt_seen(prompt_BP, prompt_len_B, v, samp)
+    counts = common.output_counts(b, v, samp)
+    empty = common.Outputs.empty(b, max_new, stops, samp.logprobs)
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts,
+                                  common.stop_ban(empty, eos_ids, v, samp, warp))
     key, sub = sampling.split(key)
     first = sampling.sample(sub, logits_BV, samp, warp)
     lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
-    out, _ = common.append(common.Outputs.empty(b, max_new, stops, samp.logprobs), first[:, None],
-                           jnp.ones((b,), jnp.int32), eos_ids, lp)
-    seen = common.mark_taken(seen, first[:, None], jnp.ones((b, 1), bool))
-    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen)
+    out, _ = common.append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
+    taken = jnp.ones((b, 1), bool)
+    seen = common.mark_taken(seen, first[:, None], taken)
+    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen,
+                   counts=common.count_taken(counts, first[:, None], taken))
 
 
 def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None):
@@ -61,7 +66,9 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         positions = s.cache.lengths[:, None]
         mask = common.step_mask(cfg, s.cache, one, positions)
         fo = forward(params, cfg, s.last[:, None], positions, mask, cache=s.cache)
-        logits = sampling.penalize(unembed(params, cfg, fo.hidden[:, 0]), s.seen, samp, warp)
+        raw = unembed(params, cfg, fo.hidden[:, 0])
+        logits = sampling.penalize(raw, s.seen, samp, warp, s.counts,
+                                   common.stop_ban(s.out, eos_ids, raw.shape[-1], samp, warp))
         k, sub = (s.key, s.key) if samp.greedy else sampling.split(s.key)
         nxt = sampling.sample(sub, logits, samp, warp)
         active = ~s.out.done
@@ -70,8 +77,9 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         out, _ = common.append(s.out, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
         last = jnp.where(active, nxt, s.last)
         seen = common.mark_taken(s.seen, nxt[:, None], active[:, None], samp)
+        counts = common.count_taken(s.counts if samp.counts else None, nxt[:, None], active[:, None])
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1,
-                       seen=seen)
+                       seen=seen, counts=s.counts if counts is None else counts)
 
     return step
 

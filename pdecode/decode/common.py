@@ -92,6 +92,39 @@ def prompt_seen(prompt_BP: jax.Array, prompt_len_B: jax.Array, vocab: int, samp)
     return mark_seen(jnp.zeros((prompt_BP.shape[0], vocab), bool), prompt_BP, valid)
 
 
+def output_counts(batch: int, vocab: int, samp) -> jax.Array | None:
+    """The presence / frequency penalties' token-count table [B, V] of an empty output (None when they are off)."""
+    return jnp.zeros((batch, vocab), jnp.int32) if samp.counts else None
+
+
+def count_taken(counts_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array | None:
+    """``counts`` with the taken tokens counted (None stays None)."""
+    if counts_BV is None:
+        return None
+    from pdecode.sampling import add_counts
+
+    return add_counts(counts_BV, tokens_BK, valid_BK)
+
+
+def stop_ban(out: "Outputs", eos_ids: tuple[int, ...], vocab: int, samp, warp, depth=None) -> jax.Array | None:
+    """``min_tokens``: [B, V] (or [B, N, V] with ``depth`` [B, N], each node's tokens after the last committed
+    one) True at a row's stop tokens (EOS, its stop ids) while the token to be drawn would come before its
+    ``min_tokens``-th new token; None when that stage is off."""
+    if not samp.min_tokens:
+        return None
+    b = out.count.shape[0]
+    stop = jnp.zeros((b, vocab), bool)
+    if eos_ids:
+        stop = stop.at[:, jnp.asarray(eos_ids, jnp.int32)].set(True)
+    if out.stop_ids is not None:
+        ids = jnp.where(out.stop_ids >= 0, out.stop_ids, vocab)
+        stop = stop.at[jnp.arange(b)[:, None], ids].set(True, mode="drop")
+    need = jnp.asarray(warp.min_tokens, jnp.int32)
+    if depth is None:
+        return stop & (out.count < need)[:, None]
+    return stop[:, None, :] & (out.count[:, None] + depth < jnp.reshape(need, (-1, 1)))[..., None]
+
+
 def mark_taken(seen_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array, samp=None) -> jax.Array | None:
     """``seen`` with the taken tokens added (None stays None; unchanged when ``samp`` has the penalty off: a loop
     without the penalty compiled in keeps no history)."""

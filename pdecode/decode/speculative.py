@@ -150,6 +150,7 @@ class SpecState:
     draft_forwards: jax.Array
     acc_hist: jax.Array  # [D+1] histogram of accepted draft tokens per (row, step)
     seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
+    counts: jax.Array | None = None  # [B, V] int32: tokens of the output (the presence / frequency penalties')
 
 
 def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key, warp, stops, *, cfg: ModelConfig,
@@ -160,14 +161,19 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d."""
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    seen = common.prompt_seen(prompt_BP, prompt_len_B, logits_BV.shape[-1], samp)
-    logits_BV = sampling.penalize(logits_BV, seen, samp, warp)
+    v = logits_BV.shape[-1]
+    seen = common.prompt_seen(prompt_BP, prompt_len_B, v, samp)
+    counts = common.output_counts(b, v, samp)
+    empty = common.Outputs.empty(b, max_new, stops, samp.logprobs)
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts,
+                                  common.stop_ban(empty, eos_ids, v, samp, warp))
     key, sub = sampling.split(key)
     first = sampling.sample(sub, logits_BV, samp, warp)
     lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
-    out, _ = common.append(common.Outputs.empty(b, max_new, stops, samp.logprobs), first[:, None],
-                           jnp.ones((b,), jnp.int32), eos_ids, lp)
-    seen = common.mark_taken(seen, first[:, None], jnp.ones((b, 1), bool))
+    out, _ = common.append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
+    taken = jnp.ones((b, 1), bool)
+    seen = common.mark_taken(seen, first[:, None], taken)
+    counts = common.count_taken(counts, first[:, None], taken)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
     seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
     last_idx = prompt_len_B - 1
@@ -182,29 +188,45 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
     return SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
-                     draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32), seen=seen)
+                     draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32), seen=seen,
+                     counts=counts)
 
 
-def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, samp, warp):
-    """The repetition penalty at every node of a drafted tree: node i's history is the committed sequence (``seen``,
-    the root included) plus the tokens on its path from the root (its ancestors and itself), so each node is
-    penalised exactly as AR would be after taking that path."""
-    if not samp.penalty:
+def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, samp, warp, counts_BV=None,
+                   out=None, eos_ids: tuple[int, ...] = ()):
+    """The processing stages (`sampling.penalize`) at every node of a drafted tree: node i's history is the
+    committed sequence (``seen`` / ``counts``, the root included) plus the tokens on its path from the root (its
+    ancestors and itself), and the token it predicts comes that many tokens after the committed ones
+    (``min_tokens``: ``out``'s count), so each node is processed exactly as AR would be after taking that path."""
+    if not samp.processing:
         return logits_BNV
     b, n, v = logits_BNV.shape
-    x = sampling.penalize(logits_BNV, seen_BV[:, None, :], samp, warp)
     node = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    path_tok = []
+    path_tok, depth = [], jnp.zeros((b, n), jnp.int32)
     for _ in range(max_depth):  # a node's own token, then its ancestors', up to (not including) the root
         below_root = node > 0
+        depth = depth + below_root
         path_tok.append(jnp.where(below_root, jnp.take_along_axis(tokens_BN, node, axis=1), v))
         node = jnp.where(below_root, jnp.take_along_axis(parents_BN, node, axis=1), 0)
-    idx = jnp.stack(path_tok, axis=-1)  # [B, N, D], v where none
-    orig = jnp.take_along_axis(logits_BNV.astype(jnp.float32), jnp.minimum(idx, v - 1), axis=-1)
-    pen = sampling.penalize(orig, jnp.ones_like(orig, bool), samp, warp)
-    rows = jnp.arange(b)[:, None, None]
-    cols = jnp.arange(n)[None, :, None]
-    return x.at[rows, cols, idx].set(pen, mode="drop")
+    ban = common.stop_ban(out, eos_ids, v, samp, warp, depth) if out is not None else None
+    x = sampling.penalize(logits_BNV, None if seen_BV is None else seen_BV[:, None, :], samp, warp,
+                          None if counts_BV is None else counts_BV[:, None, :])
+    if samp.penalty or samp.counts:
+        idx = jnp.stack(path_tok, axis=-1)  # [B, N, D], v where none
+        at = jnp.minimum(idx, v - 1)
+        orig = jnp.take_along_axis(logits_BNV.astype(jnp.float32), at, axis=-1)
+        bias_at = None
+        if samp.bias:
+            bias = sampling.bias_rows(warp.bias, logits_BNV)
+            bias_at = jnp.take_along_axis(jnp.broadcast_to(bias, (b, n, v)), at, axis=-1)
+        counts_at = None
+        if samp.counts:  # committed count + the token's occurrences on the path
+            on_path = jnp.sum((idx[..., :, None] == idx[..., None, :]) & (idx[..., None, :] < v), axis=-1)
+            counts_at = jnp.take_along_axis(jnp.broadcast_to(counts_BV[:, None, :], (b, n, v)), at, axis=-1) + on_path
+        pen = sampling.penalize_at(orig, bias_at, counts_at, samp, warp)
+        x = x.astype(jnp.float32).at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], idx].set(
+            pen, mode="drop")
+    return x if ban is None else jnp.where(ban, sampling.NEG_INF, x)
 
 
 def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max_len: int,
@@ -253,7 +275,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             logits, fo = verify_forward()
             if prop.side is not None:
                 side = prop.side()
-        logits = penalize_nodes(logits, s.seen, prop.tokens, parents_BN, d_max, samp, warp)
+        logits = penalize_nodes(logits, s.seen, prop.tokens, parents_BN, d_max, samp, warp, s.counts, s.out,
+                                eos_ids)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, warp,
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
@@ -283,7 +306,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
                          root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
-                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken, samp))
+                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
+                         counts=common.count_taken(s.counts, ver.tokens, taken) if samp.counts else s.counts)
 
     return step
 
