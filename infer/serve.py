@@ -170,6 +170,14 @@ class Worker:
 
 
 # ------------------------------------------------------------------------------------------------ requests
+MAX_N = 16  # n and best_of at most
+
+
+def _seed(c: dict, j: int):
+    """The seed of a request's j-th choice: its seed + j when it gave one (else drawn by the engine)."""
+    return None if c["seed"] is None else c["seed"] + j
+
+
 def _number(body, name, default, lo=None, hi=None, integer=False, lo_open=False):
     v = body.get(name, default)
     if v is None:
@@ -216,11 +224,10 @@ class Server:
         model = body.get("model")
         if model is not None and model != self.name:
             raise BadRequest(f"model {model!r} is not served here; this server serves {self.name!r}", "model", 404)
-        n = _number(body, "n", 1, 1, integer=True)
-        if n != 1:
-            raise BadRequest("n > 1 is not supported: send the request n times (with different seeds)", "n")
-        if _number(body, "best_of", 1, 1, integer=True) != 1:
-            raise BadRequest("best_of > 1 is not supported", "best_of")
+        n = _number(body, "n", 1, 1, MAX_N, integer=True)
+        best_of = _number(body, "best_of", n, 1, MAX_N, integer=True)
+        if best_of < n:
+            raise BadRequest(f"best_of ({best_of}) must be at least n ({n})", "best_of")
         pres, freq = (_number(body, f, 0.0, -2, 2) for f in ("presence_penalty", "frequency_penalty"))
         bias = body.get("logit_bias")
         if bias is not None and not isinstance(bias, dict):
@@ -234,6 +241,9 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
+        if stream and best_of > n:
+            raise BadRequest("best_of > n cannot be streamed (the best are known at the end): send stream false",
+                             "best_of")
         so = body.get("stream_options")
         if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}
                                or not all(isinstance(v, bool) for v in so.values())):
@@ -263,7 +273,8 @@ class Server:
             min_p=_number(body, "min_p", defaults["min_p"], 0, 1),
             repetition_penalty=_number(body, "repetition_penalty", defaults["repetition_penalty"], 0, lo_open=True),
             presence_penalty=pres, frequency_penalty=freq, logit_bias=bias or None, min_tokens=min_tokens,
-            stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream, ignore_eos=ignore_eos,
+            stop=body.get("stop"), stop_token_ids=ids or [], seed=seed, stream=stream, ignore_eos=ignore_eos, n=n,
+            best_of=best_of,
             include_usage=bool((so or {}).get("include_usage", False)),
             continuous_usage=bool((so or {}).get("continuous_usage_stats", False)))
 
@@ -432,15 +443,29 @@ class Server:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if c["stream"]:
             return await self._stream(request, rid, "text_completion", ids, checked, c, logprobs, chat=False)
+        n, bo = c["n"], c["best_of"]
+        # best_of > n: the candidates carry their logprobs (their ranking), shown only when asked
+        ranked = [None if ctl is None or bo == n else dataclasses.replace(ctl, logprobs=True) for ctl in checked]
         try:
-            results = await self._all(self._collect(request, p, ctl, c["seed"]) if ctl is not None else
-                                      self._nothing() for p, ctl in zip(ids, checked))
+            every = await self._all(
+                self._collect(request, p, rk or ctl, _seed(c, j)) if ctl is not None else self._nothing()
+                for p, ctl, rk in zip(ids, checked, ranked) for j in range(bo))
         except Cut:
             return self._cut_response(request)
+        results, of = [], []  # the choices: n per prompt (the best n of best_of by total log-probability)
+        for i in range(len(ids)):
+            cands = every[i * bo: (i + 1) * bo]
+            if bo > n:
+                cands = sorted(cands, key=lambda r: -sum(r[3]))[:n]
+                if not logprobs:
+                    cands = [(text, reason, toks, []) for text, reason, toks, _ in cands]
+            results += cands
+            of += [i] * len(cands)
         choices = []
         tok = self.engine.model.tokenizer
         name = (lambda t: tok.decode([t])) if tok else str  # noqa: E731
-        for i, (text, reason, toks, lps) in enumerate(results):
+        for k, (text, reason, toks, lps) in enumerate(results):
+            i = of[k]  # the choice's prompt
             lp = None
             if c["echo"] or c["top"]:  # every logprob from one scoring forward over prompt + completion
                 full = ids[i] + toks
@@ -457,9 +482,9 @@ class Server:
             elif logprobs:
                 lp = {"tokens": [name(t) for t in toks], "token_logprobs": lps, "top_logprobs": None,
                       "text_offset": None}
-            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
+            choices.append({"index": k, "text": text, "finish_reason": reason, "logprobs": lp})
         n_prompt = sum(len(p) for p in ids)
-        n_out = sum(len(r[2]) for r in results)
+        n_out = sum(len(r[2]) for r in every)  # (every completion generated, best_of's too)
         return _json({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
                       "choices": choices, "usage": _usage(n_prompt, n_out)})
 
@@ -471,24 +496,26 @@ class Server:
         if c["stream"]:
             return await self._stream(request, rid, "chat.completion.chunk", [prompt], [ctl], c, logprobs, chat=True)
         try:
-            text, reason, toks, lps = await self._collect(request, prompt, ctl, c["seed"])
+            results = await self._all(self._collect(request, prompt, ctl, _seed(c, j)) for j in range(c["n"]))
         except Cut:
             return self._cut_response(request)
-        lp = None
-        if logprobs:
-            tok = self.engine.model.tokenizer
-            tops = [[]] * len(toks)
-            if c["top"]:  # chosen and top logprobs from one scoring forward over prompt + completion
-                got, scored = await self._score(prompt + toks, c["top"])
-                lps = got[len(prompt) - 1:]
-                tops = [[{"token": tok.decode([t]), "logprob": v, "bytes": None} for t, v in row]
-                        for row in scored[len(prompt) - 1:]]
-            lp = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": top}
-                              for t, v, top in zip(toks, lps, tops)]}
+        choices = []
+        for k, (text, reason, toks, lps) in enumerate(results):
+            lp = None
+            if logprobs:
+                tok = self.engine.model.tokenizer
+                tops = [[]] * len(toks)
+                if c["top"]:  # chosen and top logprobs from one scoring forward over prompt + completion
+                    got, scored = await self._score(prompt + toks, c["top"])
+                    lps = got[len(prompt) - 1:]
+                    tops = [[{"token": tok.decode([t]), "logprob": v, "bytes": None} for t, v in row]
+                            for row in scored[len(prompt) - 1:]]
+                lp = {"content": [{"token": tok.decode([t]), "logprob": v, "bytes": None, "top_logprobs": top}
+                                  for t, v, top in zip(toks, lps, tops)]}
+            choices.append({"index": k, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                            "logprobs": lp})
         return _json({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": reason, "logprobs": lp}],
-                      "usage": _usage(len(prompt), len(toks))})
+                      "choices": choices, "usage": _usage(len(prompt), sum(len(r[2]) for r in results))})
 
     @staticmethod
     async def _nothing():
@@ -547,7 +574,7 @@ class Server:
 
         usage = {"prompt": sum(len(p) for p in ids), "completion": 0, "sofar": 0}
 
-        async def one(i, prompt, ctl):
+        async def one(i, prompt, ctl, seed):
             if chat:
                 await send({"id": rid, "object": obj, "created": created, "model": self.name,
                             "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -563,7 +590,7 @@ class Server:
                     usage["completion"] += ev.completion_tokens
                     await send(chunk(i, "", ev.finish_reason))
 
-            await self._run(request, prompt, ctl, c["seed"], on_event)
+            await self._run(request, prompt, ctl, seed, on_event)
 
         st: Stats = request["pdecode"]
 
@@ -574,7 +601,9 @@ class Server:
             await resp.write_eof()
 
         try:
-            await self._all(one(i, p, ctl) for i, (p, ctl) in enumerate(zip(ids, checked)))
+            n = c["n"]  # n choices per prompt, choice i * n + j the prompt i's j-th
+            await self._all(one(i * n + j, p, ctl, _seed(c, j)) for i, (p, ctl) in enumerate(zip(ids, checked))
+                            for j in range(n))
             if c["include_usage"]:
                 await send({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
                             "usage": _usage(usage["prompt"], usage["completion"])})

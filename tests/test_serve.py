@@ -183,7 +183,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
     ("/v1/completions", {"prompt": "x" * 4000}, 400, "shorten the prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10000}, 400, "ask for at most"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n must be <= 16"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of (1) must be at least n (2)"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of > n cannot be streamed"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs must be <= 20"),
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo cannot be streamed"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo must be true or false"),
@@ -279,6 +281,32 @@ def test_penalties_logit_bias_and_min_tokens_like_generate(server, model):
     forced = client.completions.create(model="code-target", prompt="x = ", max_tokens=4, temperature=0,
                                        logit_bias={"9": 100})
     assert forced.choices[0].text == model.tokenizer.decode([9] * 4)
+
+
+def test_n_and_best_of(server):
+    """n choices per prompt, choice j sampled with seed + j (so each equals the one-choice request with that seed),
+    streamed or not, completions and chat; best_of returns the n of its candidates with the highest total
+    log-probability."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    kw = dict(model="code-target", prompt="def fib(n):", max_tokens=6, temperature=1.0)
+    singles = [client.completions.create(seed=5 + j, logprobs=0, **kw).choices[0] for j in range(3)]
+    assert len({c.text for c in singles}) > 1
+    many = client.completions.create(seed=5, n=3, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    streamed = {}
+    for ch in client.completions.create(seed=5, n=3, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in singles]
+    best = client.completions.create(seed=5, n=1, best_of=3, **kw).choices
+    top = max(singles, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert len(best) == 1 and best[0].text == top.text and best[0].logprobs is None
+    msgs = [{"role": "user", "content": "Sort a list."}]
+    chat = client.chat.completions.create(model="code-target", messages=msgs, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+        chat.choices[1].message.content
 
 
 def test_echo_and_top_logprobs_score_like_forward_logits(server, model):
