@@ -87,6 +87,21 @@ class Stats:
     ttft: float | None = None  # seconds from arrival to the first token
     finish: list = dataclasses.field(default_factory=list)
     error: str | None = None
+    accepted: list | None = None  # draft-and-verify: verify steps by drafted tokens accepted, its requests summed
+
+    def usage(self, prompt: int, completion: int) -> dict:
+        """OpenAI's usage, with pdecode's acceptance figures (extensions): ``tokens_per_forward`` (completion tokens
+        per target forward, the prefill's included) and, for draft-and-verify methods, ``accepted_per_position``
+        (per drafted position 1..depth, the verify steps that accepted the token there) and ``verify_steps``."""
+        out = _usage(prompt, completion)
+        if self.forwards:
+            out["tokens_per_forward"] = round(self.completion / self.forwards, 4)
+        if self.accepted:
+            from infer.metrics import accepted_per_position
+
+            out["accepted_per_position"] = accepted_per_position(self.accepted)
+            out["verify_steps"] = sum(self.accepted)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ the engine thread
@@ -205,6 +220,13 @@ class Server:
         self.created = int(time.time())
         self.lockstep = None  # a multi-process run: process 0's side of pdecode.lockstep
         self.lost: str | None = None  # why the run broke (a process died)
+        try:
+            from infer.metrics import Metrics
+
+            self.metrics = Metrics(name, engine.method, lambda: (len(engine.running), engine.slots, len(engine.queue),
+                                                                 XLA_COMPILES["n"]))
+        except ImportError:  # prometheus-client (the serve extra) missing: /metrics says so
+            self.metrics = None
 
     def process_lost(self, why: str, exit_after_s: float = 2.0) -> None:
         """Another process of the run died: /health answers 503 at once, and this process exits (code 3) with one
@@ -388,6 +410,7 @@ class Server:
         key = id(queue)
         self._runs[key] = (holder, queue)
         last = None  # the latest event (its counts are the request's so far)
+        t_prev = None  # when its previous tokens arrived
         try:
             while True:
                 try:
@@ -403,8 +426,13 @@ class Server:
                 if ev is _CUT or ev.finish_reason == "cancelled":  # only the server cancels a request it waits on
                     raise Cut()
                 last = ev
-                if st.ttft is None and ev.tokens:
-                    st.ttft = time.perf_counter() - st.t0
+                if ev.tokens:
+                    now = time.perf_counter()
+                    if st.ttft is None:
+                        st.ttft = now - st.t0
+                    if t_prev is not None and self.metrics is not None:
+                        self.metrics.tokens(len(ev.tokens), now - t_prev)
+                    t_prev = now
                 await on_event(ev)
                 if ev.finish_reason is not None:
                     st.finish.append(ev.finish_reason)
@@ -418,6 +446,9 @@ class Server:
             if last is not None:
                 st.completion += last.completion_tokens
                 st.forwards += last.forwards
+                if last.accepted:
+                    st.accepted = [a + b for a, b in itertools.zip_longest(st.accepted or [], last.accepted,
+                                                                           fillvalue=0)]
 
     @staticmethod
     async def _all(coros):
@@ -486,7 +517,7 @@ class Server:
         n_prompt = sum(len(p) for p in ids)
         n_out = sum(len(r[2]) for r in every)  # (every completion generated, best_of's too)
         return _json({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
-                      "choices": choices, "usage": _usage(n_prompt, n_out)})
+                      "choices": choices, "usage": request["pdecode"].usage(n_prompt, n_out)})
 
     async def chat_completions(self, request):
         body = await self._body(request)
@@ -515,7 +546,8 @@ class Server:
             choices.append({"index": k, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                             "logprobs": lp})
         return _json({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
-                      "choices": choices, "usage": _usage(len(prompt), sum(len(r[2]) for r in results))})
+                      "choices": choices,
+                      "usage": request["pdecode"].usage(len(prompt), sum(len(r[2]) for r in results))})
 
     @staticmethod
     async def _nothing():
@@ -606,7 +638,7 @@ class Server:
                             for j in range(n))
             if c["include_usage"]:
                 await send({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
-                            "usage": _usage(usage["prompt"], usage["completion"])})
+                            "usage": st.usage(usage["prompt"], usage["completion"])})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
@@ -696,6 +728,13 @@ class Server:
                       "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0,
                       "compiles_since_warmup": XLA_COMPILES["n"]}, status={"ok": 200, "draining": 503}.get(status, 500))
 
+    async def metrics_page(self, request):
+        from aiohttp import web
+
+        if self.metrics is None:
+            raise BadRequest("metrics need prometheus-client: pip install 'pdecode[serve]'", status=404)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
     # -------------------------------------------------------------------------------------- shutdown
     async def drain(self):
         """Answer 503 to new requests, let the ones in flight finish until ``drain_s`` from the first call, then
@@ -759,6 +798,11 @@ class Server:
         if st.error:
             parts.append("error=" + json.dumps(st.error))
         parts.append(f"from={request.remote}")
+        if self.metrics is not None:
+            route = request.match_info.route.resource if request.match_info.route else None
+            self.metrics.http(route.canonical if route is not None else "other", status)
+            if st.generates and status < 400:
+                self.metrics.finished(st, time.perf_counter() - st.t0)
         level = logging.WARNING if status >= 500 else \
             logging.DEBUG if request.path == "/health" and status == 200 else logging.INFO
         logger.log(level, " ".join(parts))
@@ -789,6 +833,7 @@ class Server:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
 
         async def on_startup(app):
             self.worker = Worker(self.engine, asyncio.get_running_loop(), self.lockstep)

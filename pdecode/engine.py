@@ -86,6 +86,7 @@ class Request:
     t_submit: float = 0.0
     t_first: float | None = None
     forwards: int = 0  # target forwards while decoding it (its prefill's counts one), as of its last event
+    accepted: list[int] | None = None  # draft-and-verify: steps that accepted k drafted tokens, k = 0..depth
 
 
 @dataclasses.dataclass
@@ -93,7 +94,8 @@ class Event:
     """What `Engine.run_once` reports for a request: new text (and tokens), then a last event with
     ``finish_reason`` ("stop": EOS, a stop id or string; "length": the budget; "cancelled"). ``forwards``: the
     target forwards the request has taken so far (its prefill's one included; ``completion_tokens / forwards`` is
-    its tokens per forward)."""
+    its tokens per forward). ``accepted`` (draft-and-verify methods): per k = 0..depth, the request's verify steps so
+    far that accepted k drafted tokens."""
 
     request_id: int
     text: str
@@ -103,6 +105,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     forwards: int = 0
+    accepted: list[int] | None = None
 
 
 def to_host(x):
@@ -318,8 +321,9 @@ class Engine:
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
+        acc = loop.row_acc if self.drafter is not None else jnp.zeros((self.slots, 1), jnp.int32)
         return self._pin(EngineState(loop=loop, warp=st.warp)), self._replicated(
-            (c0, out.count, out.done, new, lps, out.row_forwards))
+            (c0, out.count, out.done, new, lps, out.row_forwards, acc))
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
@@ -610,13 +614,15 @@ class Engine:
                     if ev is not None:
                         events.append(ev)
             return events
-        c0, c1, done, new, lps, fw = (to_host(x) for x in outs)
+        c0, c1, done, new, lps, fw, acc = (to_host(x) for x in outs)
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue
             s = r.slot
             k = int(c1[s] - c0[s])
             r.forwards = int(fw[s])
+            if self.drafter is not None:
+                r.accepted = acc[s].tolist()
             r.tokens += new[s, :k].tolist()
             if r.controls.logprobs:
                 r.logprobs += lps[s, :k].tolist()
@@ -660,7 +666,8 @@ class Engine:
         r.tok_sent = len(r.tokens)
         return Event(request_id=r.id, text=delta, tokens=toks,
                      logprobs=r.logprobs[n_before:] if r.controls.logprobs else None, finish_reason=reason,
-                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards)
+                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards,
+                     accepted=r.accepted)
 
     def _finish(self, r: Request, text: str, reason: str, release: bool) -> Event:
         self._free(r.slot, release)
@@ -670,7 +677,8 @@ class Engine:
     def _final(self, r: Request, reason: str) -> Event:
         r.finish_reason = reason
         return Event(request_id=r.id, text="", tokens=[], logprobs=None, finish_reason=reason,
-                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards)
+                     prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens), forwards=r.forwards,
+                     accepted=r.accepted)
 
     def _free(self, slot: int, release: bool = True):
         """Forget the slot's request; ``release``: also stop the slot on the device (it was still decoding)."""

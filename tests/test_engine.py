@@ -76,6 +76,13 @@ def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  #
     assert all(1 <= r.forwards <= len(r.tokens) for r in reqs)
     assert sum(r.forwards for r in reqs) == ref.stats["row_forwards"], method
     assert not eng.running and not eng.queue
+    for r in reqs:  # per request, its verify steps by drafted tokens accepted: they account for its tokens
+        if eng.drafter is None:
+            assert r.accepted is None
+            continue
+        h, d = r.accepted, len(r.accepted) - 1
+        made = 1 + sum((k + 1) * n for k, n in enumerate(h))  # the prefill's token, then each step's accepted + 1
+        assert sum(h) == r.forwards - 1 and made - d <= len(r.tokens) <= made, (method, h, len(r.tokens))
 
 
 def test_per_slot_sampling_and_seeds(models):  # noqa: F811

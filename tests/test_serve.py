@@ -283,6 +283,38 @@ def test_penalties_logit_bias_and_min_tokens_like_generate(server, model):
     assert forced.choices[0].text == model.tokenizer.decode([9] * 4)
 
 
+def test_prometheus_metrics(server):
+    """/metrics (Prometheus text): requests by endpoint and status, tokens, TTFT / inter-token / e2e histograms,
+    slots, queue, compiles since warm-up; each moves by what one request did; usage carries tokens_per_forward."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        code, text = get(server.url + "/metrics")
+        assert code == 200
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "method")))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    code, text = request(server.url + "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 7,
+                                                          "temperature": 0, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
+    usage = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")][-1]["usage"]
+    assert code == 200 and usage["completion_tokens"] == 7 and usage["tokens_per_forward"] == 1.0  # (ar)
+    assert request(server.url + "/v1/completions", {"prompt": "x", "top_p": 0})[0] == 400
+    after = scrape()
+    d = lambda name, **lb: after.get((name, tuple(sorted(lb.items()))), 0) - before.get(  # noqa: E731
+        (name, tuple(sorted(lb.items()))), 0)
+    assert d("pdecode_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert d("pdecode_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert d("pdecode_generation_tokens_total") == 7 and d("pdecode_target_forwards_total") == 7
+    assert d("pdecode_prompt_tokens_total") == usage["prompt_tokens"]
+    assert d("pdecode_time_to_first_token_seconds_count") == 1 and d("pdecode_e2e_request_latency_seconds_count") == 1
+    assert d("pdecode_inter_token_latency_seconds_count") == 6  # 7 tokens: 6 gaps
+    assert d("pdecode_request_finished_total", finish_reason="length") == 1
+    assert after[("pdecode_slots", ())] == 4 and after[("pdecode_compiles_since_warmup", ())] == 0
+    assert after[("pdecode_slots_in_use", ())] == 0 and after[("pdecode_queue_length", ())] == 0
+
+
 def test_n_and_best_of(server):
     """n choices per prompt, choice j sampled with seed + j (so each equals the one-choice request with that seed),
     streamed or not, completions and chat; best_of returns the n of its candidates with the highest total

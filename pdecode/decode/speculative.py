@@ -149,6 +149,7 @@ class SpecState:
     forwards: jax.Array
     draft_forwards: jax.Array
     acc_hist: jax.Array  # [D+1] histogram of accepted draft tokens per (row, step)
+    row_acc: jax.Array  # [B, D+1] the same per row (a serving engine's per-request acceptance)
     seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
     counts: jax.Array | None = None  # [B, V] int32: tokens of the output (the presence / frequency penalties')
 
@@ -188,7 +189,8 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
     return SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
-                     draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32), seen=seen,
+                     draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32),
+                     row_acc=jnp.zeros((b, drafter.max_depth + 1), jnp.int32), seen=seen,
                      counts=counts)
 
 
@@ -306,7 +308,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
                          root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
-                         acc_hist=hist, seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
+                         acc_hist=hist, row_acc=s.row_acc.at[rows, ver.n_accepted].add(active.astype(jnp.int32)),
+                         seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
                          counts=common.count_taken(s.counts, ver.tokens, taken) if samp.counts else s.counts)
 
     return step
