@@ -587,7 +587,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
                 else "logit_bias" if samp.bias else "min_tokens" if samp.min_tokens else "logprobs")
         raise InputError(f"method {method!r} does not take {what}: it works with the autoregressive loops (ar and "
                          f"the draft-and-verify methods); drop it")
-    takes_stops = "stops" in _parameters(plan.fn)
+    takes_stops = plan.token_loop
     if budgets is not None and len(budgets) != len(ids):
         raise InputError(f"max_new_tokens has {len(budgets)} budgets for {len(ids)} prompts; give one per prompt")
     if not takes_stops and (budgets is not None or stop_at_dedent):
@@ -614,12 +614,12 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
             limit_j = jax.device_put(limit_j, batch_sharding(mesh, limit.shape))
         args = args + (common.Stops(limit=limit_j, line_start=table),)
     static = dict(plan.static, max_new=max_new_tokens, max_len=cache_len, eos_ids=eos, samp=samp, mesh=mesh)
-    if "cache_dtype" in _parameters(plan.fn):
+    if plan.token_loop or plan.takes_cache_dtype:
         static["cache_dtype"] = kv_dtype
     elif cache_dtype is not None:
         raise InputError(f"method {method!r} keeps no KV cache, so cache_dtype does nothing there: drop it")
     if shared_prefix:
-        if "shared_prefix" not in _parameters(plan.fn):
+        if not plan.token_loop:
             raise InputError(f"method {method!r} does not share a prompt prefix (shared_prefix); drop it")
         static["shared_prefix"] = n_shared
     exe, compile_s = compiled(plan.fn, static, *args)

@@ -159,12 +159,9 @@ class Engine:
                                       penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True)
         self.fast = sampling.Sampling(greedy=True)  # every live slot greedy, no penalty, no logprobs
         plan = meth.prepare(model, draft, opts, self.full)
-        if plan.fn is ar.generate:
-            self.drafter = None
-        elif plan.fn is speculative.generate:
-            self.drafter = plan.static["drafter"]
-        else:
+        if plan.engine is None:
             raise not_here
+        self.drafter = plan.static["drafter"] if plan.engine == "draft_verify" else None
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "

@@ -17,7 +17,7 @@ def _int_opt(opts, name, lo=1):
 
 def _prepare_ar(model, draft, opts, samp):
     return Plan(fn=ar.generate, params=model.params,
-                static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")}, history_controls=True)
+                static={"cfg": model.cfg, "phases": _int_opt(opts, "cache_phases")}, loop="token", engine="ar")
 
 
 # every loop over a target KV cache runs in phases (`common.phase_lengths`)
@@ -407,7 +407,7 @@ def _prepare_diffusion(model, draft, opts, samp, max_new=None):
     o = diffusion.DiffusionOptions(gen_length=g, shift=model.cfg.diffusion_shift, **kw)
     return Plan(fn=diffusion.generate, params=model.params,
                 static={"cfg": model.cfg, "opts": o, "mask_id": mask_id}, extra_len=0,
-                finish_stats=_diffusion_stats)
+                finish_stats=_diffusion_stats, takes_cache_dtype=True)
 
 
 def _prepare_dico(model, draft, opts, samp, max_new=None):

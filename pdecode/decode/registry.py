@@ -16,14 +16,36 @@ from pdecode.errors import ConfigError, InputError
 
 @dataclasses.dataclass
 class Plan:
+    """What a method runs. Besides the function, its params and statics, the plan *declares* what its program takes
+    (nothing is read off the function's signature): ``loop`` "token" is the autoregressive token loop (`ar` or the
+    draft-and-verify loop: per-row ``stops``, ``cache_dtype``, ``shared_prefix``, the history the logits processing
+    needs, logprobs), "canvas" any other (masked, edit, ...); ``engine`` the serving engine's driver for it ("ar",
+    "draft_verify": the loop's `start` / `make_step`; None: `pdecode.Engine` does not serve it);
+    ``takes_cache_dtype`` for a canvas loop that keeps caches of its own."""
+
     fn: Callable
     params: Any
     static: dict[str, Any]
     extra_len: int = 0
     # Host-side post-processing of stats (device scalars already converted to Python numbers).
     finish_stats: Callable[[dict], dict] | None = None
-    # the loop keeps the history the repetition penalty needs and records logprobs (ar, draft-and-verify)
-    history_controls: bool = False
+    loop: str = "canvas"
+    engine: str | None = None
+    takes_cache_dtype: bool = False
+
+    def __post_init__(self):
+        if self.loop not in ("token", "canvas") or self.engine not in (None, "ar", "draft_verify"):
+            raise ConfigError(f"a Plan's loop is 'token' or 'canvas' and its engine None, 'ar' or 'draft_verify'; got "
+                              f"{self.loop!r} / {self.engine!r}")
+
+    @property
+    def token_loop(self) -> bool:
+        return self.loop == "token"
+
+    @property
+    def history_controls(self) -> bool:
+        """The loop keeps the history the logits processing needs and records logprobs (the token loops)."""
+        return self.token_loop
 
 
 _TYPES = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,), "list": (list, tuple),

@@ -408,5 +408,5 @@ def make_plan(model, drafter: Drafter, draft_params=None, cache_phases: int = 4,
         static["devices"] = tuple(pipe_devices)
     return Plan(fn=generate if pipe_devices is None else pipelined, params=(model.params, draft_params),
                 static=static,
-                extra_len=drafter.tree_size + 2, history_controls=True,
+                extra_len=drafter.tree_size + 2, loop="token", engine="draft_verify" if pipe_devices is None else None,
                 finish_stats=lambda s: acceptance_stats({**s, "tree_size": drafter.tree_size}))
