@@ -925,6 +925,8 @@ def run_from_args(args) -> int:
     _setup_logging(args.log_level)
     options = parse_options(args.option)
     multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+    # compiled programs kept on disk (PDECODE_COMPILE_CACHE_DIR; "off" to skip): a restart loads them
+    cache = pdecode.enable_disk_cache()
     mesh = None
     if args.mesh or multi:
         import jax
@@ -947,7 +949,7 @@ def run_from_args(args) -> int:
     secs = engine.warmup()
     _count_compiles()
     XLA_COMPILES["on"] = True
-    logger.info("%d programs compiled in %.1fs", engine.compiles, secs)
+    logger.info("%d programs compiled in %.1fs (compilation cache: %s)", engine.compiles, secs, cache or "off")
     server = Server(engine, args.served_name or args.model, drain_s=args.drain)
     if multi:
         import jax
