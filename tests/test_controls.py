@@ -20,6 +20,7 @@ from tests.test_speculative import PROMPTS, models, small_vocab  # noqa: F401 (f
 PROMPT = [3, 7, 3, 7, 3]
 N = 12000
 PEN, MIN_P = 0.4, 0.05  # a penalty below 1 favours seen tokens: a strong, easily seen effect
+PRES, FREQ, BIAS = -2.0, -1.5, {1: 2.0, 5: -3.0}  # negative penalties favour repeats: a strong effect too
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,19 @@ CASES = [("ar", {}), ("sd", dict(gamma=3)), ("tree", dict(tree=[[0], [1], [0, 0]
 
 @pytest.mark.parametrize("method,opts", CASES, ids=[c[0] for c in CASES])
 def test_penalty_and_min_p_sampling_is_lossless(sharp, method, opts):
-    """Every method samples the processed distribution: the penalty applies to each drafted node with the tokens on
-    its path, so the marginals of the first tokens equal AR sampling's from the penalised, filtered distribution."""
+    """Every method samples the processed distribution: the logit bias, the repetition penalty and OpenAI's presence /
+    frequency penalties apply to each drafted node with the tokens on its path (counted), so the marginals of the
+    first tokens equal AR sampling's from the processed, min-p filtered distribution."""
     target, draft = sharp
     out = pdecode.generate(target, [PROMPT] * N, method=method, draft=draft if method in ("sd", "tree") else None,
                            max_new_tokens=3, temperature=1.0, repetition_penalty=PEN, min_p=MIN_P, seed=3,
-                           stop_at_eos=False, **opts)
+                           presence_penalty=PRES, frequency_penalty=FREQ, logit_bias=BIAS, stop_at_eos=False, **opts)
     toks = np.array(out.tokens)
-    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, PEN, MIN_P)) > 1e-4
-    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3)) < 1e-6  # the test tells the penalty apart
+    full = dict(presence=PRES, frequency=FREQ, bias=BIAS)
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, PEN, MIN_P, **full)) > 1e-4
+    # the test tells each stage apart
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, 1.0, MIN_P, **full)) < 1e-6
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, PEN, MIN_P, bias=BIAS)) < 1e-6
 
 
 def test_a_penalty_blind_to_the_drafted_path_fails_the_test(sharp, monkeypatch):
@@ -104,24 +109,6 @@ def test_a_penalty_blind_to_the_drafted_path_fails_the_test(sharp, monkeypatch):
     finally:
         pdecode.clear_compile_cache()
     assert _min_pvalue(np.array(out.tokens), _processed_marginals(target, PROMPT, 3, PEN)) < 1e-6
-
-
-PRES, FREQ, BIAS = -2.0, -1.5, {1: 2.0, 5: -3.0}  # negative penalties favour repeats: a strong effect
-
-
-@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=3)),
-                                         ("tree", dict(tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))], ids=["sd", "tree"])
-def test_presence_frequency_and_logit_bias_sampling_is_lossless(sharp, method, opts):
-    """OpenAI's presence / frequency penalties count the output so far; a drafted node counts the tokens on its
-    own path too: the marginals of the first tokens equal those of AR sampling from the processed distribution."""
-    target, draft = sharp
-    out = pdecode.generate(target, [PROMPT] * N, method=method, draft=draft, max_new_tokens=3, temperature=1.0,
-                           presence_penalty=PRES, frequency_penalty=FREQ, logit_bias=BIAS, seed=5,
-                           stop_at_eos=False, **opts)
-    toks = np.array(out.tokens)
-    want = _processed_marginals(target, PROMPT, 3, presence=PRES, frequency=FREQ, bias=BIAS)
-    assert _min_pvalue(toks, want) > 1e-4
-    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, bias=BIAS)) < 1e-6  # the penalties show
 
 
 def test_counts_blind_to_the_drafted_path_fail_the_test(sharp, monkeypatch):
