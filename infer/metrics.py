@@ -67,9 +67,8 @@ class Metrics:
 
     def tokens(self, n: int, gap_s: float) -> None:
         """``n`` tokens reached the server ``gap_s`` after the request's previous ones."""
-        if n > 0:
-            for _ in range(n):
-                self.itl.labels(**self._labels).observe(gap_s / n)
+        for _ in range(n):
+            self.itl.labels(**self._labels).observe(gap_s / n)
 
     def finished(self, st, e2e_s: float) -> None:
         """A completion request's figures (``st``: its `serve.Stats`) when its handler ended."""

@@ -40,20 +40,9 @@ def start(prompt_BP, prompt_len_B, cache, logits_BV, key, warp, stops, *, max_ne
           samp: sampling.Sampling) -> ARState:
     """The loop state after a prefill (``cache`` holding the prompts, ``logits`` at each prompt's last token): the
     first token drawn and appended."""
-    b, v = prompt_BP.shape[0], logits_BV.shape[-1]
-    seen = common.prompt_seen(prompt_BP, prompt_len_B, v, samp)
-    counts = common.output_counts(b, v, samp)
-    empty = common.Outputs.empty(b, max_new, stops, samp.logprobs)
-    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts,
-                                  common.stop_ban(empty, eos_ids, v, samp, warp))
-    key, sub = sampling.split(key)
-    first = sampling.sample(sub, logits_BV, samp, warp)
-    lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
-    out, _ = common.append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
-    taken = jnp.ones((b, 1), bool)
-    seen = common.mark_taken(seen, first[:, None], taken)
-    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen,
-                   counts=common.count_taken(counts, first[:, None], taken))
+    out, first, key, seen, counts = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
+                                                      max_new=max_new, eos_ids=eos_ids, samp=samp)
+    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen, counts=counts)
 
 
 def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None):
@@ -77,9 +66,9 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         out, _ = common.append(s.out, nxt[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
         last = jnp.where(active, nxt, s.last)
         seen = common.mark_taken(s.seen, nxt[:, None], active[:, None], samp)
-        counts = common.count_taken(s.counts if samp.counts else None, nxt[:, None], active[:, None])
+        counts = common.count_taken(s.counts, nxt[:, None], active[:, None], samp)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1,
-                       seen=seen, counts=s.counts if counts is None else counts)
+                       seen=seen, counts=counts)
 
     return step
 

@@ -97,13 +97,34 @@ def output_counts(batch: int, vocab: int, samp) -> jax.Array | None:
     return jnp.zeros((batch, vocab), jnp.int32) if samp.counts else None
 
 
-def count_taken(counts_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array) -> jax.Array | None:
-    """``counts`` with the taken tokens counted (None stays None)."""
-    if counts_BV is None:
-        return None
+def count_taken(counts_BV: jax.Array | None, tokens_BK: jax.Array, valid_BK: jax.Array, samp=None) -> jax.Array | None:
+    """``counts`` with the taken tokens counted (None stays None; unchanged when ``samp`` has the presence /
+    frequency penalties off, as `mark_taken`)."""
+    if counts_BV is None or (samp is not None and not samp.counts):
+        return counts_BV
     from pdecode.sampling import add_counts
 
     return add_counts(counts_BV, tokens_BK, valid_BK)
+
+
+def draw_first(prompt_BP: jax.Array, prompt_len_B: jax.Array, logits_BV: jax.Array, key, warp, stops, *,
+               max_new: int, eos_ids: tuple[int, ...], samp):
+    """A token loop's first token, after its prefill (``logits`` at each prompt's last token): the processing
+    history of the prompts started, the first token drawn from the processed distribution and appended to empty
+    outputs. Returns (outputs, the first tokens [B], the key after the draw, seen, counts)."""
+    from pdecode import sampling
+
+    b, v = prompt_BP.shape[0], logits_BV.shape[-1]
+    seen = prompt_seen(prompt_BP, prompt_len_B, v, samp)
+    counts = output_counts(b, v, samp)
+    empty = Outputs.empty(b, max_new, stops, samp.logprobs)
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts, stop_ban(empty, eos_ids, v, samp, warp))
+    key, sub = sampling.split(key)
+    first = sampling.sample(sub, logits_BV, samp, warp)
+    lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
+    out, _ = append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
+    taken = jnp.ones((b, 1), bool)
+    return out, first, key, mark_taken(seen, first[:, None], taken), count_taken(counts, first[:, None], taken)
 
 
 def stop_ban(out: "Outputs", eos_ids: tuple[int, ...], vocab: int, samp, warp, depth=None) -> jax.Array | None:

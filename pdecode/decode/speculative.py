@@ -162,19 +162,8 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d."""
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    v = logits_BV.shape[-1]
-    seen = common.prompt_seen(prompt_BP, prompt_len_B, v, samp)
-    counts = common.output_counts(b, v, samp)
-    empty = common.Outputs.empty(b, max_new, stops, samp.logprobs)
-    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts,
-                                  common.stop_ban(empty, eos_ids, v, samp, warp))
-    key, sub = sampling.split(key)
-    first = sampling.sample(sub, logits_BV, samp, warp)
-    lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
-    out, _ = common.append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
-    taken = jnp.ones((b, 1), bool)
-    seen = common.mark_taken(seen, first[:, None], taken)
-    counts = common.count_taken(counts, first[:, None], taken)
+    out, first, key, seen, counts = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
+                                                      max_new=max_new, eos_ids=eos_ids, samp=samp)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
     seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
     last_idx = prompt_len_B - 1
@@ -310,7 +299,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
                          acc_hist=hist, row_acc=s.row_acc.at[rows, ver.n_accepted].add(active.astype(jnp.int32)),
                          seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
-                         counts=common.count_taken(s.counts, ver.tokens, taken) if samp.counts else s.counts)
+                         counts=common.count_taken(s.counts, ver.tokens, taken, samp))
 
     return step
 
