@@ -213,12 +213,20 @@ class CheckpointTensors:
         self._base: dict = {}  # id(buffer) -> its address (memory maps)
         self._runs: dict = {}  # id(buffer) -> [(first page, last page)] of what the loader read
         self.slice_bytes = 0
+        self.aliases: dict = {}  # a name the rules use -> the name the file stores it under (tied weights)
+
+    def alias(self, aliases: dict) -> None:
+        """Answer for each name in ``aliases`` with the tensor stored under its value (`Family.tensor_aliases`)."""
+        self.aliases.update({k: v for k, v in aliases.items() if k not in self.tensors and v in self.tensors})
+
+    def _name(self, name: str) -> str:
+        return name if name in self.tensors else self.aliases.get(name, name)
 
     def note_read(self, name: str, view: np.ndarray) -> None:
         """Account for the loader reading ``view`` (of tensor ``name``): its bytes, and the memory map's pages it
         touches (what the kernel reads from the file). A view that is not over the map (an fp8 weight dequantized,
         an .xz file decompressed) counts its tensor whole."""
-        buf, start, n = self._spans.get(name, (None, 0, 0))
+        buf, start, n = self._spans.get(self._name(name), (None, 0, 0))
         if buf is None:
             return
         if id(buf) not in self._base:
@@ -251,15 +259,16 @@ class CheckpointTensors:
                 "checkpoint_bytes": int(sum(n for _, _, n in self._spans.values()))}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return self._name(name) in self.tensors
 
     def __iter__(self):
         return iter(self.tensors)
 
     def shape_of(self, name: str) -> tuple:
-        return tuple(self.tensors[name].shape)
+        return tuple(self.tensors[self._name(name)].shape)
 
     def __getitem__(self, name: str) -> np.ndarray:
+        name = self._name(name)
         a = self.tensors[name]
         scale = name + SCALE_SUFFIX
         if self.block is not None and a.dtype == ml_dtypes.float8_e4m3fn and scale in self.tensors:
@@ -270,6 +279,7 @@ class CheckpointTensors:
         return a
 
     def release(self, name: str) -> None:
+        name = self._name(name)
         if name + SCALE_SUFFIX in self.tensors:
             self.release(name + SCALE_SUFFIX)
         buf, start, n = self._spans.get(name, (None, 0, 0))

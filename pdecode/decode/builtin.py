@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pdecode.decode import ar, speculative
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.registry import Method, Option, Plan, check_same_vocab, register
-from pdecode.errors import ConfigError
+from pdecode.decode.registry import METHODS, Method, Option, Plan, check_same_vocab, register
+from pdecode.errors import ConfigError, InputError
 
 
 def _int_opt(opts, name, lo=1):
@@ -396,9 +396,52 @@ def _diffusion_model(model, method):
     return int(mask_id)
 
 
+BLOCK_ONLY = ("t_min", "t_max", "stability", "confidence")
+
+
+def _prepare_block_diffusion(model, opts, max_new):
+    """method diffusion on a block-diffusion encoder-decoder (DiffusionGemma): its own sampler, its defaults from
+    the checkpoint's generation_config.json (`pdecode.decode.block_diffusion`)."""
+    from pdecode.decode import block_diffusion as bdf
+
+    masked_only = sorted(k for k, v in opts.items() if k not in BLOCK_ONLY + ("steps", "eb_gamma")
+                         and v != _DIFFUSION_DEFAULTS[k])
+    if masked_only:
+        raise InputError(f"method 'diffusion' on {model.name or 'this model'} (block diffusion, canvas of "
+                         f"{model.cfg.canvas_length}) runs the model's own entropy-bound sampler; option "
+                         f"{masked_only[0]!r} belongs to the masked-diffusion samplers: drop it")
+    gen = model.generation_config or {}
+    sampler = gen.get("sampler_config") if isinstance(gen.get("sampler_config"), dict) else {}
+    kw = {}
+    for k, default in bdf.DEFAULTS.items():
+        given = opts.get("eb_gamma" if k == "entropy_bound" else k)
+        stored = sampler.get("entropy_bound", gen.get("entropy_bound")) if k == "entropy_bound" else \
+            gen.get(bdf.GEN_CONFIG_NAMES[k])
+        kw[k] = given if given is not None else (stored if stored is not None else default)
+    L = model.cfg.canvas_length
+    o = bdf.BlockDiffusionOptions(canvases=-(-max_new // L), canvas=L, noise_id=int(model.cfg.pad_token_id or 0),
+                                  steps=int(kw["steps"]), t_min=float(kw["t_min"]), t_max=float(kw["t_max"]),
+                                  entropy_bound=float(kw["entropy_bound"]), stability=int(kw["stability"]),
+                                  confidence=float(kw["confidence"]))
+    return Plan(fn=bdf.generate, params=model.params, static={"cfg": model.cfg, "opts": o},
+                extra_len=o.canvases * L - max_new, finish_stats=_block_diffusion_stats, takes_cache_dtype=True)
+
+
+def _block_diffusion_stats(s):
+    s["nfe"] = s["row_forwards"] / max(s["batch"], 1)
+    s["tokens_per_forward"] = s["new_tokens"] / max(s["row_forwards"], 1)
+    return s
+
+
 def _prepare_diffusion(model, draft, opts, samp, max_new=None):
     from pdecode.decode import diffusion
 
+    if model.cfg.canvas_length:
+        return _prepare_block_diffusion(model, opts, max_new)
+    given = sorted(k for k in BLOCK_ONLY if opts.get(k) is not None)
+    if given:
+        raise InputError(f"option {given[0]!r} of method 'diffusion' is for block-diffusion models (DiffusionGemma); "
+                         f"{model.name or 'this model'} is a masked-diffusion model: drop it")
     mask_id = _diffusion_model(model, "diffusion")
     g = max_new
     kw = {k: v for k, v in opts.items() if v is not None}
@@ -431,6 +474,7 @@ def _diffusion_stats(s):
 
 
 NOT_AR = "no: a masked-diffusion model's own distribution"
+_DIFFUSION_DEFAULTS: dict = {}  # filled below: the diffusion method's option defaults
 register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=True, needs="diffusion model",
                 lossless=NOT_AR,
                 options={
@@ -445,7 +489,8 @@ register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=
                     "threshold": Option(0.9, "float", "threshold rule: commit every position above this confidence"),
                     "factor": Option(1.0, "float", "factor rule: Fast-dLLM's factor f (commit n with (n+1)(1-c_n) "
                                                    "< f)"),
-                    "eb_gamma": Option(0.1, "float", "eb rule: the entropy budget gamma per step"),
+                    "eb_gamma": Option(None, "float", "eb rule: the entropy budget gamma per step (None: 0.1); on "
+                                       "a block-diffusion model its entropy_bound (None: generation_config.json's)"),
                     "alg_temp": Option(0.0, "float", "Dream's alg_temp: sample the order from softmax(conf / "
                                                      "alg_temp) (0: deterministic)"),
                     "cfg_scale": Option(0.0, "float", "classifier-free guidance scale (0: off; one more pass per "
@@ -459,9 +504,18 @@ register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=
                                      choices=("none", "cap", "rescale", "conf")),
                     "remask_eta": Option(0.1, "float", "ReMDM's eta: the cap (cap) or scale (rescale, conf) of the "
                                                        "re-masking probability"),
+                    "t_min": Option(None, "float", "block diffusion: the temperature of a canvas's last step "
+                                    "(None: generation_config.json's, else 0.4)"),
+                    "t_max": Option(None, "float", "block diffusion: the temperature of a canvas's first step "
+                                    "(None: generation_config.json's, else 0.8)"),
+                    "stability": Option(None, "int", "block diffusion: a row stops when its argmax canvas equals "
+                                        "this many previous ones (None: generation_config.json's, else 1)"),
+                    "confidence": Option(None, "float", "block diffusion: ... and its mean entropy is below this "
+                                         "(None: generation_config.json's, else 0.005)"),
                 },
                 summary="masked diffusion: LLaDA schedule, Fast-dLLM threshold/factor with prefix or dual cache, "
                         "EB-sampler, Dream's orderings, semi-AR blocks, CFG"))
+_DIFFUSION_DEFAULTS.update({k: o.default for k, o in METHODS["diffusion"].options.items()})
 DICO_HELP = {
     "num_seeds": ("int", "Divide: seed positions picked per phase"),
     "seed_low": ("float", "Divide: lowest confidence a seed may have (moderate, not low)"),

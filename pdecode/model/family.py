@@ -29,7 +29,8 @@ FAMILIES: dict[str, "Family"] = {}  # HF model_type -> family
 _LOADED = False
 # the modules that register the built-in families (imported on the first lookup)
 BUILTIN = ("pdecode.model.families.llama", "pdecode.model.families.gemma", "pdecode.model.families.moe",
-           "pdecode.model.families.phi3", "pdecode.model.families.gemma4", "pdecode.model.families.deepseek")
+           "pdecode.model.families.phi3", "pdecode.model.families.gemma4", "pdecode.model.families.deepseek",
+           "pdecode.model.families.diffusion_gemma")
 
 
 class Family:

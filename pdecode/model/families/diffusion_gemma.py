@@ -1,0 +1,121 @@
+"""The DiffusionGemma family (text path): ``diffusion_gemma`` checkpoints (``DiffusionGemmaForBlockDiffusion``).
+
+A Gemma 4 mixture-of-experts network run twice with the same weights (`pdecode.model.block_diffusion`): as a causal
+*encoder* over the prompt and each committed canvas, writing the KV cache, and as a bidirectional *decoder* over a
+canvas of ``canvas_length`` tokens that reads the cache without writing it. Its layers are Gemma 4's with the
+expert block always on and the full-attention layers using their keys as values (no ``v_proj``); what is its own:
+
+* the decoder's input: the canvas embedding plus a *self-conditioning* MLP of the previous step's distribution
+  (softmax of its logits times the embedding), RMS-normalised without weight (`sc_*` params);
+* the decoder's per-layer ``layer_scalar`` buffers, stored apart from the encoder's (``dec_layer_scalar``);
+* a final logit soft-cap of 30 (a class attribute of the reference config, not in config.json).
+
+The checkpoint stores the shared weights once, under either the decoder's names (``model.decoder.*``, what
+transformers writes) or the encoder's (``model.encoder.language_model.*``); both load. The vision tower is not
+read: pdecode runs the text path.
+"""
+
+from __future__ import annotations
+
+from pdecode.errors import ConfigError
+from pdecode.model.family import register
+from pdecode.model.families.gemma4 import Gemma4
+
+SOFTCAP = 30.0
+ENC = "model.encoder.language_model."
+DEC = "model.decoder."
+
+
+class DiffusionGemma(Gemma4):
+    model_types = ("diffusion_gemma",)
+    architectures = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}
+
+    def unwrap(self, model_type, hf):
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("diffusion_gemma: config.json has no text_config")
+        if text.get("use_bidirectional_attention") == "all":
+            raise ConfigError("diffusion_gemma: use_bidirectional_attention 'all' (a bidirectional encoder) is not "
+                              "supported; pdecode runs the causal encoder of the released model")
+        return {**text, "model_type": model_type, "canvas_length": int(hf.get("canvas_length") or 256),
+                "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
+
+    def config_from_hf(self, model_type, hf, kw):
+        for f in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if not hf.get(f):
+                raise ConfigError(f"diffusion_gemma: text_config.{f} must be set (every layer has its experts)")
+        if not hf.get("tie_word_embeddings", True):
+            raise ConfigError("diffusion_gemma: tie_word_embeddings false is not supported (the reference ties the "
+                              "lm_head to the embedding)")
+        # the reference's layers: experts always on, full-attention layers' values are their keys, no PLE / kv sharing
+        body = {k: v for k, v in hf.items() if k not in ("num_kv_shared_layers", "hidden_size_per_layer_input",
+                                                          "use_double_wide_mlp", "use_bidirectional_attention")}
+        super().config_from_hf("gemma4_text", {**body, "enable_moe_block": True, "attention_k_eq_v": True}, kw)
+        kw.update(final_softcap=SOFTCAP, canvas_length=int(hf["canvas_length"]), causal=False,
+                  tie_word_embeddings=True)
+
+    def config_to_hf(self, cfg, out):
+        text = dict(out)
+        super().config_to_hf(cfg.replace(family="gemma4_text"), text)
+        for k in ("architectures", "attention_k_eq_v", "num_kv_shared_layers", "hidden_size_per_layer_input",
+                  "vocab_size_per_layer_input", "use_double_wide_mlp", "enable_moe_block", "final_logit_softcapping",
+                  "pdecode_causal", "tie_word_embeddings"):
+            text.pop(k, None)
+        text["model_type"] = "diffusion_gemma_text"
+        top = {k: text.pop(k) for k in ("dtype", "torch_dtype") if k in text}
+        for k in list(out):
+            del out[k]
+        # a one-layer vision tower of the smallest shape: the reference builds one from any config (the default is
+        # a full-size one); pdecode never writes or reads its weights
+        vision = {"model_type": "gemma4_vision", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 32}
+        out.update(model_type="diffusion_gemma", architectures=["DiffusionGemmaForBlockDiffusion"],
+                   canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
+                   vision_config=vision, **top)
+
+    # -------------------------------------------------------------------------------- params
+    def layer_spec(self, cfg, i, own_kv=None):
+        from pdecode.model.transformer import ParamSpec
+
+        s = super().layer_spec(cfg, i, own_kv)
+        s["dec_layer_scalar"] = ParamSpec((1,), (None,), "ones")
+        return s
+
+    def extra_specs(self, cfg):
+        from pdecode.model.transformer import ParamSpec
+
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        return {"sc_pre_norm": ParamSpec((D,), (None,), "ones"), "sc_gate": ParamSpec((D, F), ("embed", "mlp")),
+                "sc_up": ParamSpec((D, F), ("embed", "mlp")), "sc_down": ParamSpec((F, D), ("mlp", "embed"))}
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def hf_rules(self, cfg, prefix=None):
+        from pdecode.checkpoint.hf import Rule
+
+        rules = [Rule(DEC + "embed_tokens.weight", "embed", "plain")]
+        for i in range(cfg.num_layers):
+            for hf, ours, lay in self.layer_names(cfg, i):
+                if ours == "layer_scalar":
+                    rules += [Rule(f"{ENC}layers.{i}.layer_scalar", f"layers/{i}/layer_scalar", "plain"),
+                              Rule(f"{DEC}layers.{i}.layer_scalar", f"layers/{i}/dec_layer_scalar", "plain")]
+                else:
+                    rules.append(Rule(f"{DEC}layers.{i}.{hf}", f"layers/{i}/{ours}", lay))
+        sc = DEC + "self_conditioning."
+        rules += [Rule(DEC + "norm.weight", "final_norm", "plain"), Rule(sc + "pre_norm.weight", "sc_pre_norm", "plain"),
+                  Rule(sc + "gate_proj.weight", "sc_gate", "linear"), Rule(sc + "up_proj.weight", "sc_up", "linear"),
+                  Rule(sc + "down_proj.weight", "sc_down", "linear")]
+        return rules
+
+    def tensor_aliases(self, names) -> dict[str, str]:
+        """Tied weights a checkpoint stores under the encoder's names: the decoder's name -> the stored one."""
+        have = set(names)
+        out = {}
+        for n in have:
+            if n.startswith(ENC) and not n.endswith("layer_scalar"):
+                d = DEC + n[len(ENC):]
+                if d not in have:
+                    out[d] = n
+        return out
+
+
+DIFFUSION_GEMMA = register(DiffusionGemma())

@@ -1,0 +1,191 @@
+"""DiffusionGemma (issue 30): the block-diffusion encoder-decoder loaded from a transformers checkpoint (forward
+parity of the encoder cache + decoder with self-conditioning, sliding layers, MoE, proportional rope), and its own
+entropy-bound sampler reproduced token for token and step for step against transformers' `generate`."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import pdecode
+from pdecode.errors import InputError
+from pdecode.model import block_diffusion as bd
+from pdecode.model import cache as kvc
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [list(np.random.default_rng(0).integers(3, 99, n)) for n in (5, 13, 9)]  # 13 > the sliding window 8
+
+
+def _tiny(path, seed=0, layers=3):
+    """A random DiffusionGemma of the smallest shape with every path live: sliding and full layers (window 8, full
+    layers with their own head size and one kv head, keys as values, partial rope), top-2 of 4 experts, norms,
+    router scales and layer scalars randomised (the reference initialises them to ones)."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(seed)
+    kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    cfg = DiffusionGemmaConfig(
+        text_config=dict(vocab_size=99, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=32, num_hidden_layers=layers, layer_types=kinds, sliding_window=8,
+                         num_experts=4, top_k_experts=2, moe_intermediate_size=8, global_head_dim=32,
+                         num_global_key_value_heads=1, pad_token_id=0, eos_token_id=2),
+        vision_config=dict(model_type="gemma4_vision", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=8, intermediate_size=32),
+        canvas_length=8, initializer_range=0.3)
+    m = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "vision" not in n and (p.ndim == 1 or n.endswith("scale")):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        for n, b in m.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.copy_(1 + 0.3 * torch.randn_like(b))
+    m.save_pretrained(path)
+    return m
+
+
+@pytest.fixture(scope="module")
+def dg(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dg")
+    ref = _tiny(d)
+    return ref, pdecode.load(d, dtype="float32"), d
+
+
+def test_forward_parity(dg):
+    """Encode a prompt longer than the window, decode a canvas with and without self-conditioning, commit it,
+    decode the next: logits equal the reference's (<= 1e-4; they reach ~7)."""
+    from transformers import DynamicCache
+
+    ref, m, _ = dg
+    assert m.cfg.family == "diffusion_gemma" and m.cfg.canvas_length == 8 and m.cfg.k_eq_v and m.cfg.num_experts == 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 99, (2, 13), generator=g)
+    canvas, canvas2 = torch.randint(0, 99, (2, 2, 8), generator=g)
+    sc = torch.randn(2, 8, 99, generator=g) * 3
+    with torch.no_grad():
+        c = DynamicCache(config=ref.config.text_config)
+        ref.model.encoder(input_ids=ids, cache=c)
+        want = [ref(input_ids=None, cache=c, decoder_input_ids=canvas).logits,
+                ref(input_ids=None, cache=c, decoder_input_ids=canvas, self_conditioning_logits=sc).logits]
+        ref.model.encoder(input_ids=canvas, cache=c)
+        want.append(ref(input_ids=None, cache=c, decoder_input_ids=canvas2, self_conditioning_logits=sc).logits)
+    j = lambda t: jnp.asarray(t.numpy())  # noqa: E731
+    on = jnp.ones((2,), bool)
+    cache = kvc.init_cache(m.cfg, 2, 64, jnp.float32, per_layer=True)
+    cache = kvc.advance(bd.encode(m.params, m.cfg, j(ids), cache), jnp.full((2,), 13))
+    got = [bd.denoise(m.params, m.cfg, j(canvas), cache), bd.denoise(m.params, m.cfg, j(canvas), cache, j(sc), on)]
+    cache = kvc.advance(bd.encode(m.params, m.cfg, j(canvas), cache), jnp.full((2,), 8))
+    got.append(bd.denoise(m.params, m.cfg, j(canvas2), cache, j(sc), on))
+    for a, w in zip(got, want):
+        w = w.numpy()
+        assert np.abs(w).max() > 3
+        np.testing.assert_allclose(np.asarray(a), w, atol=1e-4)
+    assert np.abs(want[0].numpy() - want[1].numpy()).max() > 0.1  # self-conditioning matters
+    # the sc switch: off equals no sc at all
+    np.testing.assert_array_equal(np.asarray(bd.denoise(m.params, m.cfg, j(canvas2), cache, j(sc), ~on)),
+                                  np.asarray(bd.denoise(m.params, m.cfg, j(canvas2), cache)))
+
+
+def test_checkpoint_under_encoder_names(dg, tmp_path):
+    """The tied weights stored under the encoder's names (the other half of the tie) load to the same model."""
+    from safetensors.numpy import load_file, save_file
+
+    _, m, d = dg
+    t = load_file(str(d / "model.safetensors"))
+    enc = {("model.encoder.language_model." + k[len("model.decoder."):]
+            if k.startswith("model.decoder.") and "self_conditioning" not in k and not k.endswith("layer_scalar")
+            else k): v for k, v in t.items()}
+    assert not any(k.startswith("model.decoder.layers.") and not k.endswith("layer_scalar") for k in enc)
+    save_file(enc, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    m2 = pdecode.load(tmp_path, dtype="float32")
+    for a, b in zip(*(jax_leaves(x.params) for x in (m, m2))):
+        np.testing.assert_array_equal(a, b)
+
+
+def jax_leaves(p):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(p)]
+
+
+def _patched_reference(monkeypatch, ref):
+    """transformers' sampler made deterministic as pdecode's temperature 0 is: argmax draws, the pad token as noise;
+    returns a list that collects the decoder calls between encoder calls (steps per canvas)."""
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
+
+    monkeypatch.setattr(torch, "multinomial", lambda p, num_samples=1, **k: p.argmax(-1, keepdim=True))
+    monkeypatch.setattr(G.EntropyBoundSampler, "initialize_canvas",
+                        lambda self, batch_size, device: torch.zeros((batch_size, self.canvas_length),
+                                                                     dtype=torch.long, device=device))
+    calls = []
+    hooks = [ref.model.decoder.register_forward_hook(lambda *a: calls.append("d")),
+             ref.model.encoder.register_forward_hook(lambda *a: calls.append("e"))]
+    return calls, hooks
+
+
+@pytest.mark.parametrize("steps,stability,confidence,bound", [(3, 1, 1.5, 0.1), (3, 1, 1.5, 3.0), (4, 0, 2.6, 0.1)])
+def test_sampler_reproduces_reference(dg, monkeypatch, steps, stability, confidence, bound):
+    """`method="diffusion"` at temperature 0 = transformers' generate (argmax draws, pad noise): the same tokens (to
+    the first EOS) and the same denoising steps in every canvas, for a batch of mixed prompt lengths decoded
+    together (rows stop canvases at different steps and end on different canvases). The sampler's own float32
+    rounding grows through self-conditioning on a random model (~30x per step), so runs are kept to <= 4 steps."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    ref, m, _ = dg
+    out = pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=24, temperature=0.0, steps=steps,
+                           eb_gamma=bound, stability=stability, confidence=confidence)
+    calls, hooks = _patched_reference(monkeypatch, ref)
+    try:
+        for i, p in enumerate(PROMPTS):
+            calls.clear()
+            with torch.no_grad():
+                r = ref.generate(torch.tensor([p]), max_new_tokens=24, eos_token_id=2, pad_token_id=0,
+                                 max_denoising_steps=steps, t_min=0.4, t_max=0.8, stability_threshold=stability,
+                                 confidence_threshold=confidence,
+                                 sampler_config=EntropyBoundSamplerConfig(entropy_bound=bound))
+            seq = r.sequences[0, len(p):].tolist()
+            seq = seq[: seq.index(2) + 1] if 2 in seq else seq
+            assert out.tokens[i] == seq, (i, out.tokens[i], seq)
+            per_canvas = [len(s) for s in "".join(calls).split("e")[1:]]
+            assert out.stats["canvas_steps"][i][: len(per_canvas)] == per_canvas
+            assert sum(out.stats["canvas_steps"][i][len(per_canvas):]) == 0
+    finally:
+        for h in hooks:
+            h.remove()
+    if steps == 4:  # early stops happened, at different steps
+        assert len({s for row in out.stats["canvas_steps"] for s in row if s}) > 1
+
+
+def test_generation_config_defaults_and_sampling(dg, tmp_path):
+    """Defaults come from generation_config.json; temperature 1 samples (seeded: reproducible, another seed
+    differs) and still commits argmax canvases; options of the masked samplers are refused in one line."""
+    import shutil
+
+    _, m, d = dg
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(d / f, tmp_path / f)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"max_denoising_steps": 2, "t_min": 0.3, "t_max": 0.9, "stability_threshold": 0, "confidence_threshold": 9.0,
+         "sampler_config": {"entropy_bound": 0.5}, "eos_token_id": 2}))
+    m2 = pdecode.load(tmp_path, dtype="float32")
+    o = pdecode.generate(m2, PROMPTS[:2], method="diffusion", max_new_tokens=16)
+    # confidence 9 > any mean entropy and stability 0: every canvas stops after its first step
+    assert all(s in (0, 1) for row in o.stats["canvas_steps"] for s in row)
+    o = pdecode.generate(m2, PROMPTS[:2], method="diffusion", max_new_tokens=16, confidence=1e-9)
+    assert all(s in (0, 2) for row in o.stats["canvas_steps"] for s in row) and o.stats["steps"] >= 2
+    a = pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=16, temperature=1.0, seed=1, steps=3)
+    b = pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=16, temperature=1.0, seed=1, steps=3)
+    c = pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=16, temperature=1.0, seed=2, steps=3)
+    g = pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=16, temperature=0.0, steps=3)
+    assert a.tokens == b.tokens and a.tokens != c.tokens and a.tokens != g.tokens
+    assert all(0 < len(t) <= 16 and all(0 <= x < 99 for x in t) for t in a.tokens)
+    with pytest.raises(InputError, match="option 'rule' belongs to the masked-diffusion samplers"):
+        pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=8, rule="threshold")
+    with pytest.raises(InputError, match=r"t_max \(0.3\) must be > t_min \(0.5\)"):
+        pdecode.generate(m, PROMPTS, method="diffusion", max_new_tokens=8, t_min=0.5, t_max=0.3)
