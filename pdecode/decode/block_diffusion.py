@@ -88,7 +88,7 @@ class _Canvas:
 
 
 @struct.dataclass
-class _Gen:
+class _Gen:  # the outer loop's state
     out: jax.Array  # [B, canvases * L]
     count: jax.Array  # [B] tokens written
     done: jax.Array  # [B] bool: EOS written
@@ -115,39 +115,83 @@ def _entropy(lg):
     return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
 
+def _outer(params, cfg: ModelConfig, prompt_BP, prompt_len_B, key, *, canvases: int, canvas: int, max_new: int,
+           max_len: int, eos_ids, cache_dtype, inner):
+    """Canvas after canvas: ``inner(cache, done_B, key) -> (tokens [B, L] (-1: undecided), steps_B, passes, key)``
+    decodes one canvas; its tokens are committed up to the first EOS and encoded into the cache."""
+    params = decode_layout(params, cfg, fuse=False)
+    b, L = prompt_BP.shape[0], canvas
+    cache = kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=True)
+    cache = kvc.set_lengths(bd.encode(params, cfg, prompt_BP, cache, prompt_len_B), prompt_len_B)
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+
+    def cond(g: _Gen):
+        return ~jnp.all(g.done) & (g.k < canvases)
+
+    def body(g: _Gen):
+        commit, n_steps, passes, key = inner(params, g.cache, g.done, g.key)
+        live = ~g.done
+        cache = bd.encode(params, cfg, jnp.maximum(commit, 0), g.cache)
+        cache = kvc.advance(cache, jnp.where(live, L, 0))
+        hit = jnp.any(commit[..., None] == eos, axis=-1)  # [B, L]
+        first = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, L)
+        n_new = jnp.where(live, first, 0)
+        rows = jnp.arange(b)[:, None]
+        cols = g.count[:, None] + jnp.arange(L)[None]
+        cols = jnp.where(jnp.arange(L)[None] < n_new[:, None], cols, canvases * L)
+        out = g.out.at[rows, cols].set(commit, mode="drop")
+        return _Gen(out=out, count=g.count + n_new, done=g.done | (live & jnp.any(hit, axis=1)), cache=cache,
+                    canvas_steps=g.canvas_steps.at[:, g.k].set(n_steps), row_forwards=g.row_forwards + n_steps,
+                    k=g.k + 1, steps=g.steps + passes, key=key)
+
+    g = _Gen(out=jnp.zeros((b, canvases * L), jnp.int32), count=jnp.zeros((b,), jnp.int32),
+             done=jnp.zeros((b,), bool), cache=cache, canvas_steps=jnp.zeros((b, canvases), jnp.int32),
+             row_forwards=jnp.zeros((b,), jnp.int32), k=jnp.int32(0), steps=jnp.int32(0), key=key)
+    g = jax.lax.while_loop(cond, body, g)
+    count = jnp.minimum(g.count, max_new)
+    out = common.Outputs(tokens=g.out[:, :max_new], count=count, done=jnp.ones((b,), bool),
+                         row_forwards=g.row_forwards)
+    stats = {"target_forwards": g.steps + g.k + 1, "steps": g.steps, "canvases": g.k, "canvas_steps": g.canvas_steps}
+    return out, stats
+
+
+def _noise(greedy_B, noise_id: int, key, shape, vocab: int):
+    """Uniform random tokens; the fixed ``noise_id`` in greedy rows."""
+    return jnp.where(greedy_B[:, None], noise_id, jax.random.randint(key, shape, 0, vocab, jnp.int32))
+
+
+def _greedy(warp, samp, b):
+    return jnp.broadcast_to(sampling._greedy_rows(warp, jnp.zeros((b, 1))) | samp.greedy, (b,))
+
+
 def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: BlockDiffusionOptions,
              max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
              cache_dtype=jnp.float32):
-    """Returns (Outputs, stats); see the module docstring."""
-    params = decode_layout(params, cfg, fuse=False)
+    """The model's own sampler; returns (Outputs, stats) (see the module docstring)."""
     b = prompt_BP.shape[0]
     L, V, N = opts.canvas, cfg.vocab_size, opts.steps
-    cache = kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=True)
-    cache = kvc.set_lengths(bd.encode(params, cfg, prompt_BP, cache, prompt_len_B), prompt_len_B)
-    greedy_B = jnp.broadcast_to(sampling._greedy_rows(warp, jnp.zeros((b, 1))) | samp.greedy, (b,))
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    greedy_B = _greedy(warp, samp, b)
 
-    def noise(k):
-        return jnp.where(greedy_B[:, None], opts.noise_id, jax.random.randint(k, (b, L), 0, V, jnp.int32))
-
-    def denoise_canvas(g: _Gen) -> _Canvas:
-        key, k0 = jax.random.split(g.key)
-        c0 = _Canvas(cur=noise(k0), sc=jnp.zeros((b, L, V), jnp.float32), sc_on=jnp.zeros((b,), bool),
-                     amax=jnp.zeros((b, L), jnp.int32), hist=jnp.full((max(opts.stability, 1), b, L), -1, jnp.int32),
-                     fin=g.done, n=jnp.zeros((b,), jnp.int32), step=jnp.int32(0), key=key)
+    def inner(params, cache, done_B, key):
+        key, k0 = jax.random.split(key)
+        c0 = _Canvas(cur=_noise(greedy_B, opts.noise_id, k0, (b, L), V), sc=jnp.zeros((b, L, V), jnp.float32),
+                     sc_on=jnp.zeros((b,), bool), amax=jnp.zeros((b, L), jnp.int32),
+                     hist=jnp.full((max(opts.stability, 1), b, L), -1, jnp.int32), fin=done_B,
+                     n=jnp.zeros((b,), jnp.int32), step=jnp.int32(0), key=key)
 
         def cond(c: _Canvas):
             return ~jnp.all(c.fin) & (c.step < N)
 
         def body(c: _Canvas):
             key, k_draw, k_noise = jax.random.split(c.key, 3)
-            lg = bd.denoise(params, cfg, c.cur, g.cache, c.sc, c.sc_on)
+            lg = bd.denoise(params, cfg, c.cur, cache, c.sc, c.sc_on)
             t = opts.t_min + (opts.t_max - opts.t_min) * (N - c.step).astype(jnp.float32) / N
             proc = lg / t
             draw = sampling.sample(k_draw, proc, samp, warp)
             amax = sampling.argmax(proc)
             h = _entropy(proc)
-            nxt = jnp.where(entropy_bound_accept(h, opts.entropy_bound), draw, noise(k_noise))
+            nxt = jnp.where(entropy_bound_accept(h, opts.entropy_bound), draw,
+                            _noise(greedy_B, opts.noise_id, k_noise, (b, L), V))
             stable = jnp.all(jnp.all(amax[None] == c.hist, axis=-1), axis=0) if opts.stability else \
                 jnp.ones((b,), bool)
             stop = stable & (jnp.mean(h, axis=-1) < opts.confidence)
@@ -157,34 +201,103 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, op
             return _Canvas(cur=keep(nxt, c.cur), sc=keep(proc, c.sc), sc_on=c.sc_on | live, amax=keep(amax, c.amax),
                            hist=hist, fin=c.fin | stop, n=c.n + live.astype(jnp.int32), step=c.step + 1, key=key)
 
-        return jax.lax.while_loop(cond, body, c0)
+        c = jax.lax.while_loop(cond, body, c0)
+        return c.amax, c.n, c.step, c.key
 
-    def cond(g: _Gen):
-        return ~jnp.all(g.done) & (g.k < opts.canvases)
+    return _outer(params, cfg, prompt_BP, prompt_len_B, key, canvases=opts.canvases, canvas=L, max_new=max_new,
+                  max_len=max_len, eos_ids=eos_ids, cache_dtype=cache_dtype, inner=inner)
 
-    def body(g: _Gen):
-        c = denoise_canvas(g)
-        live = ~g.done
-        commit = c.amax
-        cache = bd.encode(params, cfg, commit, g.cache)
-        cache = kvc.advance(cache, jnp.where(live, L, 0))
-        hit = jnp.any(commit[..., None] == eos, axis=-1)  # [B, L]
-        first = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, L)
-        n_new = jnp.where(live, first, 0)
-        rows = jnp.arange(b)[:, None]
-        cols = g.count[:, None] + jnp.arange(L)[None]
-        cols = jnp.where(jnp.arange(L)[None] < n_new[:, None], cols, opts.canvases * L)
-        out = g.out.at[rows, cols].set(commit, mode="drop")
-        return _Gen(out=out, count=g.count + n_new, done=g.done | (live & jnp.any(hit, axis=1)), cache=cache,
-                    canvas_steps=g.canvas_steps.at[:, g.k].set(c.n), row_forwards=g.row_forwards + c.n,
-                    k=g.k + 1, steps=g.steps + c.step, key=c.key)
 
-    g = _Gen(out=jnp.zeros((b, opts.canvases * L), jnp.int32), count=jnp.zeros((b,), jnp.int32),
-             done=jnp.zeros((b,), bool), cache=cache, canvas_steps=jnp.zeros((b, opts.canvases), jnp.int32),
-             row_forwards=jnp.zeros((b,), jnp.int32), k=jnp.int32(0), steps=jnp.int32(0), key=key)
-    g = jax.lax.while_loop(cond, body, g)
-    count = jnp.minimum(g.count, max_new)
-    out = common.Outputs(tokens=g.out[:, :max_new], count=count, done=jnp.ones((b,), bool),
-                         row_forwards=g.row_forwards)
-    stats = {"target_forwards": g.steps + g.k + 1, "steps": g.steps, "canvases": g.k, "canvas_steps": g.canvas_steps}
-    return out, stats
+# ------------------------------------------------------------------------------------------------ masked samplers
+@dataclasses.dataclass(frozen=True)
+class MaskedCanvasOptions:
+    """pdecode's masked-diffusion samplers inside each canvas of a block-diffusion model: ``sampler`` "rule" (the
+    `diffusion` rules: ``rule_opts`` a `DiffusionOptions` over one canvas) or "dico" (``rule_opts`` a
+    `DiCoOptions`). Undecided positions are fed as noise (the model has no mask token), and the decoder is
+    self-conditioned on the last step's logits at a temperature falling from ``t_max`` to ``t_min`` with the
+    canvas's undecided fraction."""
+
+    canvases: int
+    canvas: int
+    sampler: str
+    rule_opts: object
+    t_min: float = 0.4
+    t_max: float = 0.8
+    noise_id: int = 0
+
+
+def generate_masked(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: MaskedCanvasOptions,
+                    max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None,
+                    cache_dtype=jnp.float32):
+    """Fast-dLLM / EB / LLaDA schedule / DiCo (and ReMDM remasking) committing tokens for good inside each canvas;
+    a canvas is done when every position before its first EOS is decided. Returns (Outputs, stats)."""
+    from pdecode.decode import canvas as cvs
+    from pdecode.decode import dico
+    from pdecode.decode import diffusion as dif
+
+    b = prompt_BP.shape[0]
+    L, V = opts.canvas, cfg.vocab_size
+    ro = opts.rule_opts
+    greedy_B = _greedy(warp, samp, b)
+    dico_on = opts.sampler == "dico"
+    sub = ro.block_length if dico_on and 0 < ro.block_length < L else L
+    cv = cvs.Canvas(prompt_len_B=jnp.zeros((b,), jnp.int32), canvas_BS=jnp.ones((b, L), bool),
+                    positions_BS=jnp.zeros((b, L), jnp.int32), attn_BSS=jnp.ones((1, 1, 1), bool), gen=L, block=sub,
+                    mask_id=opts.noise_id, shift=False)
+    remask = ro.remask != "none"
+    limit = (2 if remask else 1) * L + 1
+    z_BL, zb = jnp.zeros((b, L), jnp.float32), jnp.zeros((b,), jnp.int32)
+
+    def inner(params, cache, done_B, key):
+        x0 = jnp.full((b, L), opts.noise_id, jnp.int32)
+        masked0 = jnp.ones((b, L), bool)
+        if dico_on:
+            st = dico.DiCoState(x=x0, masked=masked0, commit_step=jnp.full((b, L), -1, jnp.int32),
+                                cluster=jnp.zeros((b, L), bool), phase=jnp.full((b,), dico.DIVIDE, jnp.int32), cbar=z_BL,
+                                c_prev=z_BL, seen=jnp.zeros((b, L), bool), block=zb, done=done_B, row_nfe=zb,
+                                passes=jnp.int32(0), steps=jnp.int32(0), key=key,
+                                phase_steps=jnp.zeros((3,), jnp.int32))
+        else:
+            st = dif.DiffState(x=x0, masked=masked0, commit_step=jnp.full((b, L), -1, jnp.int32), block=zb,
+                               step_in_block=zb, block_masks=jnp.full((b,), L, jnp.int32), done=done_B, row_nfe=zb,
+                               passes=jnp.int32(0), steps=jnp.int32(0), key=key, caches=None)
+        if remask:
+            st = st.replace(remasked=jnp.zeros((b, L), bool), commit_conf=z_BL, remasks=jnp.int32(0))
+        carry = (st, jnp.zeros((b, L, V), jnp.float32), jnp.zeros((b,), bool))
+
+        def cond(c):
+            return ~jnp.all(c[0].done) & (c[0].steps < limit)
+
+        def body(c):
+            st, sc, sc_on = c
+            key, k_noise, k_tok, k_re = jax.random.split(st.key, 4)
+            inp = jnp.where(st.masked, _noise(greedy_B, opts.noise_id, k_noise, (b, L), V), st.x)
+            lg = bd.denoise(params, cfg, inp, cache, sc, sc_on)
+            if dico_on:
+                sg = dico.signals(ro, cv, st, lg, k_tok, warp, samp, eos_ids)
+                nxt = dico.transition(ro, cv, st, sg, eos_ids, k_re if remask else None)
+            else:
+                commit, x0 = dif.choose(ro, cv, st, lg, k_tok, warp, samp, eos_ids)
+                x = jnp.where(commit, x0, st.x)
+                masked = st.masked & ~commit
+                remasked, commit_conf, remasks = st.remasked, st.commit_conf, st.remasks
+                if remask:
+                    commit_conf = jnp.where(commit, cvs.prob_stats(lg, x0)[0], commit_conf)
+                    x, masked, remasked, hit = cvs.remask(x, masked, commit, cv.canvas_BS, commit_conf, remasked,
+                                                          st.done, cv.mask_id, ro.remask, ro.remask_eta, k_re)
+                    remasks = remasks + jnp.sum(hit)
+                done = st.done | cvs.answer_done(x, masked, cv.canvas_BS, eos_ids)[0]
+                nxt = st.replace(x=x, masked=masked, commit_step=jnp.where(commit, st.steps, st.commit_step),
+                                 step_in_block=st.step_in_block + 1, done=done,
+                                 row_nfe=st.row_nfe + (~st.done).astype(jnp.int32), passes=st.passes + 1,
+                                 steps=st.steps + 1, remasked=remasked, commit_conf=commit_conf, remasks=remasks)
+            live = ~st.done
+            frac = jnp.mean(nxt.masked.astype(jnp.float32), axis=1)
+            t = opts.t_min + (opts.t_max - opts.t_min) * frac
+            return nxt.replace(key=key), lg / t[:, None, None], sc_on | live
+
+        st, _, _ = jax.lax.while_loop(cond, body, carry)
+        return jnp.where(st.masked, -1, st.x), st.row_nfe, st.steps, st.key
+
+    return _outer(params, cfg, prompt_BP, prompt_len_B, key, canvases=opts.canvases, canvas=L, max_new=max_new,
+                  max_len=max_len, eos_ids=eos_ids, cache_dtype=cache_dtype, inner=inner)

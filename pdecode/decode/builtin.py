@@ -404,12 +404,26 @@ def _prepare_block_diffusion(model, opts, max_new):
     the checkpoint's generation_config.json (`pdecode.decode.block_diffusion`)."""
     from pdecode.decode import block_diffusion as bdf
 
-    masked_only = sorted(k for k, v in opts.items() if k not in BLOCK_ONLY + ("steps", "eb_gamma")
-                         and v != _DIFFUSION_DEFAULTS[k])
-    if masked_only:
-        raise InputError(f"method 'diffusion' on {model.name or 'this model'} (block diffusion, canvas of "
-                         f"{model.cfg.canvas_length}) runs the model's own entropy-bound sampler; option "
-                         f"{masked_only[0]!r} belongs to the masked-diffusion samplers: drop it")
+    name = model.name or "this model"
+    L = model.cfg.canvas_length
+    own = opts.get("rule") in (None, "model")
+    if own:
+        masked_only = sorted(k for k, v in opts.items() if k not in BLOCK_ONLY + ("steps", "eb_gamma", "rule")
+                             and v != _DIFFUSION_DEFAULTS[k])
+        if masked_only:
+            raise InputError(f"method 'diffusion' on {name} (block diffusion, canvas of {L}) runs the model's own "
+                             f"entropy-bound sampler unless rule= picks a masked one; option {masked_only[0]!r} "
+                             "belongs to the masked samplers (rule=schedule, threshold, factor or eb): add one")
+    else:
+        for k, why in (("cfg_scale", "classifier-free guidance needs a mask token to hide the prompt, and "
+                                     "DiffusionGemma has none"),
+                       ("cache", "the encoder's KV cache of the prompt and committed canvases is always used (it "
+                                 "is Fast-dLLM's prefix cache); there is no suffix to cache"),
+                       ("refresh_every", "the encoder's cache never goes stale"),
+                       ("block_length", f"each canvas ({L} tokens) is the block")):
+            if opts.get(k) != _DIFFUSION_DEFAULTS[k] and not (k == "block_length" and opts.get(k) == L):
+                raise InputError(f"option {k!r} of method 'diffusion' does not apply on {name} (block diffusion): "
+                                 f"{why}; drop it")
     gen = model.generation_config or {}
     sampler = gen.get("sampler_config") if isinstance(gen.get("sampler_config"), dict) else {}
     kw = {}
@@ -418,12 +432,35 @@ def _prepare_block_diffusion(model, opts, max_new):
         stored = sampler.get("entropy_bound", gen.get("entropy_bound")) if k == "entropy_bound" else \
             gen.get(bdf.GEN_CONFIG_NAMES[k])
         kw[k] = given if given is not None else (stored if stored is not None else default)
-    L = model.cfg.canvas_length
+    if not own:
+        from pdecode.decode import diffusion
+
+        for k in ("stability", "confidence"):
+            if opts.get(k) is not None:
+                raise InputError(f"option {k!r} is the stopping rule of the model's own sampler (rule 'model'); "
+                                 f"rule {opts['rule']!r} decides every position for good: drop it")
+        kw2 = {k: opts[k] for k in ("rule", "alg", "threshold", "factor", "alg_temp", "remask", "remask_eta")}
+        ro = diffusion.DiffusionOptions(gen_length=L, block_length=L, steps=int(opts.get("steps") or L),
+                                        eb_gamma=float(opts.get("eb_gamma") or 0.1), **kw2)
+        return _masked_canvas_plan(model, ro, "rule", kw, max_new)
     o = bdf.BlockDiffusionOptions(canvases=-(-max_new // L), canvas=L, noise_id=int(model.cfg.pad_token_id or 0),
                                   steps=int(kw["steps"]), t_min=float(kw["t_min"]), t_max=float(kw["t_max"]),
                                   entropy_bound=float(kw["entropy_bound"]), stability=int(kw["stability"]),
                                   confidence=float(kw["confidence"]))
     return Plan(fn=bdf.generate, params=model.params, static={"cfg": model.cfg, "opts": o},
+                extra_len=o.canvases * L - max_new, finish_stats=_block_diffusion_stats, takes_cache_dtype=True)
+
+
+def _masked_canvas_plan(model, rule_opts, sampler, kw, max_new):
+    from pdecode.decode import block_diffusion as bdf
+
+    L = model.cfg.canvas_length
+    o = bdf.MaskedCanvasOptions(canvases=-(-max_new // L), canvas=L, sampler=sampler, rule_opts=rule_opts,
+                                t_min=float(kw["t_min"]), t_max=float(kw["t_max"]),
+                                noise_id=int(model.cfg.pad_token_id or 0))
+    if not o.t_max > o.t_min >= 0:
+        raise InputError(f"diffusion: t_max ({o.t_max}) must be > t_min ({o.t_min}) >= 0")
+    return Plan(fn=bdf.generate_masked, params=model.params, static={"cfg": model.cfg, "opts": o},
                 extra_len=o.canvases * L - max_new, finish_stats=_block_diffusion_stats, takes_cache_dtype=True)
 
 
@@ -438,6 +475,10 @@ def _prepare_diffusion(model, draft, opts, samp, max_new=None):
 
     if model.cfg.canvas_length:
         return _prepare_block_diffusion(model, opts, max_new)
+    if opts.get("rule") == "model":
+        raise InputError("rule 'model' (the model's own sampler) is for block-diffusion models such as DiffusionGemma; "
+                         f"{model.name or 'this model'} is a masked-diffusion model: use schedule, threshold, factor "
+                         "or eb")
     given = sorted(k for k in BLOCK_ONLY if opts.get(k) is not None)
     if given:
         raise InputError(f"option {given[0]!r} of method 'diffusion' is for block-diffusion models (DiffusionGemma); "
@@ -456,6 +497,13 @@ def _prepare_diffusion(model, draft, opts, samp, max_new=None):
 def _prepare_dico(model, draft, opts, samp, max_new=None):
     from pdecode.decode import dico
 
+    if model.cfg.canvas_length:  # DiffusionGemma: divide / conquer / finalize inside each canvas
+        from pdecode.decode import block_diffusion as bdf
+
+        gen = model.generation_config or {}
+        kw = {k: gen.get(k) if gen.get(k) is not None else bdf.DEFAULTS[k] for k in ("t_min", "t_max")}
+        return _masked_canvas_plan(model, dico.DiCoOptions(gen_length=model.cfg.canvas_length, shift=False, **opts),
+                                   "dico", kw, max_new)
     mask_id = _diffusion_model(model, "dico")
     o = dico.DiCoOptions(gen_length=max_new, shift=model.cfg.diffusion_shift, **opts)
     return Plan(fn=dico.generate, params=model.params, static={"cfg": model.cfg, "opts": o, "mask_id": mask_id},
@@ -480,9 +528,10 @@ register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=
                 options={
                     "block_length": Option(None, "int", "semi-AR block length (None: the whole canvas, one block)"),
                     "steps": Option(None, "int", "schedule rule: total denoising steps (None: one per token)"),
-                    "rule": Option("schedule", "str", "how many positions to commit per step: LLaDA's schedule, "
-                                   "Fast-dLLM's threshold or factor, EB-sampler's entropy bound",
-                                   choices=("schedule", "threshold", "factor", "eb")),
+                    "rule": Option(None, "str", "how many positions to commit per step: LLaDA's schedule, "
+                                   "Fast-dLLM's threshold or factor, EB-sampler's entropy bound; None: schedule "
+                                   "(a block-diffusion model: 'model', its own sampler)",
+                                   choices=("schedule", "threshold", "factor", "eb", "model")),
                     "alg": Option("confidence", "str", "which positions first: top-1 probability, top-1 minus "
                                   "top-2 margin, negative entropy, or random (Dream's algorithms)",
                                   choices=("confidence", "margin", "entropy", "random")),
