@@ -91,7 +91,7 @@ def test_forward_parity(dg):
     assert np.abs(want[0].numpy() - want[1].numpy()).max() > 0.1  # self-conditioning matters
     # the sc switch: off equals no sc at all
     np.testing.assert_allclose(np.asarray(DENOISE(m.params, m.cfg, j(canvas2), cache, j(sc), ~on)),
-                               np.asarray(DENOISE(m.params, m.cfg, j(canvas2), cache)), atol=1e-5)
+                               np.asarray(DENOISE(m.params, m.cfg, j(canvas2), cache)), atol=1e-4)
 
 
 def test_checkpoint_under_encoder_names(dg, tmp_path):
