@@ -83,8 +83,22 @@ CONFIGS = {
                         rms_norm_eps=1e-5, family="glm4_moe", attention_bias=True, rotary_dims=64, num_experts=128,
                         experts_per_tok=8, moe_intermediate_size=1408, shared_expert_size=1408, router_score="sigmoid",
                         dense_layers=1),
+    # DiffusionGemma 26B-A4B (google/diffusiongemma-26B-A4B-it): Gemma 4 26B-A4B's network as a block-diffusion
+    # encoder-decoder over canvases of 256. Figures from third-party model cards (not checked against the release):
+    # 30 layers (5:1 sliding 1024 / full), hidden 2816, 16 heads, 8 kv heads of 256 (full layers: 512, 2 kv heads,
+    # keys as values), a dense MLP of 2112 beside 128 experts of 704 (top 8): 25.2B parameters, 3.8B active
+    "diffusiongemma-26b-a4b": dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_layers=30,
+                                   num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=262144,
+                                   rope_theta=1000000.0, local_rope_theta=10000.0, family="diffusion_gemma",
+                                   qk_norm=True, hidden_act="gelu_tanh", attn_scale=1.0, final_softcap=30.0,
+                                   sliding_window=1024, tie_word_embeddings=True, global_head_dim=512,
+                                   global_kv_heads=2, k_eq_v=True, rope_fraction=0.25, num_experts=128,
+                                   experts_per_tok=8, moe_intermediate_size=704, causal=False, canvas_length=256,
+                                   layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(30))),
 }
 DEFAULT_DRAFT = "llama-3.2-1b"
+# DiffusionGemma's generation_config.json: at most 48 denoising steps per canvas (the plan's worst case)
+BLOCK_DIFFUSION_STEPS = 48
 
 # published peak dense bf16 FLOP/s and HBM bandwidth per chip
 HARDWARE = {
@@ -199,6 +213,32 @@ def _step_cost(cfg, params, mesh, batch: int, k: int, max_len: int, cache_dtype)
     return _cost(compiled)
 
 
+def _canvas_costs(cfg, params, mesh, batch: int, max_len: int, cache_dtype) -> dict:
+    """FLOPs and bytes per device of a block-diffusion model's two passes over one canvas, against a cache of
+    max_len: the decoder's denoising step (self-conditioned) and the encoder's pass that commits the canvas."""
+    import jax
+    import jax.numpy as jnp
+
+    from pdecode.model import block_diffusion as bd
+    from pdecode.sharding import batch_sharding, constrain_cache
+
+    L = cfg.canvas_length
+    cache = _cache_shapes(cfg, batch, max_len, cache_dtype, mesh)
+    toks = jax.ShapeDtypeStruct((batch, L), jnp.int32, sharding=batch_sharding(mesh, (batch, L)))
+    sc = jax.ShapeDtypeStruct((batch, L, cfg.vocab_size), jnp.float32,
+                              sharding=batch_sharding(mesh, (batch, L, cfg.vocab_size)))
+    on = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sharding(mesh, (batch,)))
+
+    def denoise(params, cache, toks, sc, on):
+        return bd.denoise(params, cfg, toks, constrain_cache(cache, mesh), sc, on)
+
+    def encode(params, cache, toks):
+        return bd.encode(params, cfg, toks, constrain_cache(cache, mesh))
+
+    return {"denoise_canvas": _cost(jax.jit(denoise).lower(params, cache, toks, sc, on).compile()),
+            "encode_canvas": _cost(jax.jit(encode, donate_argnums=1).lower(params, cache, toks).compile())}
+
+
 def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len: int = 4096, mesh_shape=None,
          dtype: str = "bfloat16", cache_dtype: str | None = None, draft_config: str | None = None,
          gamma: int = 4, tree_nodes: int = 60, prompt_len: int = 128, options: dict | None = None) -> dict:
@@ -226,8 +266,11 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     cdt = jnp.dtype(cache_dtype or dtype)
     if max_len > cfg.max_position_embeddings:
         raise InputError(f"--max-len {max_len} exceeds the model's context ({cfg.max_position_embeddings})")
-    if method not in ("ar", "sd", "eagle", "mtp"):
-        raise InputError(f"plan covers ar, sd, eagle and mtp; got {method!r}")
+    if method not in ("ar", "sd", "eagle", "mtp", "diffusion"):
+        raise InputError(f"plan covers ar, sd, eagle, mtp and diffusion; got {method!r}")
+    if (method == "diffusion") != bool(cfg.canvas_length):
+        raise InputError(f"--method diffusion plans a block-diffusion model (such as diffusiongemma-26b-a4b) and a "
+                         f"block-diffusion model plans only with it; {config} with {method!r} is neither")
     meth = registry.get(method)
     from pdecode.sharding import kv_repeat, placed_cfg
 
@@ -256,7 +299,11 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         extra_params = _bytes(ep)
     opts = registry.resolve_options(meth, {**opts, **(options or {})})
     samp = sampling.validate(0.0, 0, 1.0, cfg.vocab_size)
-    p = meth.prepare(target, draft, opts, samp)
+    if method == "diffusion":  # whole canvases after the prompt
+        p = meth.prepare(target, draft, opts, samp, max_new=(max_len - prompt_len) // cfg.canvas_length
+                         * cfg.canvas_length)
+    else:
+        p = meth.prepare(target, draft, opts, samp)
     max_new = max_len - prompt_len - p.extra_len
     if max_new < 1:
         raise InputError(f"--max-len {max_len} leaves no room for new tokens after a {prompt_len}-token prompt")
@@ -294,11 +341,15 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
             _shard_bytes(_cache_shapes(one_layer, batch, max_len, cdt, mesh))
     else:
         mem["weights_and_caches"] = held(cfg, params)
+    if method == "diffusion":
+        kinds = [("denoise_canvas", cfg, params, cfg.canvas_length), ("encode_canvas", cfg, params, cfg.canvas_length)]
 
     def counted(c, w, k):
         """A step by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per weight
         per token plus attention (4 per cached key per head per token)."""
         n_w = _shard_bytes(w) / jnp.dtype(jdt).itemsize
+        if method == "diffusion":  # a token runs through k of E experts (the other plans count every weight)
+            n_w *= c.active_params() / c.num_params()
         heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
         per_key = (2 * c.kv_lora_rank + c.head_dim) if c.kv_lora_rank else 2 * c.head_dim  # (latent: absorbed form)
         return {"flops": float(2 * n_w * batch / data * k + 2 * batch / data * k * c.num_layers * heads_dev
@@ -307,11 +358,19 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     # XLA:CPU's own counts count a layer stack under lax.scan once, not once per layer, and include the float32
     # copies XLA:CPU makes of bfloat16 matmul operands, which accelerators do not make: the projection uses the
     # counted steps, and both are reported
-    steps = {name: _step_cost(c, w, mesh, batch, k, max_len, cdt) for name, c, w, k in kinds}
+    steps = _canvas_costs(cfg, params, mesh, batch, max_len, cdt) if method == "diffusion" else \
+        {name: _step_cost(c, w, mesh, batch, k, max_len, cdt) for name, c, w, k in kinds}
     analytic = {name: counted(c, w, k) for name, c, w, k in kinds}
     proj = {}
     for hw, h in HARDWARE.items():
         t = lambda c: max(c["flops"] / h["flops"], c["bytes"] / h["hbm_bw"])  # noqa: E731
+        if method == "diffusion":  # a canvas: at most BLOCK_DIFFUSION_STEPS denoising steps, then its encoding
+            canvas_s = BLOCK_DIFFUSION_STEPS * t(analytic["denoise_canvas"]) + t(analytic["encode_canvas"])
+            proj[hw] = {"ar_tokens_per_s": None, "fits": mem["total"] <= h["hbm"],
+                        "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"],
+                        "denoise_step_s": t(analytic["denoise_canvas"]),
+                        "tokens_per_s": batch * cfg.canvas_length / canvas_s}
+            continue
         ar = batch / t(analytic["target_1"])
         row = {"ar_tokens_per_s": ar, "fits": mem["total"] <= h["hbm"],
                "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"], "tokens_per_s": ar}
@@ -452,6 +511,12 @@ def to_text(r: dict) -> str:
                       f"{cv['per_layer_full_kv']} for full per-head K and V ({cv['per_layer_full_kv'] / cv['per_layer_held']:.1f}x)"]
     lines += ["", f"Roofline from the counted steps (weights and caches read once per step), per device:", "",
               f"| hardware | fits (XLA / weights + caches) | AR tok/s | {r['method']} tok/s{tau} |", "|---|---|---|---|"]
+    if r["method"] == "diffusion":
+        lines[-2:] = [f"| hardware | fits (XLA / weights + caches) | one denoising step (ms) | tok/s at "
+                      f"{BLOCK_DIFFUSION_STEPS} steps per canvas (the most) |", "|---|---|---|---|"]
+        lines += [f"| {hw} | {'yes' if p['fits'] else 'no'} / {'yes' if p['fits_weights_and_caches'] else 'no'} | "
+                  f"{p['denoise_step_s'] * 1e3:.2f} | {p['tokens_per_s']:.0f} |" for hw, p in r["projection"].items()]
+        return "\n".join(lines)
     for hw, p in r["projection"].items():
         lines.append(f"| {hw} | {'yes' if p['fits'] else 'no'} / {'yes' if p['fits_weights_and_caches'] else 'no'} | "
                      f"{p['ar_tokens_per_s']:.0f} | "
@@ -463,7 +528,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help=f"{', '.join(CONFIGS)} or an HF directory (config.json)")
     ap.add_argument("--devices", type=int, required=True, help="devices of the mesh (forced CPU devices)")
     ap.add_argument("--mesh", default=None, help="DATAxMODEL (default 1xDEVICES: params sharded over all)")
-    ap.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "mtp"])
+    ap.add_argument("--method", default="ar", choices=["ar", "sd", "eagle", "mtp", "diffusion"],
+                    help="diffusion: a block-diffusion model (DiffusionGemma), its own sampler")
     ap.add_argument("--draft-config", default=None, help=f"sd/tree: the draft's config (default {DEFAULT_DRAFT})")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096)

@@ -161,6 +161,15 @@ def constrain_cache(cache, mesh: Mesh | None):
                          lengths=jax.lax.with_sharding_constraint(cache.lengths, ln))
 
 
+def constrain_vocab(x, mesh: Mesh | None):
+    """Pin an array [B, ..., V] over the vocabulary (batch on ``data``, vocabulary on ``model``, as the unembedding
+    is): a canvas's logits are B x L x V, too large to hold whole on every device at a 262k vocabulary."""
+    if mesh is None:
+        return x
+    axes = ("batch",) + (None,) * (x.ndim - 2) + ("vocab",)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, x.shape, mesh)))
+
+
 def kv_repeat(cfg, mesh: Mesh | None) -> int:
     """How many times to repeat each kv head so that the kv heads divide the mesh's ``model`` axis: a GQA model
     with fewer kv heads than the tensor-parallel degree (Llama-3-70B: 8 kv heads on 32 or 64 devices) would

@@ -259,3 +259,21 @@ def test_on_a_mesh_with_experts_sharded(dg):
         a = pdecode.generate(m, prompts, method="diffusion", max_new_tokens=16, **kw)
         b = pdecode.generate(mm, prompts, method="diffusion", max_new_tokens=16, mesh=mesh, **kw)
         assert a.tokens == b.tokens and a.stats["canvas_steps"] == b.stats["canvas_steps"]
+
+
+def test_plan_a_block_diffusion_model(dg):
+    """`pdecode plan --method diffusion` compiles the sampler for a mesh from the config alone and costs its two
+    passes over a canvas (the denoising step also runs the self-conditioning product over the vocabulary); a
+    block-diffusion model with an AR method, or diffusion on an AR config, is one line."""
+    from infer.plan import plan
+
+    _, _, d = dg
+    r = plan(str(d), 4, "diffusion", batch=4, max_len=64, mesh_shape=(4, 1), prompt_len=16)  # (vocab 99)
+    steps = r["step_costs_per_device"]
+    assert r["compiled"] and r["per_device_bytes"] > 0 and set(steps) == {"denoise_canvas", "encode_canvas"}
+    assert steps["denoise_canvas"]["flops"] > steps["encode_canvas"]["flops"] > 0
+    assert all(p["tokens_per_s"] > 0 and p["denoise_step_s"] > 0 for p in r["projection"].values())
+    with pytest.raises(InputError, match="--method diffusion plans a block-diffusion model"):
+        plan(str(d), 4, "ar", batch=4, max_len=64)
+    with pytest.raises(InputError, match="--method diffusion plans a block-diffusion model"):
+        plan("llama-3.2-1b", 4, "diffusion", batch=4, max_len=64)

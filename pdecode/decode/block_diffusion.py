@@ -37,6 +37,7 @@ from pdecode.errors import InputError
 from pdecode.model import block_diffusion as bd
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout
+from pdecode.sharding import constrain_vocab
 
 DEFAULTS = dict(steps=48, t_min=0.4, t_max=0.8, entropy_bound=0.1, stability=1, confidence=0.005)
 # generation_config.json's names for them (transformers' DiffusionGemma generation config)
@@ -174,7 +175,8 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, op
 
     def inner(params, cache, done_B, key):
         key, k0 = jax.random.split(key)
-        c0 = _Canvas(cur=_noise(greedy_B, opts.noise_id, k0, (b, L), V), sc=jnp.zeros((b, L, V), jnp.float32),
+        c0 = _Canvas(cur=_noise(greedy_B, opts.noise_id, k0, (b, L), V),
+                     sc=constrain_vocab(jnp.zeros((b, L, V), jnp.float32), mesh),
                      sc_on=jnp.zeros((b,), bool), amax=jnp.zeros((b, L), jnp.int32),
                      hist=jnp.full((max(opts.stability, 1), b, L), -1, jnp.int32), fin=done_B,
                      n=jnp.zeros((b,), jnp.int32), step=jnp.int32(0), key=key)
@@ -184,7 +186,7 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, op
 
         def body(c: _Canvas):
             key, k_draw, k_noise = jax.random.split(c.key, 3)
-            lg = bd.denoise(params, cfg, c.cur, cache, c.sc, c.sc_on)
+            lg = constrain_vocab(bd.denoise(params, cfg, c.cur, cache, c.sc, c.sc_on), mesh)
             t = opts.t_min + (opts.t_max - opts.t_min) * (N - c.step).astype(jnp.float32) / N
             proc = lg / t
             draw = sampling.sample(k_draw, proc, samp, warp)
@@ -198,7 +200,7 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, op
             live = ~c.fin
             keep = lambda new, old: jnp.where(live.reshape((b,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
             hist = jnp.concatenate([c.hist[1:], amax[None]], axis=0) if opts.stability else c.hist
-            return _Canvas(cur=keep(nxt, c.cur), sc=keep(proc, c.sc), sc_on=c.sc_on | live, amax=keep(amax, c.amax),
+            return _Canvas(cur=keep(nxt, c.cur), sc=constrain_vocab(keep(proc, c.sc), mesh), sc_on=c.sc_on | live, amax=keep(amax, c.amax),
                            hist=hist, fin=c.fin | stop, n=c.n + live.astype(jnp.int32), step=c.step + 1, key=key)
 
         c = jax.lax.while_loop(cond, body, c0)
@@ -263,7 +265,7 @@ def generate_masked(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelCon
                                passes=jnp.int32(0), steps=jnp.int32(0), key=key, caches=None)
         if remask:
             st = st.replace(remasked=jnp.zeros((b, L), bool), commit_conf=z_BL, remasks=jnp.int32(0))
-        carry = (st, jnp.zeros((b, L, V), jnp.float32), jnp.zeros((b,), bool))
+        carry = (st, constrain_vocab(jnp.zeros((b, L, V), jnp.float32), mesh), jnp.zeros((b,), bool))
 
         def cond(c):
             return ~jnp.all(c[0].done) & (c[0].steps < limit)
@@ -272,7 +274,7 @@ def generate_masked(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelCon
             st, sc, sc_on = c
             key, k_noise, k_tok, k_re = jax.random.split(st.key, 4)
             inp = jnp.where(st.masked, _noise(greedy_B, opts.noise_id, k_noise, (b, L), V), st.x)
-            lg = bd.denoise(params, cfg, inp, cache, sc, sc_on)
+            lg = constrain_vocab(bd.denoise(params, cfg, inp, cache, sc, sc_on), mesh)
             if dico_on:
                 sg = dico.signals(ro, cv, st, lg, k_tok, warp, samp, eos_ids)
                 nxt = dico.transition(ro, cv, st, sg, eos_ids, k_re if remask else None)
@@ -294,7 +296,7 @@ def generate_masked(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelCon
             live = ~st.done
             frac = jnp.mean(nxt.masked.astype(jnp.float32), axis=1)
             t = opts.t_min + (opts.t_max - opts.t_min) * frac
-            return nxt.replace(key=key), lg / t[:, None, None], sc_on | live
+            return nxt.replace(key=key), constrain_vocab(lg / t[:, None, None], mesh), sc_on | live
 
         st, _, _ = jax.lax.while_loop(cond, body, carry)
         return jnp.where(st.masked, -1, st.x), st.row_nfe, st.steps, st.key
