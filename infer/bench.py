@@ -381,6 +381,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out/latest"))
     ap.add_argument("--gen-lengths", nargs="+", type=int, default=[128, 256], help="diffusion suite")
     ap.add_argument("--items", type=int, default=40, help="diffusion suite: held-out task items per row")
+    ap.add_argument("--items-file", type=Path, default=None,
+                    help="diffusion suite: your own items instead of the task set, a JSONL of {\"prompt\" (or "
+                         "\"question\"), \"answer\"} (GSM8K's \"... #### 72\" answers work); numeric answers are "
+                         "scored on the generation's last number; prompts go through the model's chat template")
     ap.add_argument("--tasks", choices=["long", "short"], default="long",
                     help="diffusion suite: the long task kinds (answers of 47-126 tokens) or the short ones")
     ap.add_argument("--timing-items", type=int, default=8,

@@ -22,8 +22,10 @@ judge perplexity against forwards and tokens/s).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -65,7 +67,14 @@ SAMPLERS = {
     "oneshot-full+edit": ("oneshot", lambda g: dict(length="full", beams=1, refine="edit", editor=_editor())),
     "oneshot-full+edit-0.7": ("oneshot", lambda g: dict(length="full", beams=1, refine="edit", editor=_editor(0.7))),
     "mask-predict-10+edit": ("mask_predict", lambda g: dict(iterations=10, refine="edit", editor=_editor())),
+    # a block-diffusion model (DiffusionGemma): its own sampler (generation_config.json's defaults), Fast-dLLM's
+    # threshold and EB-sampler inside each canvas, and DiCo inside each canvas
+    "bd-model": ("diffusion", lambda g: {}),
+    "bd-fast-dllm-0.9": ("diffusion", lambda g: dict(rule="threshold", threshold=0.9)),
+    "bd-eb-0.1": ("diffusion", lambda g: dict(rule="eb", eb_gamma=0.1)),
+    "bd-dico": ("dico", lambda g: {}),
 }
+BLOCK_SAMPLERS = ("bd-model", "bd-fast-dllm-0.9", "bd-dico")  # the default rows for a block-diffusion model
 EDITOR = "code-edit"
 _EDITOR: list = []
 
@@ -116,9 +125,66 @@ def task_items(kind: str, n: int) -> list:
     return balanced(heldout[: TUNING_SLICE.start], n)
 
 
+@dataclasses.dataclass(frozen=True)
+class FileItem:
+    """An item of a user's JSONL (``--items-file``): the prompt as the model sees it and the exact answer."""
+
+    kind: str
+    prompt: str
+    answer: str
+
+
+def final_answer(answer: str) -> str:
+    """A GSM8K-style answer's final part (after ``####``), stripped; numbers without thousands separators."""
+    a = answer.split("####")[-1].strip()
+    return a.replace(",", "") if NUMBER.fullmatch(a.replace(",", "")) else a
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def file_score(item: FileItem, generated: str) -> bool:
+    """A numeric answer: the last number in the generation equals it (GSM8K's convention); otherwise the generation's
+    first line equals the answer."""
+    if NUMBER.fullmatch(item.answer):
+        nums = NUMBER.findall(generated.replace(",", ""))
+        return bool(nums) and float(nums[-1]) == float(item.answer)
+    from train.tasks import answer_line
+
+    return answer_line(generated) == item.answer
+
+
+def file_items(path: Path, tok, n: int) -> list[FileItem]:
+    """The first n items of a JSONL of {"prompt" (or "question"), "answer"}; the prompt goes through the model's chat
+    template when it has one (an instruction-tuned model), as one user turn."""
+    import pdecode
+    from pdecode.chat import render
+
+    items = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            q, a = d.get("prompt", d.get("question")), d["answer"]
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise pdecode.InputError(f"{path}:{i + 1}: each line must be a JSON object with \"prompt\" (or "
+                                     "\"question\") and \"answer\"") from None
+        if not isinstance(q, str):
+            raise pdecode.InputError(f"{path}:{i + 1}: \"prompt\" must be a string")
+        prompt = render(tok, [{"role": "user", "content": q}]) if getattr(tok, "chat_template", None) else q
+        items.append(FileItem(kind=Path(path).stem, prompt=prompt, answer=final_answer(str(a))))
+    if not items:
+        raise pdecode.InputError(f"{path} holds no items")
+    return items[:n]
+
+
 def _score(items, texts, tok):
     from train.tasks import position_score, score
 
+    if items and isinstance(items[0], FileItem):
+        exact = [int(file_score(it, t)) for it, t in zip(items, texts)]
+        return exact, [float(e) for e in exact]
     exact = [int(score(it, t)) for it, t in zip(items, texts)]
     pos = [position_score(it, t, tok) for it, t in zip(items, texts)]
     return exact, pos
@@ -397,11 +463,19 @@ def run(args) -> int:
 
     import pdecode
 
-    m = pdecode.load(args.model, dtype="float32")  # the recorded figures ran float32 weights
+    # the recorded zoo figures ran float32 weights; a user's own checkpoint loads as --dtype says (default: as stored)
+    items_file = getattr(args, "items_file", None)
+    m = pdecode.load(args.model, dtype=(getattr(args, "dtype", None) or "auto") if items_file else "float32")
     if getattr(args, "tune_dico", False):
         tune_dico(m, max(args.gen_lengths), max(args.batch), args.out)
         return 0
-    samplers = args.samplers or list(SAMPLERS)
+    block = bool(m.cfg.canvas_length)
+    samplers = args.samplers or (list(BLOCK_SAMPLERS) if block else [s for s in SAMPLERS if not s.startswith("bd-")])
+    wrong = [s for s in samplers if s in SAMPLERS and s.startswith("bd-") != block]
+    if wrong:
+        raise pdecode.InputError(f"sampler {wrong[0]!r} is for {'masked' if block else 'block'}-diffusion models; "
+                                 f"{args.model} is a {'block' if block else 'masked'}-diffusion model: use "
+                                 f"{', '.join(BLOCK_SAMPLERS) if block else 'the others'}")
     unknown = set(samplers) - set(SAMPLERS)
     if unknown:
         raise pdecode.InputError(f"unknown sampler(s) {sorted(unknown)}; choose from {', '.join(SAMPLERS)}")
@@ -409,7 +483,9 @@ def run(args) -> int:
     if bad or args.items < max(args.batch):
         raise pdecode.InputError(f"--timing-items ({args.timing_items}) must be a multiple of every --batch size and "
                                  f"--items ({args.items}) at least the largest batch ({max(args.batch)})")
-    items = task_items(args.tasks, args.items)
+    items = file_items(items_file, m.tokenizer, args.items) if items_file else task_items(args.tasks, args.items)
+    if len(items) < max(args.batch):
+        raise pdecode.InputError(f"{len(items)} items are fewer than the largest --batch ({max(args.batch)})")
     t0 = time.perf_counter()
     rows, code = [], []
     judge = pdecode.load(args.judge, dtype="float32") if args.judge else None
@@ -421,7 +497,7 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     big = max(args.batch)
-    meta = {"model": args.model, "tasks": args.tasks, "items": len(items) // big * big, "repeats": args.repeats,
+    meta = {"model": args.model, "tasks": str(items_file) if items_file else args.tasks, "items": len(items) // big * big, "repeats": args.repeats,
             "judge": args.judge, "ar_reference": args.ar_reference, "timing_items": args.timing_items,
             "code_prompts": args.code_prompts, "prompt_tokens": args.prompt_tokens,
             "same_tokens": all(r["same_tokens"] for r in rows),

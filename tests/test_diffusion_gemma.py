@@ -24,7 +24,7 @@ DENOISE = jax.jit(bd.denoise, static_argnums=1)
 PROMPTS = [list(np.random.default_rng(0).integers(3, 99, n)) for n in (5, 13, 9)]  # 13 > the sliding window 8
 
 
-def _tiny(path, seed=0, layers=3):
+def _tiny(path, seed=0, layers=3, vocab=99):
     """A random DiffusionGemma of the smallest shape with every path live: sliding and full layers (window 8, full
     layers with their own head size and one kv head, keys as values, partial rope), top-2 of 4 experts, norms,
     router scales and layer scalars randomised (the reference initialises them to ones)."""
@@ -33,7 +33,7 @@ def _tiny(path, seed=0, layers=3):
     torch.manual_seed(seed)
     kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     cfg = DiffusionGemmaConfig(
-        text_config=dict(vocab_size=99, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        text_config=dict(vocab_size=vocab, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                          intermediate_size=32, num_hidden_layers=layers, layer_types=kinds, sliding_window=8,
                          num_experts=4, top_k_experts=2, moe_intermediate_size=8, global_head_dim=32,
                          num_global_key_value_heads=1, pad_token_id=0, eos_token_id=2),
@@ -277,3 +277,37 @@ def test_plan_a_block_diffusion_model(dg):
         plan(str(d), 4, "ar", batch=4, max_len=64)
     with pytest.raises(InputError, match="--method diffusion plans a block-diffusion model"):
         plan("llama-3.2-1b", 4, "diffusion", batch=4, max_len=64)
+
+
+def test_bench_recipe_on_a_users_jsonl(tmp_path):
+    """The real-weights recipe on a tiny model with a tokenizer: `pdecode bench --suite diffusion --items-file`
+    reads (prompt, answer) lines, runs the model's own sampler, Fast-dLLM and DiCo inside canvases by default, and
+    scores exact answers (a GSM8K "#### n" answer against the generation's last number)."""
+    import shutil
+
+    from infer import diffusion_bench as DB
+    from infer.bench import main as bench_main
+
+    d = tmp_path / "m"
+    _tiny(d, vocab=4096)
+    shutil.copy(pdecode.api.resolve_path("code-dllm") / "tokenizer.json", d / "tokenizer.json")
+    items = tmp_path / "items.jsonl"
+    items.write_text("\n".join(json.dumps(x) for x in (
+        {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}, {"prompt": "def f(x):", "answer": "1,000"},
+        {"prompt": "print", "answer": "x"})) + "\n")
+    out = tmp_path / "out"
+    rc = bench_main(["--suite", "diffusion", "--model", str(d), "--items-file", str(items), "--gen-lengths", "16",
+                     "--batch", "1", "--items", "2", "--timing-items", "1", "--repeats", "1", "--code-prompts", "0",
+                     "--judge", "", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["sampler"] for r in res["rows"]] == list(DB.BLOCK_SAMPLERS)
+    assert all(r["items"] == 2 and r["nfe_per_item"] >= 2 and r["same_tokens"] for r in res["rows"])
+    assert res["meta"]["tasks"] == str(items)
+    it = DB.file_items(items, None, 5)
+    assert [i.answer for i in it] == ["5", "1000", "x"] and it[0].prompt == "What is 2 + 3?"
+    assert DB.file_score(it[0], "2 plus 3 makes 5.") and not DB.file_score(it[0], "5 or maybe 6")
+    assert DB.file_score(it[1], "it is 1,000") and DB.file_score(it[2], "x\nmore") and not DB.file_score(it[2], "y")
+    with pytest.raises(pdecode.InputError, match="is for masked-diffusion models"):
+        bench_main(["--suite", "diffusion", "--model", str(d), "--items-file", str(items), "--samplers", "vanilla",
+                    "--batch", "1", "--timing-items", "1", "--out", str(out)])
