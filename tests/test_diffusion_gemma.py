@@ -279,7 +279,7 @@ def test_plan_a_block_diffusion_model(dg):
         plan("llama-3.2-1b", 4, "diffusion", batch=4, max_len=64)
 
 
-def test_bench_recipe_on_a_users_jsonl(tmp_path):
+def test_bench_recipe_and_decomposition(tmp_path):
     """The real-weights recipe on a tiny model with a tokenizer: `pdecode bench --suite diffusion --items-file`
     reads (prompt, answer) lines, runs the model's own sampler, Fast-dLLM and DiCo inside canvases by default, and
     scores exact answers (a GSM8K "#### n" answer against the generation's last number)."""
@@ -311,3 +311,35 @@ def test_bench_recipe_on_a_users_jsonl(tmp_path):
     with pytest.raises(pdecode.InputError, match="is for masked-diffusion models"):
         bench_main(["--suite", "diffusion", "--model", str(d), "--items-file", str(items), "--samplers", "vanilla",
                     "--batch", "1", "--timing-items", "1", "--out", str(out)])
+    # decomposition around it: the points fill as one batch of canvases, each as it would alone (short runs: see
+    # the sampler test on float32 rounding)
+    import importlib
+
+    from tests.test_decompose import STUBS
+
+    D = importlib.import_module("pdecode.decompose")
+    m = pdecode.load(d, dtype="float32")
+    dec = pdecode.decompose(m, STUBS, method="diffusion", max_new_tokens=16, steps=2)
+    assert dec.stats["decision"]["mode"] == "parallel" and len(dec.points) == 4
+    for p, f in zip(dec.points, dec.fills):
+        ref = pdecode.generate(m, [dec.prefix + p], method="diffusion", max_new_tokens=16, steps=2)
+        assert D.cut_body(ref.texts[0]) == f
+
+
+def test_drafts_for_a_gemma4_target(dg, tmp_path):
+    """`diffusion_draft` with a DiffusionGemma draft for a Gemma 4 target on the same vocabulary: the draft's encoder
+    keeps the committed text in its own cache, its decoder fills a canvas of gamma noise positions; greedy output
+    equals the target's AR output token for token (a chain of two self-conditioned forwards; an adaptive lattice
+    tree), for prompts of mixed lengths in one batch."""
+    from tests.helpers import VOCAB, make_hf_model
+
+    make_hf_model("gemma4_moe", tmp_path / "t", seed=0)
+    target = pdecode.load(tmp_path / "t", dtype="float32")
+    _tiny(tmp_path / "d", vocab=VOCAB)
+    draft = pdecode.load(tmp_path / "d", dtype="float32")
+    prompts = [[5, 9, 13, 7, 21], list(range(3, 17)), [40, 41, 42, 7, 9]]
+    ar = pdecode.generate(target, prompts, method="ar", max_new_tokens=12)
+    for kw in (dict(gamma=4, steps=2), dict(gamma=3, tree_top_k=2, adaptive=True)):
+        out = pdecode.generate(target, prompts, method="diffusion_draft", draft=draft, max_new_tokens=12, **kw)
+        assert out.tokens == ar.tokens, kw
+        assert out.stats["draft_forwards"] >= 1

@@ -219,10 +219,11 @@ register(Method("pearl", _prepare_pearl, needs_draft=True, needs="draft model",
                         "and post-verify); a rejection costs one target token, not a wasted window"))
 
 def _prepare_diffusion_draft(model, draft, opts, samp):
-    from pdecode.decode.diffusion_draft import DiffusionDrafter
+    from pdecode.decode.diffusion_draft import BlockDiffusionDrafter, DiffusionDrafter
 
     check_same_vocab(model.cfg, draft.cfg)
-    mask_id = _diffusion_model(draft, "diffusion_draft")
+    block = bool(draft.cfg.canvas_length)  # DiffusionGemma: no mask token; undecided positions are the pad token
+    mask_id = int(draft.cfg.pad_token_id or 0) if block else _diffusion_model(draft, "diffusion_draft")
     g, steps, k = (_int_opt(opts, n) for n in ("gamma", "steps", "tree_top_k"))
     if steps > g:
         raise ConfigError(f"steps ({steps}) must not exceed gamma ({g}): each denoising forward commits >= 1 token")
@@ -234,9 +235,9 @@ def _prepare_diffusion_draft(model, draft, opts, samp):
                               f"gamma={g}; got {total!r}")
         if opts["refill"]:
             raise ConfigError("refill re-fills a chain's block: use it with tree_top_k=1")
-    drafter = DiffusionDrafter(draft.cfg, mask_id=mask_id, shift=draft.cfg.diffusion_shift, gamma=g, steps=steps,
-                               tree_top_k=k, total_tokens=total or 0, adaptive=bool(opts["adaptive"]),
-                               refill=bool(opts["refill"]))
+    kind = BlockDiffusionDrafter if block else DiffusionDrafter
+    drafter = kind(draft.cfg, mask_id=mask_id, shift=draft.cfg.diffusion_shift, gamma=g, steps=steps,
+                   tree_top_k=k, total_tokens=total or 0, adaptive=bool(opts["adaptive"]), refill=bool(opts["refill"]))
     plan = _spec_plan(model, draft.params, drafter, opts)
     plan.extra_len = max(plan.extra_len, 2 * g + 2)  # the draft writes its block past the committed text
     return plan

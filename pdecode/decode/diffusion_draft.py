@@ -188,3 +188,55 @@ class DiffusionDrafter(Drafter):
             gam = jnp.where(full, jnp.minimum(gam + 2, g), jnp.maximum(gam - 1, 1))
         return st.replace(gamma=jnp.where(ctx.active, gam, st.gamma),
                           prev_shift=jnp.where(ctx.active, ver.n_accepted + 1, st.prev_shift))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDiffusionDrafter(DiffusionDrafter):
+    """A block-diffusion encoder-decoder (DiffusionGemma) drafting (the block-diffusion drafter idea of DFlash): its
+    encoder writes the committed text into its own KV cache as the target commits it (each token once), and its
+    decoder denoises a canvas of ``gamma`` positions after it, bidirectionally over the canvas and reading that cache.
+    Undecided positions are the noise token ``mask_id`` (the model has no mask token); with ``steps`` > 1 each
+    further forward is self-conditioned on the last one's logits (temperature falling from ``t_max`` to ``t_min``)
+    and re-reads the positions committed so far. Chains, lattice trees, adaptive lengths and refill as above; the
+    draft is the argmax, deterministic, so verification is lossless."""
+
+    t_min: float = 0.4
+    t_max: float = 0.8
+
+    def prepare(self, dparams, mesh):
+        return decode_layout(dparams, self.dcfg, fuse=False)
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+        from pdecode.model import block_diffusion as bd
+
+        b = prompt_BP.shape[0]
+        cache = kvc.init_cache(self.dcfg, b, max_len, cache_dtype, per_layer=True)
+        cache = kvc.set_lengths(bd.encode(dparams, self.dcfg, prompt_BP, cache, plen_B), plen_B)
+        g = self.gamma
+        return DiffDraftState(cache=cache, gamma=jnp.full((b,), g if not self.adaptive else max(1, g // 2), jnp.int32),
+                              prev=jnp.full((b, g), self.mask_id, jnp.int32), prev_shift=jnp.full((b,), g, jnp.int32))
+
+    def _draft_block(self, dparams, st: DiffDraftState, ctx: Context):
+        from pdecode.model import block_diffusion as bd
+
+        g, steps = self.gamma, self.steps
+        cache = st.cache
+        start = cache.lengths
+        pos = start[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # accepted + bonus <= g + 1 unseen
+        tok = jnp.take_along_axis(ctx.seq, jnp.minimum(pos, ctx.seq.shape[1] - 1), axis=1)
+        cache = kvc.set_lengths(bd.encode(dparams, self.dcfg, tok, cache, ctx.seq_len - start), ctx.seq_len)
+        blk = self._block_init(st)
+        masked = blk == self.mask_id
+        lg = bd.denoise(dparams, self.dcfg, blk, cache)
+        x = sampling.argmax(lg) if self.refill else jnp.where(masked, sampling.argmax(lg), blk)
+        per = -(-g // steps)
+        for s in range(1, steps):
+            conf = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
+            score = jnp.where(masked, conf, -1.0)
+            commit = masked & (score >= jax.lax.top_k(score, per)[0][:, -1:])
+            keep = jnp.where(commit, sampling.argmax(lg), blk)
+            blk, masked = jnp.where(masked, jnp.where(commit, keep, self.mask_id), blk), masked & ~commit
+            t = self.t_min + (self.t_max - self.t_min) * (steps - s) / steps
+            lg = bd.denoise(dparams, self.dcfg, blk, cache, lg / t, jnp.ones(start.shape, bool))
+            x = sampling.argmax(lg) if self.refill else jnp.where(masked, sampling.argmax(lg), blk)
+        return lg, x, cache, steps
