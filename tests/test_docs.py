@@ -73,7 +73,7 @@ def test_numpy_scalars_and_tree_objects_are_accepted():
 
 def test_option_values_that_fit_pass():
     got = registry.resolve_options(registry.get("diffusion"), {"threshold": 1, "block_length": None, "cache": "dual"})
-    assert got["threshold"] == 1 and got["cache"] == "dual" and got["rule"] == "schedule"
+    assert got["threshold"] == 1 and got["cache"] == "dual" and got["rule"] is None  # (None: schedule; a block-diffusion model: its own)
     assert registry.resolve_options(registry.get("tree"), {"tree": [[0], [1]]})["tree"] == [[0], [1]]
 
 
