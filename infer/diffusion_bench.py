@@ -497,7 +497,8 @@ def run(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     big = max(args.batch)
-    meta = {"model": args.model, "tasks": str(items_file) if items_file else args.tasks, "items": len(items) // big * big, "repeats": args.repeats,
+    meta = {"model": args.model, "tasks": str(items_file) if items_file else args.tasks,
+            "items": len(items) // big * big, "repeats": args.repeats,
             "judge": args.judge, "ar_reference": args.ar_reference, "timing_items": args.timing_items,
             "code_prompts": args.code_prompts, "prompt_tokens": args.prompt_tokens,
             "same_tokens": all(r["same_tokens"] for r in rows),

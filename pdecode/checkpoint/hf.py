@@ -374,9 +374,8 @@ def _open(path: Path):
     src = CheckpointTensors(path)
     from pdecode.model.family import family_of
 
-    aliases = getattr(family_of(cfg), "tensor_aliases", None) if cfg.layout == "hf" else None
-    if aliases is not None:
-        src.alias(aliases(list(src)))
+    if cfg.layout == "hf":
+        src.alias(family_of(cfg).tensor_aliases(list(src)))
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in src and "model.embed_tokens.weight" in src:
         raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
     return cfg, hf_cfg, src

@@ -45,24 +45,26 @@ GEN_CONFIG_NAMES = dict(steps="max_denoising_steps", t_min="t_min", t_max="t_max
                         confidence="confidence_threshold")
 
 
+def _schedule_problems(t_min: float, t_max: float) -> list[str]:
+    return [] if t_max > t_min >= 0 else [f"t_max ({t_max}) must be > t_min ({t_min}) >= 0"]
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDiffusionOptions:
     canvases: int  # canvases at most (ceil(max_new_tokens / canvas))
     canvas: int  # the model's canvas_length
-    steps: int = 48  # denoising steps per canvas at most
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability: int = 1  # the argmax canvas must equal this many previous ones (0: always stable)
-    confidence: float = 0.005  # ... and the canvas's mean entropy be below this
+    steps: int = DEFAULTS["steps"]  # denoising steps per canvas at most
+    t_min: float = DEFAULTS["t_min"]
+    t_max: float = DEFAULTS["t_max"]
+    entropy_bound: float = DEFAULTS["entropy_bound"]
+    stability: int = DEFAULTS["stability"]  # the argmax canvas must equal this many previous ones (0: always stable)
+    confidence: float = DEFAULTS["confidence"]  # ... and the canvas's mean entropy be below this
     noise_id: int = 0  # the noise token at temperature 0
 
     def __post_init__(self):
-        problems = []
+        problems = _schedule_problems(self.t_min, self.t_max)
         if self.steps < 1:
             problems.append(f"steps must be >= 1 (got {self.steps})")
-        if not self.t_max > self.t_min >= 0:
-            problems.append(f"t_max ({self.t_max}) must be > t_min ({self.t_min}) >= 0")
         if not self.entropy_bound > 0:
             problems.append(f"entropy_bound must be > 0 (got {self.entropy_bound})")
         if self.stability < 0:
@@ -223,9 +225,14 @@ class MaskedCanvasOptions:
     canvas: int
     sampler: str
     rule_opts: object
-    t_min: float = 0.4
-    t_max: float = 0.8
+    t_min: float = DEFAULTS["t_min"]
+    t_max: float = DEFAULTS["t_max"]
     noise_id: int = 0
+
+    def __post_init__(self):
+        problems = _schedule_problems(self.t_min, self.t_max)
+        if problems:
+            raise InputError("diffusion: " + "; ".join(problems))
 
 
 def generate_masked(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: MaskedCanvasOptions,

@@ -407,10 +407,11 @@ def _prepare_block_diffusion(model, opts, max_new):
 
     name = model.name or "this model"
     L = model.cfg.canvas_length
+    defaults = METHODS["diffusion"].defaults
     own = opts.get("rule") in (None, "model")
     if own:
         masked_only = sorted(k for k, v in opts.items() if k not in BLOCK_ONLY + ("steps", "eb_gamma", "rule")
-                             and v != _DIFFUSION_DEFAULTS[k])
+                             and v != defaults[k])
         if masked_only:
             raise InputError(f"method 'diffusion' on {name} (block diffusion, canvas of {L}) runs the model's own "
                              f"entropy-bound sampler unless rule= picks a masked one; option {masked_only[0]!r} "
@@ -422,17 +423,10 @@ def _prepare_block_diffusion(model, opts, max_new):
                                  "is Fast-dLLM's prefix cache); there is no suffix to cache"),
                        ("refresh_every", "the encoder's cache never goes stale"),
                        ("block_length", f"each canvas ({L} tokens) is the block")):
-            if opts.get(k) != _DIFFUSION_DEFAULTS[k] and not (k == "block_length" and opts.get(k) == L):
+            if opts.get(k) != defaults[k] and not (k == "block_length" and opts.get(k) == L):
                 raise InputError(f"option {k!r} of method 'diffusion' does not apply on {name} (block diffusion): "
                                  f"{why}; drop it")
-    gen = model.generation_config or {}
-    sampler = gen.get("sampler_config") if isinstance(gen.get("sampler_config"), dict) else {}
-    kw = {}
-    for k, default in bdf.DEFAULTS.items():
-        given = opts.get("eb_gamma" if k == "entropy_bound" else k)
-        stored = sampler.get("entropy_bound", gen.get("entropy_bound")) if k == "entropy_bound" else \
-            gen.get(bdf.GEN_CONFIG_NAMES[k])
-        kw[k] = given if given is not None else (stored if stored is not None else default)
+    kw = _block_settings(model, opts)
     if not own:
         from pdecode.decode import diffusion
 
@@ -449,7 +443,23 @@ def _prepare_block_diffusion(model, opts, max_new):
                                   entropy_bound=float(kw["entropy_bound"]), stability=int(kw["stability"]),
                                   confidence=float(kw["confidence"]))
     return Plan(fn=bdf.generate, params=model.params, static={"cfg": model.cfg, "opts": o},
-                extra_len=o.canvases * L - max_new, finish_stats=_block_diffusion_stats, takes_cache_dtype=True)
+                extra_len=o.canvases * L - max_new, finish_stats=_diffusion_stats, takes_cache_dtype=True)
+
+
+def _block_settings(model, opts) -> dict:
+    """The block-diffusion sampler's settings (`block_diffusion.DEFAULTS`): each as the caller gives it (the entropy
+    bound as ``eb_gamma``), else the checkpoint's generation_config.json's, else the reference's default."""
+    from pdecode.decode import block_diffusion as bdf
+
+    gen = model.generation_config or {}
+    sampler = gen.get("sampler_config") if isinstance(gen.get("sampler_config"), dict) else {}
+    kw = {}
+    for k, default in bdf.DEFAULTS.items():
+        given = opts.get("eb_gamma" if k == "entropy_bound" else k)
+        stored = sampler.get("entropy_bound", gen.get("entropy_bound")) if k == "entropy_bound" else \
+            gen.get(bdf.GEN_CONFIG_NAMES[k])
+        kw[k] = given if given is not None else (stored if stored is not None else default)
+    return kw
 
 
 def _masked_canvas_plan(model, rule_opts, sampler, kw, max_new):
@@ -459,16 +469,8 @@ def _masked_canvas_plan(model, rule_opts, sampler, kw, max_new):
     o = bdf.MaskedCanvasOptions(canvases=-(-max_new // L), canvas=L, sampler=sampler, rule_opts=rule_opts,
                                 t_min=float(kw["t_min"]), t_max=float(kw["t_max"]),
                                 noise_id=int(model.cfg.pad_token_id or 0))
-    if not o.t_max > o.t_min >= 0:
-        raise InputError(f"diffusion: t_max ({o.t_max}) must be > t_min ({o.t_min}) >= 0")
     return Plan(fn=bdf.generate_masked, params=model.params, static={"cfg": model.cfg, "opts": o},
-                extra_len=o.canvases * L - max_new, finish_stats=_block_diffusion_stats, takes_cache_dtype=True)
-
-
-def _block_diffusion_stats(s):
-    s["nfe"] = s["row_forwards"] / max(s["batch"], 1)
-    s["tokens_per_forward"] = s["new_tokens"] / max(s["row_forwards"], 1)
-    return s
+                extra_len=o.canvases * L - max_new, finish_stats=_diffusion_stats, takes_cache_dtype=True)
 
 
 def _prepare_diffusion(model, draft, opts, samp, max_new=None):
@@ -499,12 +501,8 @@ def _prepare_dico(model, draft, opts, samp, max_new=None):
     from pdecode.decode import dico
 
     if model.cfg.canvas_length:  # DiffusionGemma: divide / conquer / finalize inside each canvas
-        from pdecode.decode import block_diffusion as bdf
-
-        gen = model.generation_config or {}
-        kw = {k: gen.get(k) if gen.get(k) is not None else bdf.DEFAULTS[k] for k in ("t_min", "t_max")}
         return _masked_canvas_plan(model, dico.DiCoOptions(gen_length=model.cfg.canvas_length, shift=False, **opts),
-                                   "dico", kw, max_new)
+                                   "dico", _block_settings(model, {}), max_new)
     mask_id = _diffusion_model(model, "dico")
     o = dico.DiCoOptions(gen_length=max_new, shift=model.cfg.diffusion_shift, **opts)
     return Plan(fn=dico.generate, params=model.params, static={"cfg": model.cfg, "opts": o, "mask_id": mask_id},
@@ -518,12 +516,12 @@ def _diffusion_stats(s):
 
     s["nfe"] = s["row_forwards"] / max(s["batch"], 1)
     s["tokens_per_forward"] = s["new_tokens"] / max(s["row_forwards"], 1)
-    s["commit_step"] = np.asarray(s["commit_step"]).tolist()
+    if "commit_step" in s:  # (a block-diffusion model's samplers report steps per canvas instead)
+        s["commit_step"] = np.asarray(s["commit_step"]).tolist()
     return s
 
 
 NOT_AR = "no: a masked-diffusion model's own distribution"
-_DIFFUSION_DEFAULTS: dict = {}  # filled below: the diffusion method's option defaults
 register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=True, needs="diffusion model",
                 lossless=NOT_AR,
                 options={
@@ -565,7 +563,6 @@ register(Method("diffusion", _prepare_diffusion, target="masked", wants_max_new=
                 },
                 summary="masked diffusion: LLaDA schedule, Fast-dLLM threshold/factor with prefix or dual cache, "
                         "EB-sampler, Dream's orderings, semi-AR blocks, CFG"))
-_DIFFUSION_DEFAULTS.update({k: o.default for k, o in METHODS["diffusion"].options.items()})
 DICO_HELP = {
     "num_seeds": ("int", "Divide: seed positions picked per phase"),
     "seed_low": ("float", "Divide: lowest confidence a seed may have (moderate, not low)"),

@@ -97,6 +97,11 @@ class Family:
 
         return named_rules(cfg, self.block_names(cfg), prefix)
 
+    def tensor_aliases(self, names) -> dict[str, str]:
+        """Tensors a checkpoint may store under another name (tied weights): a name the rules use -> the name found
+        among ``names`` (the checkpoint's); none by default."""
+        return {}
+
     def head_block_rules(self, cfg, prefix: str) -> list:
         """The rules of one block under ``prefix`` (e.g. "model.layers.{i}."): drafter heads saved with it."""
         from pdecode.checkpoint.hf import Rule
