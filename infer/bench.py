@@ -366,7 +366,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                               "transformers-assisted", "transformers-lookup"],
                     help="peer rows on the same weights (transformers-bf16: torch in bfloat16)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
-    ap.add_argument("--temperature", nargs="+", type=float, default=[0.0])
+    ap.add_argument("--temperature", nargs="+", type=float, default=None,
+                    help="decode suite: one row set per temperature (default 0); diffusion suite: one value "
+                         "(default: the model's generation config, greedy unless it samples; 0: greedy, the pad "
+                         "token as a block-diffusion model's noise; 1: DiffusionGemma's own sampler as released)")
     ap.add_argument("--prompts", type=int, default=None,
                     help="number of prompts (validation files; default 8, decompose suite 4)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -583,7 +586,7 @@ def run_from_args(args) -> int:
         elif peer == "transformers-lookup":
             runners.append(HFRunner(model, "transformers-lookup", prompt_lookup_num_tokens=10))
     rows = []
-    for temp in args.temperature:
+    for temp in args.temperature or [0.0]:
         for b in args.batch:
             active = []
             for r in runners:

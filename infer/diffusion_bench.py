@@ -98,10 +98,10 @@ TUNING_SLICE = slice(400, 432)
 PICTURED = ("vanilla", "fast-dllm-0.9", "eb-0.1", "dico")  # held-out long items --tune-dico uses; the reported rows take items before 400
 
 
-def _run(m, prompts, method, opts, g, seed=0):
+def _run(m, prompts, method, opts, g, seed=0, temperature=None):
     import pdecode
 
-    out = pdecode.generate(m, prompts, method=method, max_new_tokens=g, seed=seed, **opts)
+    out = pdecode.generate(m, prompts, method=method, max_new_tokens=g, seed=seed, temperature=temperature, **opts)
     if "refine" in opts:  # the edit model's forwards (a batch waits for its slowest row) and time; its tokens
         out.stats["nfe"] += max(out.stats["refine"]["forwards"])
         out.stats["wall_s"] += out.stats["refine"]["wall_s"]
@@ -194,7 +194,35 @@ def _groups(xs, b):
     return [xs[i: i + b] for i in range(0, len(xs) - b + 1, b)]
 
 
-def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: int) -> list[dict]:
+CANVAS_FIGURES = ("forwards_per_canvas", "canvases_per_item", "encoder_tokens_per_item",
+                  "uncached_encoder_tokens_per_item")
+
+
+def canvas_figures(outs) -> dict:
+    """A block-diffusion model's figures over every row of ``outs``: decoder forwards per canvas (each canvas a row
+    reached), canvases per item, and the encoder's tokens per item with its cache and without it (every committed
+    canvas and the prompt encoded again before each decoder step). Empty for a masked-diffusion model."""
+    if not outs or "canvas_steps" not in outs[0].stats:
+        return {}
+    steps = np.concatenate([np.asarray(o.stats["canvas_steps"]) for o in outs])
+    enc = np.concatenate([np.asarray(o.stats["encoder_tokens"]) for o in outs])
+    raw = np.concatenate([np.asarray(o.stats["uncached_encoder_tokens"]) for o in outs])
+    return {"forwards_per_canvas": float(steps[steps > 0].mean()), "canvases_per_item": float((steps > 0).sum(1).mean()),
+            "encoder_tokens_per_item": float(enc.mean()), "uncached_encoder_tokens_per_item": float(raw.mean())}
+
+
+def encoder_cache_bytes_per_token(cfg, dtype) -> int:
+    """Bytes the KV cache holds per token (every layer's keys and values, as pdecode lays them out)."""
+    import jax
+
+    from pdecode.model import cache as kvc
+
+    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, 8, dtype, per_layer=True))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim >= 3) // 8)
+
+
+def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: int,
+              temperature: float | None = None) -> list[dict]:
     """One row per (sampler, batch) at length g. Quality (accuracy, NFE) from one pass over every item at the
     largest batch; speed from ``repeats`` rounds over the first ``timing_items`` items at every batch size, each
     round running every sampler once (interleaved), tokens/s the median over rounds. The timed runs must give the
@@ -207,11 +235,13 @@ def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: i
     tok = m.tokenizer.backend
     quality: dict = {}
     for name in samplers:
-        outs = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g) for grp in groups]
+        outs = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g, temperature=temperature)
+                for grp in groups]
         texts = [t for o in outs for t in o.texts]
         exact, pos = _score(used, texts, tok)
         quality[name] = dict(tokens=[t for o in outs for t in o.tokens], exact=exact, pos=pos,
-                             nfe=float(np.mean([o.stats["nfe"] for o in outs])), compile_s=outs[0].stats["compile_s"])
+                             nfe=float(np.mean([o.stats["nfe"] for o in outs])), compile_s=outs[0].stats["compile_s"],
+                             **canvas_figures(outs))
         print(f"  gen {g} {name}: acc {np.mean(exact):.3f} (pos {np.mean(pos):.3f}), NFE {quality[name]['nfe']:.1f}",
               file=sys.stderr, flush=True)
     timed = used[:timing_items]
@@ -219,12 +249,13 @@ def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: i
     speed: dict = {}
     for b in batches:  # warm-up of every timed shape
         for name in samplers:
-            _run(m, [it.prompt for it in timed[:b]], SAMPLERS[name][0], opts[name], g)
+            _run(m, [it.prompt for it in timed[:b]], SAMPLERS[name][0], opts[name], g, temperature=temperature)
     for r in range(repeats):
         for name in samplers:
             for b in batches:
                 sub = _groups(timed, b)
-                outs = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g) for grp in sub]
+                outs = [_run(m, [it.prompt for it in grp], SAMPLERS[name][0], opts[name], g, temperature=temperature)
+                        for grp in sub]
                 walls[(name, b)].append(sum(o.stats["wall_s"] for o in outs))
                 if r == 0:
                     toks = [t for o in outs for t in o.tokens]
@@ -246,7 +277,8 @@ def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: i
                    "accuracy_by_kind": {k: float(np.mean([e for e, _ in v])) for k, v in sorted(by_kind.items())},
                    "position_accuracy_by_kind": {k: float(np.mean([p for _, p in v])) for k, v in sorted(by_kind.items())},
                    "nfe_per_item": q["nfe"], "tokens_per_s": sp["new_tokens"] / med, "wall_s_median": med,
-                   "timed_items": sp["items"], "compile_s": sp["compile_s"], "same_tokens": sp["same"]}
+                   "timed_items": sp["items"], "compile_s": sp["compile_s"], "same_tokens": sp["same"],
+                   **{k: q[k] for k in CANVAS_FIGURES if k in q}}
             rows.append(row)
             print(f"  gen {g} batch {b} {name}: acc {row['accuracy']:.3f} (pos {row['position_accuracy']:.3f}), "
                   f"NFE {row['nfe_per_item']:.1f}, {row['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -429,7 +461,9 @@ def to_markdown(rows, code, meta) -> str:
     lines = [f"Model {meta['model']}, {meta['machine']}; {meta['items']} held-out {meta['tasks']} task items per row "
              f"(evenly across kinds), quality from one pass at batch {big}; tokens/s over the first "
              f"{meta['timing_items']} items at every batch, median of {meta['repeats']} interleaved rounds (timed "
-             f"tokens equal the quality pass's: {meta['same_tokens']}). {meta['bench_minutes']:.1f} min.", "",
+             f"tokens equal the quality pass's: {meta['same_tokens']}"
+             + (f"; temperature {meta['temperature']}: a row samples differently in a batch of another size"
+                if meta.get("temperature") else "") + f"). {meta['bench_minutes']:.1f} min.", "",
              "| length | batch | sampler | exact acc. | per-position acc. | NFE / item | tokens/s | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -443,6 +477,18 @@ def to_markdown(rows, code, meta) -> str:
                   "|---" * (len(kinds) + 1) + "|"]
         lines += [f"| {r['sampler']} | " + " | ".join(f"{r['accuracy_by_kind'][k]:.2f}" for k in kinds) + " |"
                   for r in rs]
+    canv = [r for r in rows if r["batch"] == big and "forwards_per_canvas" in r]
+    if canv:
+        lines += ["", f"Per canvas (a block-diffusion model; its KV cache holds {meta['cache_bytes_per_token']} bytes "
+                      f"per token at {meta['cache_dtype']}): decoder forwards per canvas, and the tokens the encoder "
+                      "ran per item with its cache against re-encoding the prompt and committed canvases before each "
+                      "decoder step:", "",
+                  "| length | sampler | forwards / canvas | canvases / item | encoder tokens / item | without the cache "
+                  "| saved |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['gen_length']} | {r['sampler']} | {r['forwards_per_canvas']:.2f} | "
+                  f"{r['canvases_per_item']:.2f} | {r['encoder_tokens_per_item']:.0f} | "
+                  f"{r['uncached_encoder_tokens_per_item']:.0f} | "
+                  f"{r['uncached_encoder_tokens_per_item'] / max(r['encoder_tokens_per_item'], 1):.1f}x |" for r in canv]
     if code:
         lines += ["", f"Free code: continuations of {meta['code_prompts']} validation-file prompts of "
                       f"{meta['prompt_tokens']} tokens, judged by {meta['judge']}:", "",
@@ -483,6 +529,11 @@ def run(args) -> int:
     if bad or args.items < max(args.batch):
         raise pdecode.InputError(f"--timing-items ({args.timing_items}) must be a multiple of every --batch size and "
                                  f"--items ({args.items}) at least the largest batch ({max(args.batch)})")
+    temps = getattr(args, "temperature", None) or [None]
+    if len(temps) != 1:
+        raise pdecode.InputError("the diffusion suite runs at one --temperature (0: greedy; 1: a block-diffusion "
+                                 "model's own sampler as released)")
+    temperature = temps[0]
     items = file_items(items_file, m.tokenizer, args.items) if items_file else task_items(args.tasks, args.items)
     if len(items) < max(args.batch):
         raise pdecode.InputError(f"{len(items)} items are fewer than the largest --batch ({max(args.batch)})")
@@ -491,19 +542,22 @@ def run(args) -> int:
     judge = pdecode.load(args.judge, dtype="float32") if args.judge else None
     ref = pdecode.load(args.ar_reference, dtype="float32") if args.ar_reference else None
     for g in args.gen_lengths:
-        rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items)
+        rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items, temperature)
         if judge is not None and args.code_prompts:
             code += code_rows(m, judge, ref, samplers, g, args.code_prompts, args.prompt_tokens, max(args.batch))
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     big = max(args.batch)
     meta = {"model": args.model, "tasks": str(items_file) if items_file else args.tasks,
-            "items": len(items) // big * big, "repeats": args.repeats,
+            "items": len(items) // big * big, "repeats": args.repeats, "temperature": temperature,
             "judge": args.judge, "ar_reference": args.ar_reference, "timing_items": args.timing_items,
             "code_prompts": args.code_prompts, "prompt_tokens": args.prompt_tokens,
             "same_tokens": all(r["same_tokens"] for r in rows),
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {jax.devices()[0].platform}",
             "bench_minutes": (time.perf_counter() - t0) / 60}
+    if block:
+        dt = jax.tree.leaves(m.params)[0].dtype  # the cache takes the params' dtype
+        meta.update(cache_dtype=str(dt), cache_bytes_per_token=encoder_cache_bytes_per_token(m.cfg, dt))
     meta["plot"] = str(pareto_plot(rows, code, out / "pareto.png"))
     meta["pictures"] = pictures(m, items, [s for s in PICTURED if s in samplers], max(args.gen_lengths), out)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "code": code}, indent=1,

@@ -346,3 +346,50 @@ def diffusion_nll_bound(cfg: ModelConfig, mask_id: int, shift: bool = False, lev
         return total / (levels * jnp.sum(maskable))
 
     return nll
+
+
+# ------------------------------------------------------------------------------------------------ block diffusion
+def block_diffusion_loss(cfg: ModelConfig, eps: float = 1e-3, sc_rate: float = 0.5, t_min: float = 0.4,
+                         t_max: float = 0.8, pad_rate: float = 0.0):
+    """The diffusion objective on a block-diffusion encoder-decoder (DiffusionGemma's layout,
+    `pdecode.model.block_diffusion`): the causal encoder writes each row's prefix (prompt + the gold earlier canvases)
+    into a KV cache; per row t ~ U(eps, 1), each canvas position replaced by a uniform random token with probability
+    t (the noise the sampler draws: there is no mask token; for ``pad_rate`` of the rows the pad token instead, the
+    noise pdecode's sampler feeds at temperature 0); the decoder predicts the clean canvas from the noisy one
+    and the cache; the loss is the weighted cross-entropy over every canvas position (a kept position still has to be
+    recognised as right). Self-conditioning as the sampler runs it: for ``sc_rate`` of the rows a first decoder pass
+    (no gradient) gives logits that, divided by a temperature drawn from [t_min, t_max], feed the second.
+
+    ``batch`` = (prefix [B, P] right-padded, prefix_len [B], canvas [B, L], weights [B, L]). Gradients reach the
+    shared layer weights through both passes (the encoder's keys and values, the decoder)."""
+    from pdecode.model import block_diffusion as bd
+    from pdecode.model import cache as kvc
+
+    bd.check(cfg)
+
+    def loss(params, frozen, batch, rng):
+        del frozen
+        prefix, plen, canvas, w = batch
+        b, p = prefix.shape
+        L = canvas.shape[1]
+        lp = dict(params, layers=unstack_layers(params["layers"], cfg, fuse=False))
+        cache = kvc.init_cache(cfg, b, p + L, jnp.float32, per_layer=True)
+        cache = kvc.set_lengths(bd.encode(lp, cfg, prefix, cache, plen), plen)
+        k_t, k_n, k_v, k_s, k_T = jax.random.split(rng, 5)
+        t = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)
+        noisy = jax.random.uniform(k_n, (b, L)) < t
+        noise = jax.random.randint(k_v, (b, L), 0, cfg.vocab_size)
+        if pad_rate > 0:  # the pad token as noise, as pdecode's sampler feeds it at temperature 0
+            k_v, k_p = jax.random.split(k_v)
+            noise = jnp.where(jax.random.uniform(k_p, (b, 1)) < pad_rate, cfg.pad_token_id or 0, noise)
+        x = jnp.where(noisy, noise, canvas)
+        first = jax.lax.stop_gradient(bd.denoise(lp, cfg, x, cache))
+        temp = jax.random.uniform(k_T, (b, 1, 1), minval=t_min, maxval=t_max)
+        on = jax.random.uniform(k_s, (b,)) < sc_rate
+        logits = bd.denoise(lp, cfg, x, cache, first / temp, on)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, canvas)
+        val = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+        return val, {"noisy_ce": jnp.sum(ce * noisy) / jnp.maximum(jnp.sum(noisy), 1),
+                     "kept_ce": jnp.sum(ce * ~noisy) / jnp.maximum(jnp.sum(~noisy), 1)}
+
+    return loss

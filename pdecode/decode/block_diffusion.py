@@ -19,7 +19,10 @@ positions (no left padding). ``temperature`` scales the draws on top of the sche
 top-k / top-p filter the draws); the schedule's temperatures always set the entropies and self-conditioning.
 
 Stats: ``canvas_steps [B, canvases]``, the denoising steps row b ran in each canvas (0: not reached); ``steps``
-and ``target_forwards`` the batch's decoder steps and all passes (decoder steps + encoder passes).
+and ``target_forwards`` the batch's decoder steps and all passes (decoder steps + encoder passes);
+``encoder_tokens [B]`` the tokens each row's encoder ran (its prompt and committed canvases, once each) and
+``uncached_encoder_tokens [B]`` what it would run without the encoder cache (the prompt and the committed canvases
+again before every decoder step).
 """
 
 from __future__ import annotations
@@ -154,7 +157,13 @@ def _outer(params, cfg: ModelConfig, prompt_BP, prompt_len_B, key, *, canvases: 
     count = jnp.minimum(g.count, max_new)
     out = common.Outputs(tokens=g.out[:, :max_new], count=count, done=jnp.ones((b,), bool),
                          row_forwards=g.row_forwards)
-    stats = {"target_forwards": g.steps + g.k + 1, "steps": g.steps, "canvases": g.k, "canvas_steps": g.canvas_steps}
+    # the encoder's work: each row's prompt and committed canvases once, against the tokens a sampler without the
+    # encoder cache would encode (the prompt and every committed canvas again before each decoder step)
+    before = prompt_len_B[:, None] + L * jnp.arange(canvases, dtype=jnp.int32)[None]
+    reached = jnp.sum(g.canvas_steps > 0, axis=1)
+    stats = {"target_forwards": g.steps + g.k + 1, "steps": g.steps, "canvases": g.k, "canvas_steps": g.canvas_steps,
+             "encoder_tokens": prompt_len_B + L * reached, "uncached_encoder_tokens": jnp.sum(g.canvas_steps * before,
+                                                                                              axis=1)}
     return out, stats
 
 

@@ -389,6 +389,9 @@ def _diffusion_model(model, method):
     if model.cfg.causal:
         raise InputError(f"method {method!r} needs a masked-diffusion (bidirectional) model such as code-dllm; "
                          f"{model.name or 'this model'} is autoregressive")
+    if model.cfg.canvas_length:  # (diffusion and dico handle block-diffusion models before asking for a mask token)
+        raise InputError(f"method {method!r} needs a mask token; {model.name or 'this model'} is a block-diffusion "
+                         "model (noise, not masks, in its canvases): use method='diffusion' or 'dico'")
     mask_id = model.cfg.mask_token_id
     if mask_id is None and model.tokenizer is not None:
         mask_id = model.tokenizer.mask_id

@@ -37,7 +37,9 @@ class DiffusionGemma(Gemma4):
         if text.get("use_bidirectional_attention") == "all":
             raise ConfigError("diffusion_gemma: use_bidirectional_attention 'all' (a bidirectional encoder) is not "
                               "supported; pdecode runs the causal encoder of the released model")
-        return {**text, "model_type": model_type, "canvas_length": int(hf.get("canvas_length") or 256),
+        # token ids: the text config's (transformers), else the top level's (where pdecode's save_hf writes them)
+        ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf and text.get(k) is None}
+        return {**text, **ids, "model_type": model_type, "canvas_length": int(hf.get("canvas_length") or 256),
                 "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
 
     def config_from_hf(self, model_type, hf, kw):
