@@ -207,7 +207,8 @@ def canvas_figures(outs) -> dict:
     steps = np.concatenate([np.asarray(o.stats["canvas_steps"]) for o in outs])
     enc = np.concatenate([np.asarray(o.stats["encoder_tokens"]) for o in outs])
     raw = np.concatenate([np.asarray(o.stats["uncached_encoder_tokens"]) for o in outs])
-    return {"forwards_per_canvas": float(steps[steps > 0].mean()), "canvases_per_item": float((steps > 0).sum(1).mean()),
+    return {"forwards_per_canvas": float(steps[steps > 0].mean()),
+            "canvases_per_item": float((steps > 0).sum(1).mean()),
             "encoder_tokens_per_item": float(enc.mean()), "uncached_encoder_tokens_per_item": float(raw.mean())}
 
 

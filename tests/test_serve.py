@@ -364,6 +364,20 @@ def test_echo_and_top_logprobs_score_like_forward_logits(server, model):
     for t in range(1, len(ids)):  # the top-1 alternative is the argmax of the same distribution
         (text, v), = lp.top_logprobs[t].items()
         assert text == model.tokenizer.decode([int(logp[t - 1].argmax())]) and abs(v - logp[t - 1].max()) < 2e-3
+    # lm-eval's own requests (infer/lmeval_run.py runs lm-eval itself): token-id prompts, several per call, a seed
+    ids2 = model.tokenizer.encode("assert 1 + 2 == 3")
+    body = {"model": "code-target", "prompt": [ids, ids2], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    got = json.loads(request(server.url + "/v1/completions", body)[1])["choices"]
+    assert [c["index"] for c in got] == [0, 1]
+    logp2 = np.asarray(jax_log_softmax(pdecode.forward_logits(model, [ids2])[0]))
+    for c, toks, lp_ in ((got[0], ids, logp), (got[1], ids2, logp2)):
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:len(toks)],
+                                   [float(lp_[t - 1, toks[t]]) for t in range(1, len(toks))], atol=2e-3)
+    gen = json.loads(request(server.url + "/v1/completions", {"model": "code-target", "prompt": ["def f(x):", "import"],
+                                                           "max_tokens": 8, "temperature": 0, "stop": ["\n"],
+                                                           "seed": 1234})[1])["choices"]
+    assert len(gen) == 2 and all("\n" not in c["text"] for c in gen)
     only = client.completions.create(model="code-target", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
     np.testing.assert_allclose(only.choices[0].logprobs.token_logprobs[1:], want, atol=2e-3)

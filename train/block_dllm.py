@@ -10,7 +10,8 @@ Each row is one canvas to denoise after a prefix: a task item (the zoo's short a
 answers span several canvases) cut at a canvas boundary of its answer, or a corpus window cut anywhere. The prefix
 goes through the causal encoder (teacher forcing: the gold earlier canvases, as the sampler commits them); the
 canvas, corrupted at a rate t ~ U(0, 1) by the sampler's noise (random tokens, no mask token; in half of the rows
-the pad token, what pdecode's sampler feeds at temperature 0), through the bidirectional decoder, half the rows self-conditioned on a first pass's temperature-scaled logits.
+the pad token, what pdecode's sampler feeds at temperature 0), through the bidirectional decoder, half the rows
+self-conditioned on a first pass's temperature-scaled logits.
 
 Not a model to use for its answers: it is 2M parameters trained for minutes. It exists so that the block-diffusion
 samplers (the reference entropy-bound sampler, Fast-dLLM, DiCo inside canvases) can be compared on a model whose
