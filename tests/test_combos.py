@@ -13,7 +13,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode.verify import Rule
 from pdecode.model.transformer import init_params
-from tests.test_selfdraft import PROMPT, N_SAMPLES, _OverAccepting, _pvalues
+from tests.test_selfdraft import PROMPT, N_SAMPLES, _OverAccepting, _pvalues, wrong_rule_pvalue
 from tests.test_speculative import PROMPTS, models, small_vocab  # noqa: F401 (fixtures)
 
 
@@ -52,20 +52,13 @@ def test_diffusion_draft_sampling_matches_ar(small_vocab, opts):  # noqa: F811
 
 
 def test_a_wrong_rule_fails_the_distribution_test(small_vocab):  # noqa: F811
-    from pdecode.api import compiled
-    from pdecode.decode import speculative
     from pdecode.decode.diffusion_draft import DiffusionDrafter
 
     target, _ = small_vocab
     d = _dllm(target, True)
     # the drafter's deterministic block verified as if drawn from a uniform q
     drafter = _OverAccepting(DiffusionDrafter(d.cfg, mask_id=15, shift=True, gamma=3), rule=Rule.CHAIN_SAMPLING)
-    prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
-    plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
-    args = ((target.params, d.params), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))
-    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
-                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    assert min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3)) < 1e-6
+    assert wrong_rule_pvalue(target, drafter, d.params) < 1e-6
 
 
 def test_diffusion_draft_errors(models):  # noqa: F811

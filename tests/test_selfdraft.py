@@ -91,12 +91,24 @@ class _OverAccepting:
         return prop._replace(rule=self.rule, q=jnp.full((b, n, 16), 1.0 / 16)), st
 
 
+def wrong_rule_pvalue(target, drafter, dparams) -> float:
+    """The smallest p-value of the first 3 tokens sampled by `speculative.generate` with ``drafter`` (a drafter
+    verified by a wrong rule) against the target's exact AR marginals, N_SAMPLES rows of PROMPT."""
+    from pdecode.api import compiled
+    from pdecode.decode import speculative
+
+    prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
+    plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
+    args = ((target.params, dparams), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))
+    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
+                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
+    return min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3))
+
+
 @pytest.mark.parametrize("kind", ["lookahead", "layerskip", "pearl"])
 def test_a_wrong_rule_fails_the_distribution_test(small_vocab, kind):  # noqa: F811
     """The same test rejects each drafter verified by a wrong rule: lookahead's deterministic candidates as if
     sampled from a uniform q, layer skip's and PEARL's sampled drafts against a uniform q instead of their own."""
-    from pdecode.api import compiled
-    from pdecode.decode import speculative
     from pdecode.decode.layerskip import LayerSkipDrafter
     from pdecode.decode.pearl import PearlDrafter
     from tests.test_speculative import _LyingChain
@@ -106,12 +118,7 @@ def test_a_wrong_rule_fails_the_distribution_test(small_vocab, kind):  # noqa: F
         "lookahead": (_OverAccepting(la.LookaheadDrafter(**LA_SMALL, vocab_size=16)), None),
         "layerskip": (_LyingChain(LayerSkipDrafter(target.cfg, (0,), gamma=3, threshold=0.0)), None),
         "pearl": (_LyingChain(PearlDrafter(draft.cfg, gamma=2)), draft.params)}[kind]
-    prompt_a = jnp.asarray([PROMPT + [0] * 27] * N_SAMPLES, jnp.int32)
-    plen = jnp.full((N_SAMPLES,), len(PROMPT), jnp.int32)
-    args = ((target.params, dparams), prompt_a, plen, jax.random.PRNGKey(2), sampling.Warp.of(1.0))
-    exe, _ = compiled(speculative.generate, dict(cfg=target.cfg, drafter=drafter, max_new=3, max_len=64, eos_ids=(),
-                                                 samp=sampling.Sampling(greedy=False), mesh=None), *args)
-    assert min(_pvalues(target, np.asarray(exe(*args)[0].tokens), 3)) < 1e-6
+    assert wrong_rule_pvalue(target, drafter, dparams) < 1e-6
 
 
 EOS_CASES = [("jacobi", dict(block=4), None), ("lookahead", dict(window=3, ngram=3, guesses=2), None),

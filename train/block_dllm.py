@@ -35,7 +35,8 @@ import numpy as np
 from pdecode.checkpoint.hf import save_hf
 from pdecode.config import ModelConfig
 from pdecode.model.transformer import init_params
-from train import data, tasks
+from train import tasks
+from train.dllm import TaskBatches
 from train.loop import TrainConfig, train
 from train.objectives import block_diffusion_loss
 from train.zoo import VOCAB, ensure_tokenizer, token_streams
@@ -70,23 +71,17 @@ RECIPE = Recipe(tc=TrainConfig(steps=800, lr=2e-3, warmup=40, eval_every=200, ck
                                seed=11))
 
 
-class CanvasBatches:
+class CanvasBatches(TaskBatches):
     """Batch i (deterministic in i): (prefix [B, P], prefix_len [B], canvas [B, L], weights [B, L])."""
 
     def __init__(self, tok, stream: np.ndarray, items: list, seed: int, prefix: int, canvas: int, batch: int,
                  task_fraction: float, long_fraction: float):
-        self.tok, self.stream, self.seed = tok, stream, seed
+        super().__init__(tok, stream, items, seed)
         self.P, self.L, self.bs = prefix, canvas, batch
         self.task_fraction, self.long_fraction = task_fraction, long_fraction
-        self.eos = tok.token_to_id(data.EOT)
-        self.items = [self._encode(it) for it in items]
-
-    def _encode(self, it):
-        return (self.tok.encode(it.prompt, add_special_tokens=False).ids,
-                self.tok.encode(it.answer, add_special_tokens=False).ids)
 
     def batch(self, i: int):
-        rng = np.random.default_rng([self.seed, i])
+        rng = self._rng(i)
         P, L, bs = self.P, self.L, self.bs
         pre = np.full((bs, P), self.eos, np.int32)
         plen = np.zeros((bs,), np.int32)

@@ -74,7 +74,23 @@ RECIPES = {
 }
 
 
-class MixedBatches:
+class TaskBatches:
+    """What the diffusion models' batch makers share: the tokenizer, a corpus stream, task items encoded once, the
+    EOS id, and a generator per batch index (batch i is deterministic in i)."""
+
+    def __init__(self, tok, stream: np.ndarray, items: list, seed: int):
+        self.stream, self.seed, self.tok = stream, seed, tok
+        self.eos = tok.token_to_id(data.EOT)
+        self.items = [self._encode(it) for it in items]
+
+    def _encode(self, it):
+        return tasks.encode_item(self.tok, it)
+
+    def _rng(self, i: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, i])
+
+
+class MixedBatches(TaskBatches):
     """Batch i (deterministic in i): task examples and corpus windows, as (tokens, maskable, lengths, weights).
 
     Task rows hold ``prompt + answer + EOS fill`` with only the response maskable; ``long_fraction`` of the rows
@@ -84,18 +100,12 @@ class MixedBatches:
 
     def __init__(self, tok, stream: np.ndarray, items: list, seed: int, seq: int, batch: int, sft_fraction: float,
                  response_lengths, long_fraction: float = 0.0, corpus_prefix: float = 0.0):
-        self.stream, self.seed, self.tok = stream, seed, tok
+        super().__init__(tok, stream, items, seed)
         self.seq, self.bs, self.sft_fraction, self.response_lengths = seq, batch, sft_fraction, response_lengths
         self.long_fraction, self.corpus_prefix = long_fraction, corpus_prefix
-        self.eos = tok.token_to_id(data.EOT)
-        self.items = [self._encode(it) for it in items]
-
-    def _encode(self, it):
-        return (self.tok.encode(it.prompt, add_special_tokens=False).ids,
-                self.tok.encode(it.answer, add_special_tokens=False).ids)
 
     def batch(self, i: int):
-        rng = np.random.default_rng([self.seed, i])
+        rng = self._rng(i)
         seq, bs = self.seq, self.bs
         toks = np.full((bs, seq), self.eos, np.int32)
         maskable = np.zeros((bs, seq), bool)

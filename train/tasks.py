@@ -144,6 +144,11 @@ def long_items(rng: random.Random, n: int) -> list[Item]:
     return out
 
 
+def encode_item(tok, it: Item) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of an item on ``tok`` (a `tokenizers.Tokenizer`), no special tokens."""
+    return tok.encode(it.prompt, add_special_tokens=False).ids, tok.encode(it.answer, add_special_tokens=False).ids
+
+
 def answer_line(generated: str) -> str:
     return generated.split("\n", 1)[0].strip()
 
