@@ -32,6 +32,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
+from pdecode.decode.block_diffusion import DEFAULTS
 from pdecode.decode.canvas import NEG
 from pdecode.decode.draft_model import grow_dynamic_tree
 from pdecode.decode.speculative import Context, Drafter, Proposal
@@ -47,6 +48,14 @@ class DiffDraftState:
     gamma: jax.Array  # [B] int32 block length this row drafts (adaptive)
     prev: jax.Array  # [B, G] the last block's tokens (refill)
     prev_shift: jax.Array  # [B] int32: how far the next block starts past the last one's first position
+
+
+def commit_most_confident(lg_BGV: jax.Array, masked_BG: jax.Array, per: int) -> tuple[jax.Array, jax.Array]:
+    """One denoising step of a block: (the argmax [B, G], which masked positions commit [B, G]: the ``per`` most
+    confident of them, ties included)."""
+    conf = jnp.max(jax.nn.softmax(lg_BGV, axis=-1), axis=-1)
+    score = jnp.where(masked_BG, conf, -1.0)
+    return sampling.argmax(lg_BGV), masked_BG & (score >= jax.lax.top_k(score, per)[0][:, -1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +147,10 @@ class DiffusionDrafter(Drafter):
             x = blk
             per = -(-g // steps)
             for s in range(steps):
-                pred = sampling.argmax(lg)
-                conf = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
+                pred, commit = commit_most_confident(lg, masked, per)
                 if s == steps - 1:
                     x = pred if self.refill else jnp.where(masked, pred, x)
                     break
-                score = jnp.where(masked, conf, -1.0)
-                kth = jax.lax.top_k(score, per)[0][:, -1:]
-                commit = masked & (score >= kth)
                 x = jnp.where(commit, pred, x)
                 masked = masked & ~commit
                 # the root and the block again: the root's hidden state predicts the block's first position
@@ -200,8 +205,8 @@ class BlockDiffusionDrafter(DiffusionDrafter):
     and re-reads the positions committed so far. Chains, lattice trees, adaptive lengths and refill as above; the
     draft is the argmax, deterministic, so verification is lossless."""
 
-    t_min: float = 0.4
-    t_max: float = 0.8
+    t_min: float = DEFAULTS["t_min"]
+    t_max: float = DEFAULTS["t_max"]
 
     def prepare(self, dparams, mesh):
         return decode_layout(dparams, self.dcfg, fuse=False)
@@ -228,15 +233,11 @@ class BlockDiffusionDrafter(DiffusionDrafter):
         blk = self._block_init(st)
         masked = blk == self.mask_id
         lg = bd.denoise(dparams, self.dcfg, blk, cache)
-        x = sampling.argmax(lg) if self.refill else jnp.where(masked, sampling.argmax(lg), blk)
         per = -(-g // steps)
-        for s in range(1, steps):
-            conf = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
-            score = jnp.where(masked, conf, -1.0)
-            commit = masked & (score >= jax.lax.top_k(score, per)[0][:, -1:])
-            keep = jnp.where(commit, sampling.argmax(lg), blk)
-            blk, masked = jnp.where(masked, jnp.where(commit, keep, self.mask_id), blk), masked & ~commit
+        for s in range(1, steps):  # (masked positions hold the noise token: a commit is all that changes)
+            pred, commit = commit_most_confident(lg, masked, per)
+            blk, masked = jnp.where(commit, pred, blk), masked & ~commit
             t = self.t_min + (self.t_max - self.t_min) * (steps - s) / steps
             lg = bd.denoise(dparams, self.dcfg, blk, cache, lg / t, jnp.ones(start.shape, bool))
-            x = sampling.argmax(lg) if self.refill else jnp.where(masked, sampling.argmax(lg), blk)
+        x = sampling.argmax(lg) if self.refill else jnp.where(masked, sampling.argmax(lg), blk)
         return lg, x, cache, steps
