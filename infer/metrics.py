@@ -19,9 +19,11 @@ TPF_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 class Metrics:
-    """The server's metrics. ``engine_state()`` returns (slots in use, slots, queued, compiles since warm-up)."""
+    """The server's metrics. ``engine_state()`` returns (slots in use, slots, queued, compiles since warm-up);
+    ``engine``: the `pdecode.Engine`, read for its step calls by kind and tau (draft-and-verify methods)."""
 
-    def __init__(self, model: str, method: str, engine_state: Callable[[], tuple[int, int, int, int]]):
+    def __init__(self, model: str, method: str, engine_state: Callable[[], tuple[int, int, int, int]],
+                 engine=None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -61,6 +63,14 @@ class Metrics:
         g = Gauge("pdecode_compiles_since_warmup", "XLA compiles after warm-up (0 when every shape was warmed)",
                   names, registry=r)
         g.labels(**labels).set_function(lambda: state()[3])
+        if getattr(engine, "drafter", None) is not None:  # speculation by cost (pdecode.engine)
+            g = Gauge("pdecode_engine_step_calls", "the engine's decode step calls by kind (drafted: draft and "
+                      "verify; plain: the target alone, with speculation auto)", names + ["kind"], registry=r)
+            for kind in ("drafted", "plain"):
+                g.labels(**labels, kind=kind).set_function(lambda k=kind: engine.stats[f"{k}_steps"])
+            g = Gauge("pdecode_spec_tokens_per_drafted_step", "tokens per row per drafted step, decayed over recent "
+                      "drafted calls (speculation auto; NaN before the first)", names, registry=r)
+            g.labels(**labels).set_function(lambda: float("nan") if engine.tau is None else engine.tau)
 
     def http(self, endpoint: str, status: int) -> None:
         self.requests.labels(**self._labels, endpoint=endpoint, status=str(status)).inc()

@@ -224,7 +224,7 @@ class Server:
             from infer.metrics import Metrics
 
             self.metrics = Metrics(name, engine.method, lambda: (len(engine.running), engine.slots, len(engine.queue),
-                                                                 XLA_COMPILES["n"]))
+                                                                 XLA_COMPILES["n"]), engine)
         except ImportError:  # prometheus-client (the serve extra) missing: /metrics says so
             self.metrics = None
 
@@ -902,6 +902,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="the server's log (stderr): info has one line per request; debug adds passing health checks")
     ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
+    ap.add_argument("--speculation", default=None, choices=["auto", "always"],
+                    help="draft-and-verify methods: auto (default on one process) drafts only while the tokens a "
+                         "drafted step gives pay for its cost over a plain step (measured at warm-up); always "
+                         "(default on several processes, unless --spec-cost is given) drafts at every step")
+    ap.add_argument("--spec-cost", type=float, default=None,
+                    help="with --speculation auto: a drafted step call's cost over a plain one's (default: measured "
+                         "at warm-up; the log says the figure; several processes need it given, to decide alike)")
     ap.add_argument("--mesh", default=None, help="DATAxMODEL mesh over every process's devices (default: none; on "
                                                  "several processes PROCESSESxLOCAL, slots split over the hosts)")
     from infer.cli import add_distributed_arguments
@@ -916,6 +923,7 @@ def run_from_args(args) -> int:
     import pdecode
     from infer.cli import parse_options
     from pdecode.engine import Engine
+    from pdecode.errors import InputError
 
     try:
         import aiohttp  # noqa: F401
@@ -943,20 +951,30 @@ def run_from_args(args) -> int:
 
     model = load(args.model)
     draft = load(args.draft, "replicate") if args.draft else None
+    speculation = args.speculation or ("always" if multi and args.spec_cost is None else "auto")
+    if multi and speculation == "auto" and args.spec_cost is None:
+        raise InputError("--speculation auto on several processes needs --spec-cost (every process must make the "
+                         "same choice at every step): take the figure one process logs at warm-up, or use "
+                         "--speculation always")
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
-                    steps_per_call=args.steps_per_call, **options)
+                    steps_per_call=args.steps_per_call, speculation=speculation, spec_cost=args.spec_cost,
+                    **options)
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
     secs = engine.warmup()
     _count_compiles()
     XLA_COMPILES["on"] = True
     logger.info("%d programs compiled in %.1fs (compilation cache: %s)", engine.compiles, secs, cache or "off")
+    if engine.adaptive:
+        logger.info("speculation auto: a drafted step call costs %.2fx a plain one; steps draft while the tokens per "
+                    "drafted step (measured as requests run) reach that", engine.spec_cost)
+    elif engine.speculation_note:
+        logger.info("%s", engine.speculation_note)
     server = Server(engine, args.served_name or args.model, drain_s=args.drain)
     if multi:
         import jax
 
         from pdecode import lockstep
 
-        from pdecode.errors import InputError
 
         flags = pdecode.distributed.settings(args.coordinator, args.num_processes, args.process_id)
         if flags is not None:

@@ -203,8 +203,9 @@ def run_suite(args) -> int:
                  "--log-level", "warning"]  # no access line per request: stderr is a pipe read only at exit
         if name in ("sd", "tree", "pearl"):
             sargs += ["--draft", args.draft or "code-draft"]
-        for kv in filter(None, optstr.split(",")):
-            sargs += ["-o", kv]
+        for kv in filter(None, optstr.split(",")):  # method options; speculation= / spec_cost=: server flags
+            key, _, val = kv.partition("=")
+            sargs += [f"--{key.replace('_', '-')}", val] if key in ("speculation", "spec_cost") else ["-o", kv]
         print(f"[serve bench] {method}: starting the server ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         srv = Server(sargs)

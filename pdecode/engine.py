@@ -8,13 +8,23 @@ The device side is a few compiled functions over one `EngineState` (the decode l
   and written over the slot's row with its sampling values, budget and stop ids;
 * ``prefill``: one middle chunk of a long prompt into the request's own one-row cache; such a prompt takes one
   chunk per round, so the other slots keep decoding, and its last chunk goes in with ``admit``;
-* ``step``: ``k`` decode steps for every live slot (the loop's own `make_step`), the state donated;
+* ``step``: ``k`` decode steps for every live slot (the loop's own `make_step`), the state donated; with
+  ``speculation="auto"`` a draft-and-verify engine also has a *plain* step (the target alone, one token per row, the
+  drafter's state kept by `Drafter.follow`) and picks one of the two per call by its cost model (below);
 * ``release``: a slot marked finished (a stop string seen on the host, a client gone).
 
 Shapes are fixed when the engine is built: prompts come in a few bucket sizes (`CHUNKS` up to ``chunk``), admissions
 one or `ADMIT_ROWS` at a time, the state is always ``slots`` rows, and a step compiles in two variants (every live
 slot greedy and plain, or the full sampler: per-row temperature / top-k / top-p / min-p, repetition penalty,
 logprobs). `warmup` compiles them all; afterwards requests come and go without compiling (``compiles`` counts).
+
+Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
+shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
+two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio); while serving, the engine
+keeps tau from the acceptance of its recent drafted calls (decayed) and runs plain steps while tau is below the
+ratio, with one drafted call every `PROBE_EVERY` calls to keep tau current. Each kind of step is lossless given the
+sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
+but equally distributed path when the mix changes).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
@@ -44,6 +54,9 @@ from pdecode.model.transformer import ForwardOut, decode_layout, unrolled
 CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the engine's ``chunk``)
 MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
+SPECULATION = ("always", "auto")
+PROBE_EVERY = 8  # with speculation="auto" and tau below the cost ratio: one drafted step call in this many
+TAU_DECAY = 0.8  # weight of the older drafted calls in tau (per drafted call)
 
 
 @struct.dataclass
@@ -121,11 +134,15 @@ class Engine:
     model; ``slots``: rows decoded together; ``max_len``: cache positions per slot (prompt + output + the method's
     draft slots); ``chunk``: the largest prefill chunk; ``steps_per_call``: decode steps per compiled call (more:
     less host overhead, coarser streaming); ``top_k_max``: the largest top_k a request may ask for;
-    ``admit_rows``: requests admitted by one call when several wait."""
+    ``admit_rows``: requests admitted by one call when several wait; ``speculation``: "always" (every step drafts)
+    or "auto" (drafted or plain steps by the cost model, module docstring; drafters that cannot follow a plain step
+    keep drafting, `speculation_note` says why); ``spec_cost``: the cost ratio of a drafted step call to a plain one
+    (None: measured at warm-up)."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
-                 admit_rows: int = ADMIT_ROWS, **method_options):
+                 admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
+                 **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -162,6 +179,21 @@ class Engine:
         if plan.engine is None:
             raise not_here
         self.drafter = plan.static["drafter"] if plan.engine == "draft_verify" else None
+        if speculation not in SPECULATION:
+            raise InputError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+        if spec_cost is not None and not (isinstance(spec_cost, (int, float)) and spec_cost > 0):
+            why = f"must be a number > 0 (a drafted step call's cost over a plain one's), got {spec_cost!r}"
+            raise InputError(f"spec_cost {why}", cli=f"--spec-cost {why}")
+        self.speculation_note = ""
+        self.adaptive = speculation == "auto" and self.drafter is not None
+        if self.adaptive and not self.drafter.follows:
+            self.adaptive = False
+            self.speculation_note = (f"speculation stays on: {type(self.drafter).__name__} ({method}) cannot follow "
+                                     f"a plain step")
+        self.spec_cost = None if spec_cost is None else float(spec_cost)
+        self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto)
+        self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
+        self._calls = 0
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "
@@ -296,8 +328,8 @@ class Engine:
         return self._pin(EngineState(loop=loop, warp=warp)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
-    def _step_fn(self, params, st: EngineState, *, samp, k: int):
-        """``k`` steps; returns (state, (count before, count after, done, the tokens and logprobs from the count
+    def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False):
+        """``k`` steps (``plain``: plain steps of a draft-and-verify loop, `speculative.make_step`); returns (state, (count before, count after, done, the tokens and logprobs from the count
         before: [slots, W], each row's target forwards since its admission))."""
         tp, dp = self._layout(params)
         cfg = self.model.cfg
@@ -305,7 +337,7 @@ class Engine:
             one = ar.make_step(tp, st.warp, cfg=cfg, eos_ids=(), samp=samp)
         else:
             one = speculative.make_step(tp, dp, st.warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
-                                        eos_ids=(), samp=samp)
+                                        eos_ids=(), samp=samp, plain=plain)
         c0 = st.loop.out.count
 
         def cond(c):
@@ -314,7 +346,7 @@ class Engine:
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
         out = loop.out
-        w = k * self._per_step()
+        w = k * (1 if plain else self._per_step())
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
@@ -393,7 +425,8 @@ class Engine:
             if self.mesh is not None:
                 self._state_sh = self._state_shardings()
             pinned = {} if self.mesh is None else {"out_shardings": self._state_sh}
-            self.state = jax.jit(self._empty, **pinned)(self.params)
+            self._empty_exe = jax.jit(self._empty, **pinned)
+            self.state = self._empty_exe(self.params)
             self.compiles += 1
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
@@ -402,10 +435,38 @@ class Engine:
         self._compile("prefill", self._prefill_fn, self.params, self._blank_prefill(),
                       np.zeros((1, self.chunk), np.int32), np.ones((1,), np.int32))
         for samp in (self.fast, self.full):
-            self._step_exe(samp)
+            for plain in (False, True) if self.adaptive else (False,):
+                self._step_exe(samp, plain)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
+        if self.adaptive and self.spec_cost is None:
+            self.spec_cost = self._measure_spec_cost()
         return time.perf_counter() - t0
+
+    def _measure_spec_cost(self, repeats: int = 3) -> float:
+        """The cost model's ratio: seconds per drafted step call over seconds per plain one, each the median of
+        ``repeats`` timed calls with every slot live (one-token prompts, greedy); the slots are emptied after."""
+        budget = self.max_len - self.extra - 3
+        times = {}
+        for plain in (False, True):
+            a, c = self.admit_rows, self._chunk_sizes()[0]
+            whole = self.slots - self.slots % a
+            for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, self.slots)]:
+                args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))  # one-token prompts
+                args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
+                args[7] = np.full((rows,), budget, np.int32)  # a budget the timed calls do not reach
+                self.state, _ = self._admit_exe(c, rows)(*args)
+            exe = self._step_exe(self.fast, plain)
+            ts = []
+            for r in range(repeats + 1):
+                t = time.perf_counter()
+                self.state, outs = exe(self.params, self.state)
+                jax.block_until_ready(outs)
+                if r:  # the first call is a warm-up
+                    ts.append(time.perf_counter() - t)
+            times[plain] = float(np.median(ts))
+        self.state = self._empty_exe(self.params)
+        return times[False] / times[True]
 
     def _chunk_sizes(self):
         return [c for c in CHUNKS if c <= self.chunk]
@@ -450,9 +511,9 @@ class Engine:
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
-    def _step_exe(self, samp):
-        return self._compile(("step", samp.greedy), self._step_fn, self.params, self.state,
-                             static={"samp": samp, "k": self.k}, donate=(1,))
+    def _step_exe(self, samp, plain: bool = False):
+        return self._compile(("step", samp.greedy, plain), self._step_fn, self.params, self.state,
+                             static={"samp": samp, "k": self.k, "plain": plain}, donate=(1,))
 
     # ------------------------------------------------------------------------------------------ host API
     def check(self, prompt: list[int], max_tokens: int | None = None, **controls) -> generation.Controls:
@@ -590,14 +651,32 @@ class Engine:
     def _dispatch_step(self, live):
         plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
                     for r in live)
-        exe = self._exe[(("step", plain), (("k", self.k), ("samp", self.fast if plain else self.full)))]
+        drafted = self._speculate()
+        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted)
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
-        self._inflight.append(("step", live, outs))
+        if self.drafter is not None:
+            self.stats["drafted_steps" if drafted else "plain_steps"] += 1
+        self._inflight.append(("step", live, outs, drafted))
+
+    def _speculate(self) -> bool:
+        """Whether the next step call drafts (the cost model: tau against the cost ratio; a probe now and then)."""
+        if not self.adaptive:
+            return self.drafter is not None
+        self._calls += 1
+        if self.tau is None or self.tau >= self.spec_cost:
+            return True
+        return self._calls % PROBE_EVERY == 0
+
+    def _note_tau(self, tokens: int, row_steps: int):
+        if row_steps:
+            a, b = self._tau_sums
+            self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
+            self.tau = self._tau_sums[0] / self._tau_sums[1]
 
     def _collect(self, item) -> list[Event]:
         """Events from one dispatched call's results (waits for them)."""
-        kind, reqs, outs = item
+        kind, reqs, outs = item[:3]
         events = []
         if kind == "admit":
             tok, lp, done, fw = (to_host(x) for x in outs)
@@ -612,6 +691,8 @@ class Engine:
                         events.append(ev)
             return events
         c0, c1, done, new, lps, fw, acc = (to_host(x) for x in outs)
+        drafted = item[3]
+        tau_tok = tau_steps = 0
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue
@@ -619,6 +700,9 @@ class Engine:
             k = int(c1[s] - c0[s])
             r.forwards = int(fw[s])
             if self.drafter is not None:
+                if drafted:
+                    tau_tok += k
+                    tau_steps += int(acc[s].sum()) - (sum(r.accepted) if r.accepted else 0)
                 r.accepted = acc[s].tolist()
             r.tokens += new[s, :k].tolist()
             if r.controls.logprobs:
@@ -626,6 +710,8 @@ class Engine:
             ev = self._progress(r, bool(done[s]))
             if ev is not None:
                 events.append(ev)
+        if self.adaptive and drafted:
+            self._note_tau(tau_tok, tau_steps)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

@@ -282,6 +282,9 @@ def test_cli_errors_speak_in_flags(capsys):
     rc = main(["serve", "--model", "code-target", "--method", "sd"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "add --draft" in err and "pdecode.load" not in err
+    rc = main(["serve", "--model", "code-target", "--method", "lookup", "--spec-cost", "0"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--spec-cost must be a number > 0" in err
     rc = main(["generate", "--model", "code-target", "--prompt", "x", "--max-new-tokens", "2", "--compare", "eagle"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: --compare eagle: ") and "eagle@code-target-eagle" in err

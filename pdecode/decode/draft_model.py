@@ -26,9 +26,10 @@ from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 
 
 def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, seq_len: jax.Array, width: int):
-    """Feed ``seq[dcache.lengths : seq_len]`` (at most ``width`` tokens) to the draft.
+    """Feed ``seq[dcache.lengths : seq_len]``, at most ``width`` tokens, to the draft.
 
-    Returns (cache committed up to seq_len, draft logits at the root [B, V], draft hidden at the root [B, D]).
+    Returns (cache committed up to ``min(lengths + width, seq_len)``, draft logits at the root [B, V], draft hidden
+    at the root [B, D]; these two mean the root's only when ``width`` covered the whole gap).
     """
     start = dcache.lengths
     pos = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -38,7 +39,7 @@ def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, se
     fo = forward(dparams, dcfg, tok, pos, mask, cache=dcache)
     last = jnp.clip(seq_len - 1 - start, 0, width - 1)
     h = common.gather_rows(fo.hidden, last)
-    return kvc.set_lengths(fo.cache, seq_len), unembed(dparams, dcfg, h), h
+    return kvc.set_lengths(fo.cache, jnp.minimum(start + width, seq_len)), unembed(dparams, dcfg, h), h
 
 
 def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Array) -> jax.Array:
@@ -75,12 +76,20 @@ class _DraftModelDrafter(Drafter):
     def prepare(self, dparams, mesh):
         return decode_layout(dparams, self.dcfg, fuse=mesh is None)
 
+    def follow(self, dparams, dstate, ctx: Context):
+        """A plain step appended one token: the draft takes one committed token too (a one-token forward), so the
+        gap its next catch-up covers stays what the last verify step left (at most ``max_depth + 1``)."""
+        cache, _, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, 1)
+        return dstate.replace(cache=cache)
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftChain(_DraftModelDrafter):
     """Chain speculative decoding: the draft proposes ``gamma`` tokens (sampled from its warped distribution, or
     argmax when greedy), verified by speculative sampling. ``adaptive``: per-row length, +2 after a fully accepted
     step and -1 otherwise (the heuristic of HF assisted generation), bounded by ``gamma_max``."""
+
+    follows = True
 
     dcfg: ModelConfig
     gamma: int
@@ -156,6 +165,8 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     """Token tree from a static shape: each node takes the top-``rank`` token of its parent's draft
     distribution (Medusa-style choice paths). One draft forward per depth."""
 
+    follows = True
+
     dcfg: ModelConfig
     tree: tree_lib.StaticTree
 
@@ -218,6 +229,8 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
     """EAGLE-2-style dynamic tree grown with the draft model: expand the ``tree_top_k`` best frontier nodes per
     depth (each proposing its tree_top_k children), score every node by cumulative draft log-probability, and keep
     the best ``total_tokens`` nodes for verification."""
+
+    follows = True
 
     dcfg: ModelConfig
     tree_top_k: int

@@ -63,6 +63,11 @@ class LookupDrafter(StaticTreeShape, Drafter):
     def tree(self) -> tree_lib.StaticTree:
         return broom(self.branches, self.gamma)
 
+    follows = True  # no state of its own: it reads the sequence (and the target's root hidden state) afresh
+
+    def follow(self, dparams, dstate, ctx: Context):
+        return dstate
+
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         b, s_max = ctx.seq.shape
         g = self.gamma

@@ -28,6 +28,11 @@ class MedusaDrafter(StaticTreeShape, Drafter):
     tree: tree_lib.StaticTree
     typical: tuple[float, float] | None = None
 
+    follows = True  # no state of its own: it reads the sequence (and the target's root hidden state) afresh
+
+    def follow(self, dparams, dstate, ctx: Context):
+        return dstate
+
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         mp, tparams = dparams, ctx.target
         b = ctx.seq.shape[0]

@@ -23,7 +23,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode.tree import StaticTree, depths_of
-from pdecode.decode.verify import Rule, Verified, verify
+from pdecode.decode.verify import Rule, Verified, rule_for, verify
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import ForwardOut, decode_layout, forward, forward_layers, unembed, unrolled
@@ -79,6 +79,7 @@ class Drafter:
     max_children: int
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
     typical: tuple[float, float] | None = None  # (epsilon, delta) of the TYPICAL rule, for drafters proposing it
+    follows = False  # `follow` keeps the state right across a plain step (a serving engine may then stop drafting)
 
     def prepare(self, dparams, mesh):
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
@@ -95,6 +96,14 @@ class Drafter:
 
     def update(self, dparams, dstate, ctx: Context, ver: Verified, hidden_BND, layers_nBND):
         return dstate
+
+    def follow(self, dparams, dstate, ctx: Context):
+        """The state after a *plain* step (``make_step(plain=True)``: the target took one token alone, nothing was
+        drafted), for drafters that set ``follows``; ``ctx`` holds the sequence with that token appended."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps")
+
+
+ROOT_ONLY = StaticTree(parents=(-1,), ranks=(0,))  # a proposal of the root alone: verifying it is one AR step
 
 
 class StaticTreeShape:
@@ -221,9 +230,14 @@ def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, s
 
 
 def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max_len: int,
-              eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, pipe: bool = False):
+              eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, pipe: bool = False, plain: bool = False):
     """One step of the loop, ``step(state) -> state``: draft, verify in one target forward, commit, append. ``pipe``:
-    the step runs inside `pipelined` (a proposal's side work on the draft's device, `_overlap`)."""
+    the step runs inside `pipelined` (a proposal's side work on the draft's device, `_overlap`). ``plain``: nothing
+    is drafted; the target runs the root alone and takes one token (an AR step: the bonus of an empty tree, drawn
+    from the same processed distribution), and the drafter's state is kept by its `Drafter.follow` (drafters with
+    ``follows``). A loop may mix both kinds of step in any order: each is lossless given the sequence so far."""
+    if plain and not drafter.follows:
+        raise ValueError(f"{type(drafter).__name__} cannot follow plain steps (Drafter.follows is False)")
     n_hid = drafter.hidden_layers
     d_max = drafter.max_depth
 
@@ -232,8 +246,14 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
         rows = jnp.arange(b)
         key, k_draft, k_ver = sampling.split(s.key, 3)
         active = ~s.out.done
-        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache)
-        prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, warp)
+        if plain:
+            root = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)
+            prop = Proposal(tokens=root, parents=ROOT_ONLY, valid=jnp.ones((b, 1), bool), q=None,
+                            draft_forwards=jnp.int32(0), rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+            dstate = s.dstate
+        else:
+            ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache)
+            prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, warp)
         n = prop.tokens.shape[1]
         if isinstance(prop.parents, StaticTree):  # mask and depths are constants
             parents_BN = jnp.broadcast_to(jnp.asarray(prop.parents.parents, jnp.int32), (b, n))
@@ -272,7 +292,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
-        if isinstance(prop.parents, StaticTree) and prop.parents.max_children == 1:
+        if isinstance(prop.parents, StaticTree) and prop.parents.max_children <= 1:
             cache = kvc.advance(fo.cache, n_new)  # a chain's accepted path is its prefix: already in place
         else:
             cache = kvc.commit(fo.cache, ver.path, n_new)
@@ -292,12 +312,17 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             new_layers = jax.vmap(lambda h: common.gather_rows(h, last_node))(fo.layer_hidden)
             root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
         ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams, logits, side=side)
-        dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
-        hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
+        if plain:  # no verify step: the acceptance histograms count drafted steps only
+            dstate = drafter.follow(dparams, dstate, ctx2)
+            hist, row_acc = s.acc_hist, s.row_acc
+        else:
+            dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
+            hist = s.acc_hist.at[ver.n_accepted].add(active.astype(jnp.int32))
+            row_acc = s.row_acc.at[rows, ver.n_accepted].add(active.astype(jnp.int32))
         return SpecState(out=out, cache=constrain_cache(cache, mesh), seq=seq, seq_len=seq_len,
                          root_hidden=root_hidden, root_layers=root_layers, dstate=dstate, key=key,
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
-                         acc_hist=hist, row_acc=s.row_acc.at[rows, ver.n_accepted].add(active.astype(jnp.int32)),
+                         acc_hist=hist, row_acc=row_acc,
                          seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
                          counts=common.count_taken(s.counts, ver.tokens, taken, samp))
 

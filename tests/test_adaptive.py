@@ -1,0 +1,124 @@
+"""Speculation by cost in the serving engine (``speculation="auto"``): the plain step of a draft-and-verify loop
+(the target alone, one token, the drafter following) mixed with drafted steps is lossless (sampled: the exact AR
+marginals of the processed distribution; greedy: AR token for token), a draft model that followed plain steps still
+drafts from the whole sequence, and the engine picks plain steps when drafting does not pay."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import pdecode
+from pdecode.decode import speculative
+from pdecode.engine import PROBE_EVERY, Engine
+from pdecode.errors import InputError
+from tests.test_controls import MIN_P, PEN, PROMPT, _min_pvalue, _processed_marginals, sharp  # noqa: F401
+from tests.test_engine import BUDGETS, COUNTER
+from tests.test_speculative import PROMPTS, models, small_vocab  # noqa: F401 (fixtures)
+
+N = 12000
+
+
+def _mixed_steps(monkeypatch, plain_samp=None):
+    """Make every draft-and-verify loop alternate a plain step (first) and a drafted one. ``plain_samp``: a change
+    to the plain steps' sampling configuration (a wrong rule)."""
+    orig = speculative.make_step
+
+    def mixed(*a, **kw):
+        drafted = orig(*a, **kw)
+        plain = orig(*a, **{**kw, "plain": True, "samp": (plain_samp or (lambda x: x))(kw["samp"])})
+        return lambda s: jax.lax.cond(s.forwards % 2 == 1, plain, drafted, s)
+
+    monkeypatch.setattr(speculative, "make_step", mixed)
+    pdecode.clear_compile_cache()
+
+
+def _sample(target, draft):
+    try:
+        out = pdecode.generate(target, [PROMPT] * N, method="sd", draft=draft, gamma=3, max_new_tokens=3,
+                               temperature=1.0, repetition_penalty=PEN, min_p=MIN_P, seed=7, stop_at_eos=False)
+    finally:
+        pdecode.clear_compile_cache()
+    return np.array(out.tokens)
+
+
+def test_mixed_plain_and_drafted_steps_sample_like_ar(sharp, monkeypatch):  # noqa: F811
+    """Token 1 from the prefill, token 2 from a plain step (processed with token 1 in its history), token 3 from a
+    drafted step whose draft followed the plain one: the marginals are AR's of the processed distribution."""
+    target, draft = sharp
+    _mixed_steps(monkeypatch)
+    toks = _sample(target, draft)
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, PEN, MIN_P)) > 1e-4
+
+
+def test_plain_step_without_processing_fails_the_test(sharp, monkeypatch):  # noqa: F811
+    """The wrong rule: plain steps that skip a processing stage (min-p). The same test rejects it."""
+    target, draft = sharp
+    _mixed_steps(monkeypatch, plain_samp=lambda samp: dataclasses.replace(samp, use_min_p=False))
+    toks = _sample(target, draft)
+    assert _min_pvalue(toks, _processed_marginals(target, PROMPT, 3, PEN, MIN_P)) < 1e-6
+
+
+def _run(eng, prompts, budgets):
+    reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(prompts, budgets)]
+    while not eng.idle:
+        eng.run_once()
+    return reqs
+
+
+@pytest.mark.parametrize("method", ["sd", "lookup"])
+def test_auto_engine_mixes_steps_and_equals_generate(models, method):  # noqa: F811
+    """A cost ratio no drafter can beat: after its first (drafted) call the engine runs plain steps, with a drafted
+    probe every PROBE_EVERY calls; greedy output stays generate's token for token, nothing compiles after warm-up."""
+    t = models["target"]
+    opts = dict(draft=models["small"], gamma=3) if method == "sd" else dict(gamma=3)
+    eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=2, speculation="auto",
+                 spec_cost=100.0, **opts)
+    eng.warmup()
+    warm = eng.compiles
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = _run(eng, PROMPTS, BUDGETS)
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == warm
+    ref = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=BUDGETS, **opts)
+    assert [r.tokens for r in reqs] == ref.tokens
+    st = eng.stats
+    calls = st["drafted_steps"] + st["plain_steps"]  # the first two calls draft (tau comes a call late), then probes
+    assert calls == st["steps"] and 2 <= st["drafted_steps"] <= 2 + calls // PROBE_EVERY, dict(st)
+    assert 0 < eng.tau < 100.0
+    # per request: drafted verify steps plus plain steps are its forwards after the prefill's
+    for r in reqs:
+        assert sum(r.accepted) < r.forwards
+
+
+def test_followed_draft_keeps_full_acceptance(models):  # noqa: F811
+    """The draft is the target itself: every drafted step accepts all gamma tokens, also those after runs of plain
+    steps (the draft's cache followed them). A draft that did not follow would draft from a stale cache."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=1, speculation="auto",
+                 spec_cost=100.0, gamma=3)
+    reqs = _run(eng, PROMPTS[:2], [60, 60])
+    assert eng.stats["plain_steps"] > eng.stats["drafted_steps"] >= 4
+    for r in reqs:
+        h = r.accepted  # verify steps that accepted 0..3 drafted tokens
+        assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer
+
+
+def test_measured_cost_and_options(models):  # noqa: F811
+    """Without spec_cost the ratio is measured at warm-up (drafting 3 tokens with a draft model and verifying 4
+    costs more than a plain step); bad values are one-line errors; a drafter that cannot follow keeps drafting."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, speculation="auto", gamma=3)
+    eng.warmup()
+    assert eng.spec_cost > 1.0 and not eng.running and bool(np.all(np.asarray(eng.state.loop.out.done)))
+    assert _run(eng, PROMPTS[:2], [6, 6])[0].tokens == pdecode.generate(t, PROMPTS[:1], max_new_tokens=6).tokens[0]
+    with pytest.raises(InputError, match="speculation must be one of"):
+        Engine(t, method="lookup", speculation="sometimes")
+    with pytest.raises(InputError, match="spec_cost must be a number > 0"):
+        Engine(t, method="lookup", speculation="auto", spec_cost=0)
+    la = Engine(t, method="lookahead", slots=2, max_len=96, chunk=32, speculation="auto", window=3, ngram=3,
+                guesses=2)
+    assert not la.adaptive and "cannot follow" in la.speculation_note
