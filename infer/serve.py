@@ -902,10 +902,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="the server's log (stderr): info has one line per request; debug adds passing health checks")
     ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
-    ap.add_argument("--speculation", default=None, choices=["auto", "always"],
-                    help="draft-and-verify methods: auto (default on one process) drafts only while the tokens a "
-                         "drafted step gives pay for its cost over a plain step (measured at warm-up); always "
-                         "(default on several processes, unless --spec-cost is given) drafts at every step")
+    ap.add_argument("--speculation", default="always", choices=["auto", "always"],
+                    help="draft-and-verify methods: always (default) drafts at every step; auto drafts only while the "
+                         "tokens a drafted step gives pay for its cost over a plain step (timed at warm-up, or "
+                         "--spec-cost; docs/serving.md)")
     ap.add_argument("--spec-cost", type=float, default=None,
                     help="with --speculation auto: a drafted step call's cost over a plain one's (default: measured "
                          "at warm-up; the log says the figure; several processes need it given, to decide alike)")
@@ -951,7 +951,7 @@ def run_from_args(args) -> int:
 
     model = load(args.model)
     draft = load(args.draft, "replicate") if args.draft else None
-    speculation = args.speculation or ("always" if multi and args.spec_cost is None else "auto")
+    speculation = args.speculation
     if multi and speculation == "auto" and args.spec_cost is None:
         raise InputError("--speculation auto on several processes needs --spec-cost (every process must make the "
                          "same choice at every step): take the figure one process logs at warm-up, or use "
