@@ -20,9 +20,12 @@ logprobs). `warmup` compiles them all; afterwards requests come and go without c
 
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
-two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio); while serving, the engine
-keeps tau from the acceptance of its recent drafted calls (decayed) and runs plain steps while tau is below the
-ratio, with one drafted call every `PROBE_EVERY` calls to keep tau current. Each kind of step is lossless given the
+two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio, a first guess); while
+serving, the engine keeps tau from the acceptance of its recent drafted calls and each kind's seconds per call from
+the calls themselves (the time from one step call's results being turned into events to the next one's, in rounds
+that admitted nothing; all decayed), and runs the kind that gives more tokens per second, with one call of the other kind every
+`PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no timing: every
+process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
 
@@ -191,9 +194,13 @@ class Engine:
             self.speculation_note = (f"speculation stays on: {type(self.drafter).__name__} ({method}) cannot follow "
                                      f"a plain step")
         self.spec_cost = None if spec_cost is None else float(spec_cost)
+        self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
+        self.call_s = {True: None, False: None}  # decayed seconds per step call: drafted, plain (auto, timed)
         self._calls = 0
+        self._last_ready = None  # when the last step call's results were read
+        self._round_admits = 0  # admission / prefill calls dispatched in this round
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "
@@ -567,6 +574,7 @@ class Engine:
             self.warmup()
         events: list[Event] = []
         self._drop_cancelled(events)
+        self._round_admits = 0
         self._admit()
         live = [r for r in self.running.values() if r.inserted and r.finish_reason is None]
         dispatched = bool(live)
@@ -622,6 +630,7 @@ class Engine:
         for r in uniq:
             r.fed, r.inserted = len(r.prompt), True
         self.stats["admit_calls"] += 1
+        self._round_admits += 1
         self.stats["inserted"] += len(uniq)
         self._inflight.append(("admit", uniq, outs))
 
@@ -635,6 +644,7 @@ class Engine:
             r.pre = self._exe[("prefill", ())](self.params, r.pre, toks, np.asarray([self.chunk], np.int32))
             r.fed += self.chunk
             self.stats["prefill_chunks"] += 1
+            self._round_admits += 1
             return
         toks = np.zeros((1, self.chunk), np.int32)
         toks[0, :rest] = r.prompt[r.fed:]
@@ -645,6 +655,7 @@ class Engine:
         r.fed, r.pre, r.inserted = len(r.prompt), None, True
         self.stats["prefill_chunks"] += 1
         self.stats["admit_calls"] += 1
+        self._round_admits += 1
         self.stats["inserted"] += 1
         self._inflight.append(("admit", [r], outs))
 
@@ -653,26 +664,43 @@ class Engine:
                     for r in live)
         drafted = self._speculate()
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted)
+        t = time.perf_counter()
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted))
+        self._inflight.append(("step", live, outs, drafted, t, not self._round_admits))
 
     def _speculate(self) -> bool:
-        """Whether the next step call drafts (the cost model: tau against the cost ratio; a probe now and then)."""
+        """Whether the next step call drafts (the cost model: tau against the cost ratio; the other kind now and
+        then: drafted probes keep tau current, plain ones the timed ratio)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
-        if self.tau is None or self.tau >= self.spec_cost:
+        if self.tau is None:
             return True
-        return self._calls % PROBE_EVERY == 0
+        best = self.tau >= self.spec_cost
+        probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
+        return best != probe
 
     def _note_tau(self, tokens: int, row_steps: int):
         if row_steps:
             a, b = self._tau_sums
             self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
             self.tau = self._tau_sums[0] / self._tau_sums[1]
+
+    def _note_time(self, drafted: bool, t_dispatch: float, clean: bool):
+        """A step call's results are read and turned into events: its seconds — since the previous step call's
+        were (or since its dispatch, if later): the loop's period per call, device-bound or host-bound — go into its
+        kind's decayed mean when neither the round that dispatched it nor this one admitted anything."""
+        now = time.perf_counter()
+        if self.timed and clean and self._last_ready is not None:
+            secs = now - max(self._last_ready, t_dispatch)
+            old = self.call_s[drafted]
+            self.call_s[drafted] = secs if old is None else TAU_DECAY * old + (1 - TAU_DECAY) * secs
+            if None not in self.call_s.values():
+                self.spec_cost = self.call_s[True] / self.call_s[False]
+        self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
         """Events from one dispatched call's results (waits for them)."""
@@ -710,8 +738,10 @@ class Engine:
             ev = self._progress(r, bool(done[s]))
             if ev is not None:
                 events.append(ev)
-        if self.adaptive and drafted:
-            self._note_tau(tau_tok, tau_steps)
+        if self.adaptive:
+            if drafted:
+                self._note_tau(tau_tok, tau_steps)
+            self._note_time(drafted, item[4], item[5] and not self._round_admits)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

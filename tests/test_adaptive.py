@@ -89,6 +89,7 @@ def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
     calls = st["drafted_steps"] + st["plain_steps"]  # the first two calls draft (tau comes a call late), then probes
     assert calls == st["steps"] and 2 <= st["drafted_steps"] <= 2 + calls // PROBE_EVERY, dict(st)
     assert 0 < eng.tau < 100.0
+    assert eng.spec_cost == 100.0 and eng.call_s == {True: None, False: None}  # a given ratio is kept, not timed
     # per request: drafted verify steps plus plain steps are its forwards after the prefill's
     for r in reqs:
         assert sum(r.accepted) < r.forwards
@@ -109,12 +110,19 @@ def test_followed_draft_keeps_full_acceptance(models):  # noqa: F811
 
 def test_measured_cost_and_options(models):  # noqa: F811
     """Without spec_cost the ratio is measured at warm-up (drafting 3 tokens with a draft model and verifying 4
-    costs more than a plain step); bad values are one-line errors; a drafter that cannot follow keeps drafting."""
+    costs more than a plain step), then timed from the serving loop's own calls of both kinds (the other kind runs
+    every PROBE_EVERY calls); bad values are one-line errors; a drafter that cannot follow keeps drafting."""
     t = models["target"]
-    eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, speculation="auto", gamma=3)
+    eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, steps_per_call=1,
+                 speculation="auto", gamma=3)
     eng.warmup()
     assert eng.spec_cost > 1.0 and not eng.running and bool(np.all(np.asarray(eng.state.loop.out.done)))
-    assert _run(eng, PROMPTS[:2], [6, 6])[0].tokens == pdecode.generate(t, PROMPTS[:1], max_new_tokens=6).tokens[0]
+    reqs = _run(eng, PROMPTS[:2], [40, 40])
+    assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:2], max_new_tokens=40).tokens
+    st = eng.stats
+    assert st["drafted_steps"] >= 1 and st["plain_steps"] >= 1, dict(st)
+    assert eng.call_s[True] > 0 and eng.call_s[False] > 0
+    assert eng.spec_cost == pytest.approx(eng.call_s[True] / eng.call_s[False])
     with pytest.raises(InputError, match="speculation must be one of"):
         Engine(t, method="lookup", speculation="sometimes")
     with pytest.raises(InputError, match="spec_cost must be a number > 0"):
