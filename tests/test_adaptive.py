@@ -109,14 +109,14 @@ def test_followed_draft_keeps_full_acceptance(models):  # noqa: F811
 
 
 def test_measured_cost_and_options(models):  # noqa: F811
-    """Without spec_cost the ratio is measured at warm-up (drafting 3 tokens with a draft model and verifying 4
-    costs more than a plain step), then timed from the serving loop's own calls of both kinds (the other kind runs
-    every PROBE_EVERY calls); bad values are one-line errors; a drafter that cannot follow keeps drafting."""
+    """Without spec_cost a ratio is timed at warm-up (its value is this machine's: not asserted), then from the
+    serving loop's own calls of both kinds (the other kind runs every PROBE_EVERY calls); bad values are one-line
+    errors; a drafter that cannot follow keeps drafting."""
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, steps_per_call=1,
                  speculation="auto", gamma=3)
     eng.warmup()
-    assert eng.spec_cost > 1.0 and not eng.running and bool(np.all(np.asarray(eng.state.loop.out.done)))
+    assert 0 < eng.spec_cost < float("inf") and not eng.running and bool(np.all(np.asarray(eng.state.loop.out.done)))
     reqs = _run(eng, PROMPTS[:2], [40, 40])
     assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:2], max_new_tokens=40).tokens
     st = eng.stats
