@@ -58,7 +58,7 @@ CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the en
 MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
-PROBE_EVERY = 8  # speculation="auto": one step call of the kind not chosen in this many (keeps tau and the timing current)
+PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
 
