@@ -23,8 +23,8 @@ shapes are static), so speculating pays exactly when a drafted step's tokens per
 two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio, a first guess); while
 serving, the engine keeps tau from the acceptance of its recent drafted calls and each kind's seconds per call from
 the calls themselves (the time from one step call's results being turned into events to the next one's, in rounds
-that admitted nothing; all decayed), and runs the kind that gives more tokens per second, with one call of the other kind every
-`PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no timing: every
+that admitted nothing; all decayed), and runs the kind that gives more tokens per second, with one call of the
+other kind every `PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no timing: every
 process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
@@ -336,8 +336,9 @@ class Engine:
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
     def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False):
-        """``k`` steps (``plain``: plain steps of a draft-and-verify loop, `speculative.make_step`); returns (state, (count before, count after, done, the tokens and logprobs from the count
-        before: [slots, W], each row's target forwards since its admission))."""
+        """``k`` steps (``plain``: plain steps of a draft-and-verify loop, `speculative.make_step`); returns (state,
+        (count before, count after, done, the tokens and logprobs from the count before: [slots, W], each row's
+        target forwards since its admission))."""
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         if self.drafter is None:
