@@ -24,8 +24,8 @@ two step programs' costs. Warm-up times both on full slots (``spec_cost``: that 
 serving, the engine keeps tau from the acceptance of its recent drafted calls and each kind's seconds per call from
 the calls themselves (the time from one step call's results being turned into events to the next one's, in rounds
 that admitted nothing; all decayed), and runs the kind that gives more tokens per second, with one call of the
-other kind every `PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no timing: every
-process of a multi-process server must choose alike). Each kind of step is lossless given the
+other kind every `PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no
+timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
 
