@@ -5,7 +5,10 @@ import os
 # XLA:CPU without its expensive LLVM passes: the suite is mostly compiling tiny programs, which this makes ~25%
 # faster (what runs is a little slower; scripts/test.sh sets the same)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+                                   "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+# shallow models' layers run under `lax.scan` here (the stacked layout), not unrolled as in production: their
+# programs compile in about half the time. The unrolled (fused) layout has its own tests (tests/test_unrolled.py).
+os.environ.setdefault("PDECODE_UNROLL_MAX_LAYERS", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `pdecode generate` keeps compiled executables on disk; tests that want it say so (tests/test_cli.py)

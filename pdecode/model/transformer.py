@@ -13,6 +13,7 @@ restore alike.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -427,6 +428,9 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kv
     return family_of(cfg).block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
 
+SCAN_UNROLL_MAX = min(8, int(os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "8")))
+
+
 def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = (), rope_table=None, layer_inputs=None
@@ -460,7 +464,7 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
         return (x, c, hid), None
 
     (x, cache, hid), _ = jax.lax.scan(body, (x_BTD, cache, hid0), (layers, jnp.arange(num_layers)),
-                                      unroll=num_layers if num_layers <= 8 else 1)
+                                      unroll=num_layers if num_layers <= SCAN_UNROLL_MAX else 1)
     return x, cache, hid
 
 
@@ -515,7 +519,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
             x, c = _block(cfg, lp, x, att, c, i, write_at_B)
             return (x, c), None
 
-        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=len(group) if len(group) <= 8 else 1)
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=len(group) if len(group) <= SCAN_UNROLL_MAX else 1)
     return x_BTD, cache, captured
 
 
@@ -539,7 +543,7 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 
-UNROLL_MAX_LAYERS = 16
+UNROLL_MAX_LAYERS = int(os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "16"))
 
 
 def unrolled(params: Params | DecodeParams) -> bool:
