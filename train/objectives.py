@@ -13,7 +13,7 @@ import optax
 
 from pdecode.config import ModelConfig
 from pdecode.model.attention import CausalSelfMask, padded_self_mask
-from pdecode.model.transformer import forward, unembed, unstack_layers
+from pdecode.model.transformer import DecodeLayers, forward, unembed, unstack_layers
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -373,7 +373,7 @@ def block_diffusion_loss(cfg: ModelConfig, eps: float = 1e-3, sc_rate: float = 0
         b, p = prefix.shape
         L = canvas.shape[1]
         lp = dict(params, layers=unstack_layers(params["layers"], cfg, fuse=False))
-        cache = kvc.init_cache(cfg, b, p + L, jnp.float32, per_layer=True)
+        cache = kvc.init_cache(cfg, b, p + L, jnp.float32, per_layer=isinstance(lp["layers"], DecodeLayers))
         cache = kvc.set_lengths(bd.encode(lp, cfg, prefix, cache, plen), plen)
         k_t, k_n, k_v, k_s, k_T = jax.random.split(rng, 5)
         t = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)

@@ -39,7 +39,7 @@ from pdecode.decode import common
 from pdecode.errors import InputError
 from pdecode.model import block_diffusion as bd
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import decode_layout
+from pdecode.model.transformer import decode_layout, unrolled
 from pdecode.sharding import constrain_vocab
 
 DEFAULTS = dict(steps=48, t_min=0.4, t_max=0.8, entropy_bound=0.1, stability=1, confidence=0.005)
@@ -127,7 +127,7 @@ def _outer(params, cfg: ModelConfig, prompt_BP, prompt_len_B, key, *, canvases: 
     decodes one canvas; its tokens are committed up to the first EOS and encoded into the cache."""
     params = decode_layout(params, cfg, fuse=False)
     b, L = prompt_BP.shape[0], canvas
-    cache = kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=True)
+    cache = kvc.init_cache(cfg, b, max_len, cache_dtype, per_layer=unrolled(params))
     cache = kvc.set_lengths(bd.encode(params, cfg, prompt_BP, cache, prompt_len_B), prompt_len_B)
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 

@@ -215,7 +215,7 @@ class BlockDiffusionDrafter(DiffusionDrafter):
         from pdecode.model import block_diffusion as bd
 
         b = prompt_BP.shape[0]
-        cache = kvc.init_cache(self.dcfg, b, max_len, cache_dtype, per_layer=True)
+        cache = kvc.init_cache(self.dcfg, b, max_len, cache_dtype, per_layer=unrolled(dparams))
         cache = kvc.set_lengths(bd.encode(dparams, self.dcfg, prompt_BP, cache, plen_B), plen_B)
         g = self.gamma
         return DiffDraftState(cache=cache, gamma=jnp.full((b,), g if not self.adaptive else max(1, g // 2), jnp.int32),
