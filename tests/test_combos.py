@@ -81,7 +81,7 @@ def test_diffusion_draft_errors(models):  # noqa: F811
 # code-edit).
 @pytest.fixture(scope="module")
 def zoo3():
-    return (pdecode.load("code-target"), pdecode.load("code-dllm", dtype="float32"),
+    return (pdecode.load("code-target", dtype="float32"), pdecode.load("code-dllm", dtype="float32"),
             pdecode.load("code-edit", dtype="float32"))
 
 
@@ -91,7 +91,7 @@ def test_matrix_decomposition_around_diffusion_draft_and_mtp(zoo3):
     t, dllm, _ = zoo3
     out = pdecode.decompose(t, STUBS, method="diffusion_draft", draft=dllm, max_new_tokens=16)
     assert out.stats["decision"]["mode"] == "parallel" and out.stats["prefix_tokens"] > 0
-    mtp = pdecode.load("code-target-mtp-posthoc")
+    mtp = pdecode.load("code-target-mtp-posthoc", dtype="float32")  # (float32: no near-tie decides a token)
     out_mtp = pdecode.decompose(mtp, STUBS, method="mtp", max_new_tokens=16)
     assert out_mtp.points == out.points and out_mtp.prefix == out.prefix
     # lossless inside: each point's fill is the target's own greedy continuation (rows decode as they would alone)

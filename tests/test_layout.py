@@ -12,6 +12,14 @@ from pdecode.model.transformer import (CANONICAL, DecodeLayers, DecodeParams, La
                                        init_params, layout_of, unembed, unrolled)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _layout():
+    from tests.helpers import unrolled_layout
+
+    with unrolled_layout():  # the production layout (the suite otherwise runs layers under lax.scan)
+        yield
+
+
 def _cfg(**kw):
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, family="llama", tie_word_embeddings=True)

@@ -119,7 +119,10 @@ def test_mixed_precision(hf_dirs):
     err_16 = np.abs(np.asarray(pdecode.forward_logits(m16, ids)) - ref).max()
     assert err_mix < 0.05 and err_mix < err_16, (err_mix, err_16)
 
-    params = decode_layout(mix.params, mix.cfg)
+    from tests.helpers import unrolled_layout
+
+    with unrolled_layout():  # the production layout of a shallow model: per-layer weights, fused matmuls
+        params = decode_layout(mix.params, mix.cfg)
     weight_shapes = {a.shape for a in jax.tree.leaves(params) if a.ndim == 2}
     tok = jnp.zeros((2, 3), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(3), (2, 3))

@@ -79,8 +79,12 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
         keep = jax.random.uniform(rng, (n, b)) >= drop_p[:, None]
         x = embed(p, tokens, cfg)
         exit_ce = jnp.float32(0.0)
-        for i, lp in enumerate(p["layers"]):
-            y, _ = _block(cfg, lp, x, att, None, i, None, fused=True)
+        layers = p["layers"]  # unstacked and fused, or (a deep model) stacked: then sliced here
+        fused = isinstance(layers, DecodeLayers) and layers.fused
+        if not isinstance(layers, DecodeLayers):
+            layers = [{k: v[i] for k, v in layers.items()} for i in range(n)]
+        for i, lp in enumerate(layers):
+            y, _ = _block(cfg, lp, x, att, None, i, None, fused=fused)
             x = jnp.where(keep[i][:, None, None], y, x)
             if i < exit_layer:
                 h = final_norm(p, cfg, x)
