@@ -2,7 +2,7 @@
 in the zoo) with its layers unrolled, q/k/v and gate/up fused into single matmuls and one cache buffer per layer; the
 rest of this suite runs every model's layers under `lax.scan` (PDECODE_UNROLL_MAX_LAYERS=0, tests/conftest.py),
 which compiles in about half the time. Here the unrolled layout is on: every family's fused blocks decode what
-transformers decodes (AR and a draft-model chain over the per-layer caches), and every lossless decoding loop on the
+transformers decodes (AR, and on three of them a draft-model chain, over the per-layer caches), and every lossless decoding loop on the
 zoo's 6-layer models, and the serving engine, give AR's tokens."""
 
 import jax
@@ -31,7 +31,12 @@ def test_the_switch_gives_the_production_layout():
     assert dp.layout.unrolled and dp.layout.fused
 
 
-@pytest.mark.parametrize("fam", ("llama", "qwen3") + NEW_FAMILIES)
+# (the draft-model chain on the families whose caches differ most: latent (MLA), sliding + global, sinks; the dense
+# Llama block is the zoo's, below)
+CHAIN = ("gemma3", "gpt_oss", "deepseek_v3")
+
+
+@pytest.mark.parametrize("fam", NEW_FAMILIES)
 def test_family_decodes_like_transformers(fam, tmp_path):
     import torch
 
@@ -42,6 +47,8 @@ def test_family_decodes_like_transformers(fam, tmp_path):
     with torch.no_grad():
         want = [_ref_greedy(ref_model, p, NEW) for p in PROMPTS]
     assert pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False).tokens == want, fam
+    if fam not in CHAIN:
+        return
     out = pdecode.generate(m, PROMPTS, method="sd", draft=_draft_of(m), gamma=3, max_new_tokens=NEW, stop_at_eos=False)
     assert out.tokens == want, fam
 

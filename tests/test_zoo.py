@@ -170,20 +170,20 @@ def test_code_dllm_is_code_target_adapted():
 
 
 def test_code_dllm_writes_long_answers():
-    """On held-out long-task items (answers of 47-126 tokens) the shipped dLLM writes digit lists in the answer's
-    format with a good share of the tokens right in place (a random-weight model: none). It does not solve them:
-    it rarely closes a list at the right length (see docs/diffusion_results.md)."""
+    """On held-out long-task items (one of each kind, answers of 47-126 tokens) the shipped dLLM writes digit lists in
+    the answer's format with a good share of the tokens right in place (a random-weight model: none). It does not
+    solve them: it rarely closes a list at the right length (see docs/diffusion_results.md)."""
     import re
 
     from train.tasks import position_score, split_long
 
     m = pdecode.load("code-dllm", dtype="float32")
     items = [it for k in ("copy_long", "repeat_long", "range_long", "sort_long")
-             for it in [x for x in split_long()[1] if x.kind == k][:2]]
+             for it in [x for x in split_long()[1] if x.kind == k][:1]]
     out = pdecode.generate(m, [it.prompt for it in items], method="diffusion", max_new_tokens=128, block_length=32,
                            rule="threshold", threshold=0.9)
     lines = [t.split("\n", 1)[0].strip() for t in out.texts]
-    assert sum(bool(re.fullmatch(r"\[[0-9, ]*\]?", x)) for x in lines) >= 7
+    assert sum(bool(re.fullmatch(r"\[[0-9, ]*\]?", x)) for x in lines) >= 3
     assert np.mean([position_score(it, t, m.tokenizer.backend) for it, t in zip(items, out.texts)]) >= POS_BAR
 
 
