@@ -2,8 +2,8 @@
 in the zoo) with its layers unrolled, q/k/v and gate/up fused into single matmuls and one cache buffer per layer; the
 rest of this suite runs every model's layers under `lax.scan` (PDECODE_UNROLL_MAX_LAYERS=0, tests/conftest.py),
 which compiles in about half the time. Here the unrolled layout is on: every family's fused blocks decode what
-transformers decodes (AR, and on three of them a draft-model chain, over the per-layer caches), and every lossless decoding loop on the
-zoo's 6-layer models, and the serving engine, give AR's tokens."""
+transformers decodes (AR, and on three families a draft-model chain, over the per-layer caches), and every lossless
+decoding loop on the zoo's 6-layer models, and the serving engine, give AR's tokens."""
 
 import jax
 import pytest
@@ -24,6 +24,13 @@ def _layout():
 
 
 def test_the_switch_gives_the_production_layout():
+    import os
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-c", "import pdecode"], capture_output=True, text=True,
+                         env={**os.environ, "PDECODE_UNROLL_MAX_LAYERS": "all"})
+    assert bad.returncode != 0 and "PDECODE_UNROLL_MAX_LAYERS must be an integer >= 0" in bad.stderr
     from pdecode.model.transformer import decode_layout
 
     m = pdecode.load("code-target")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdecode.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 from pdecode.model.family import family_of
@@ -428,9 +429,6 @@ def _block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kv
     return family_of(cfg).block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
 
-SCAN_UNROLL_MAX = min(8, int(os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "8")))
-
-
 def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
                cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = (), rope_table=None, layer_inputs=None
@@ -519,7 +517,8 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
             x, c = _block(cfg, lp, x, att, c, i, write_at_B)
             return (x, c), None
 
-        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=len(group) if len(group) <= SCAN_UNROLL_MAX else 1)
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx),
+                                         unroll=len(group) if len(group) <= SCAN_UNROLL_MAX else 1)
     return x_BTD, cache, captured
 
 
@@ -543,7 +542,23 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 
-UNROLL_MAX_LAYERS = int(os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "16"))
+def _unroll_limit() -> int:
+    raw = os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "16")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"PDECODE_UNROLL_MAX_LAYERS must be an integer >= 0 (the most layers a decode loop "
+                          f"unrolls; 0: always lax.scan), got {raw!r}")
+    return n
+
+
+# A decode loop unrolls (and fuses) the layers of a model this shallow, else keeps them stacked under `lax.scan`
+# (PDECODE_UNROLL_MAX_LAYERS; 0 scans every model: half the compile time, a slower loop). SCAN_UNROLL_MAX: a stacked
+# forward's `lax.scan` is unrolled up to this many layers.
+UNROLL_MAX_LAYERS = _unroll_limit()
+SCAN_UNROLL_MAX = min(8, UNROLL_MAX_LAYERS)
 
 
 def unrolled(params: Params | DecodeParams) -> bool:
