@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 VOCAB = 97
@@ -158,24 +159,20 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides):
     return model
 
 
+
+@contextlib.contextmanager
 def unrolled_layout():
-    """A context manager: shallow models decode in the production layout (layers unrolled, fused, a cache buffer per
-    layer) while it is open; the suite otherwise runs layers under `lax.scan` (PDECODE_UNROLL_MAX_LAYERS=0,
-    tests/conftest.py). Compiled programs and traces of the other layout are dropped on entry and on exit."""
-    import contextlib
+    """Shallow models decode in the production layout (layers unrolled, fused, a cache buffer per layer) while this
+    is open; the suite otherwise runs layers under `lax.scan` (PDECODE_UNROLL_MAX_LAYERS=0, tests/conftest.py).
+    Compiled programs and traces of the other layout are dropped on entry and on exit."""
+    import pdecode
+    from pdecode.model import transformer as T
 
-    @contextlib.contextmanager
-    def cm():
-        import pdecode
-        from pdecode.model import transformer as T
-
-        saved = T.UNROLL_MAX_LAYERS, T.SCAN_UNROLL_MAX
+    saved = T.UNROLL_MAX_LAYERS
+    pdecode.clear_compile_cache()
+    T.UNROLL_MAX_LAYERS = T.UNROLL_DEFAULT
+    try:
+        yield
+    finally:
+        T.UNROLL_MAX_LAYERS = saved
         pdecode.clear_compile_cache()
-        T.UNROLL_MAX_LAYERS, T.SCAN_UNROLL_MAX = 16, 8
-        try:
-            yield
-        finally:
-            T.UNROLL_MAX_LAYERS, T.SCAN_UNROLL_MAX = saved
-            pdecode.clear_compile_cache()
-
-    return cm()

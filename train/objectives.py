@@ -13,7 +13,7 @@ import optax
 
 from pdecode.config import ModelConfig
 from pdecode.model.attention import CausalSelfMask, padded_self_mask
-from pdecode.model.transformer import DecodeLayers, forward, unembed, unstack_layers
+from pdecode.model.transformer import forward, layout_of, unembed, unrolled, unstack_layers
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -79,12 +79,10 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
         keep = jax.random.uniform(rng, (n, b)) >= drop_p[:, None]
         x = embed(p, tokens, cfg)
         exit_ce = jnp.float32(0.0)
-        layers = p["layers"]  # unstacked and fused, or (a deep model) stacked: then sliced here
-        fused = isinstance(layers, DecodeLayers) and layers.fused
-        if not isinstance(layers, DecodeLayers):
-            layers = [{k: v[i] for k, v in layers.items()} for i in range(n)]
+        lay = layout_of(p)  # unstacked and fused, or (a deep model) stacked: then sliced here
+        layers = p["layers"] if lay.unrolled else [{k: v[i] for k, v in p["layers"].items()} for i in range(n)]
         for i, lp in enumerate(layers):
-            y, _ = _block(cfg, lp, x, att, None, i, None, fused=fused)
+            y, _ = _block(cfg, lp, x, att, None, i, None, fused=lay.fused)
             x = jnp.where(keep[i][:, None, None], y, x)
             if i < exit_layer:
                 h = final_norm(p, cfg, x)
@@ -377,7 +375,7 @@ def block_diffusion_loss(cfg: ModelConfig, eps: float = 1e-3, sc_rate: float = 0
         b, p = prefix.shape
         L = canvas.shape[1]
         lp = dict(params, layers=unstack_layers(params["layers"], cfg, fuse=False))
-        cache = kvc.init_cache(cfg, b, p + L, jnp.float32, per_layer=isinstance(lp["layers"], DecodeLayers))
+        cache = kvc.init_cache(cfg, b, p + L, jnp.float32, per_layer=unrolled(lp))
         cache = kvc.set_lengths(bd.encode(lp, cfg, prefix, cache, plen), plen)
         k_t, k_n, k_v, k_s, k_T = jax.random.split(rng, 5)
         t = jax.random.uniform(k_t, (b, 1), minval=eps, maxval=1.0)

@@ -23,7 +23,7 @@ from pdecode.decode.verify import Rule, rule_for
 from pdecode.model import attention
 from pdecode.model import cache as kvc
 from pdecode.model.heads import EagleConfig, MTPConfig, eagle_feature, eagle_step, mtp_module
-from pdecode.model.transformer import DecodeLayers, unstack_layers
+from pdecode.model.transformer import unrolled, unstack_layers
 
 
 @struct.dataclass
@@ -61,8 +61,8 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         b, p = prompt_BP.shape
         feats = self.target_feature(dparams, pre.hidden, pre.layer_hidden)  # [B, P, D]
         mods = dparams["modules"] if "modules" in dparams else [dparams]
-        per_layer = isinstance(mods[0]["layers"], DecodeLayers)  # the cache's layout follows the layers'
-        cache = kvc.init_cache(self.block_cfg(), b, max_len, cache_dtype, per_layer=per_layer)
+        # (the cache's layout follows the layers')
+        cache = kvc.init_cache(self.block_cfg(), b, max_len, cache_dtype, per_layer=unrolled(mods[0]))
         if p > 1:  # pairs (x_{i+1}, f_i) for i = 0 .. plen-2
             pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
             valid = pos + 1 < plen_B[:, None]

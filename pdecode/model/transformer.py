@@ -462,7 +462,7 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
         return (x, c, hid), None
 
     (x, cache, hid), _ = jax.lax.scan(body, (x_BTD, cache, hid0), (layers, jnp.arange(num_layers)),
-                                      unroll=num_layers if num_layers <= SCAN_UNROLL_MAX else 1)
+                                      unroll=_scan_unroll(num_layers))
     return x, cache, hid
 
 
@@ -517,8 +517,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
             x, c = _block(cfg, lp, x, att, c, i, write_at_B)
             return (x, c), None
 
-        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx),
-                                         unroll=len(group) if len(group) <= SCAN_UNROLL_MAX else 1)
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (sub, idx), unroll=_scan_unroll(len(group)))
     return x_BTD, cache, captured
 
 
@@ -542,8 +541,11 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 
+UNROLL_DEFAULT = 16
+
+
 def _unroll_limit() -> int:
-    raw = os.environ.get("PDECODE_UNROLL_MAX_LAYERS", "16")
+    raw = os.environ.get("PDECODE_UNROLL_MAX_LAYERS", str(UNROLL_DEFAULT))
     try:
         n = int(raw)
     except ValueError:
@@ -555,10 +557,13 @@ def _unroll_limit() -> int:
 
 
 # A decode loop unrolls (and fuses) the layers of a model this shallow, else keeps them stacked under `lax.scan`
-# (PDECODE_UNROLL_MAX_LAYERS; 0 scans every model: half the compile time, a slower loop). SCAN_UNROLL_MAX: a stacked
-# forward's `lax.scan` is unrolled up to this many layers.
+# (PDECODE_UNROLL_MAX_LAYERS; 0 scans every model: half the compile time, a slower loop).
 UNROLL_MAX_LAYERS = _unroll_limit()
-SCAN_UNROLL_MAX = min(8, UNROLL_MAX_LAYERS)
+
+
+def _scan_unroll(num_layers: int) -> int:
+    """A stacked forward's `lax.scan` runs unrolled up to 8 layers (and never past UNROLL_MAX_LAYERS)."""
+    return num_layers if num_layers <= min(8, UNROLL_MAX_LAYERS) else 1
 
 
 def unrolled(params: Params | DecodeParams) -> bool:
