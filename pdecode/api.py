@@ -432,6 +432,37 @@ def resolve_cache_dtype(m: Model, cache_dtype: str | None):
     return jnp.dtype(cache_dtype)
 
 
+def _is_batch(prompts) -> bool:
+    return not isinstance(prompts, str) and not (len(prompts) and isinstance(prompts[0], (int, np.integer)))
+
+
+def _grammars(m: Model, grammar, json_schema, n_rows: int, min_tokens: int) -> list:
+    """`generate`'s ``grammar`` / ``json_schema`` compiled: one `pdecode.grammar.Grammar` (or None) per row."""
+    from pdecode import grammar as gr
+
+    if grammar is not None and json_schema is not None:
+        raise InputError("give grammar or json_schema, not both")
+    if min_tokens:
+        raise InputError("min_tokens would ban the EOS a complete grammar match needs; drop min_tokens")
+    if json_schema is not None:
+        grammar = {"json_schema": json_schema}
+    specs = grammar if isinstance(grammar, list) else [grammar] * n_rows
+    if len(specs) != n_rows:
+        raise InputError(f"grammar has {len(specs)} entries for {n_rows} prompts; give one per prompt (or one)")
+    eos = eos_ids(m)
+    done: dict[str, Any] = {}
+    out = []
+    for spec in specs:
+        if spec is None:
+            out.append(None)
+            continue
+        key = spec if isinstance(spec, (str, gr.Grammar)) else json.dumps(spec, sort_keys=True)
+        if key not in done:
+            done[key] = gr.compile_spec(spec, m.tokenizer, m.cfg.vocab_size, eos)
+        out.append(done[key])
+    return out
+
+
 def _parameters(fn) -> set:
     import inspect
 
@@ -459,7 +490,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
              stop: str | Sequence[str] | None = None, logprobs: bool = False, refine: str | None = None,
              editor: Model | None = None, refine_iterations: int = 4, presence_penalty: float | None = None,
              frequency_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-             min_tokens: int | None = None, **method_options) -> GenerateOutput:
+             min_tokens: int | None = None, grammar: Any = None, json_schema: Any = None,
+             **method_options) -> GenerateOutput:
     """Generate continuations of ``prompts`` (texts or token-id lists) with a decoding method.
 
     The whole generation, prefill included, is one compiled call; a second call with the same shapes reuses it.
@@ -486,6 +518,14 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         logit_bias: {token id: bias in [-100, 100]} added to those logits at every step (the same for every row).
         min_tokens: EOS and stop ids cannot end a row before it has this many new tokens (stop strings count from
             there on too); at most max_new_tokens.
+        grammar: structured output: a regular expression the output's text matches, or a dict with one key of
+            ``regex``, ``json_schema`` (a schema), ``json_object`` (true: any JSON object) or ``choice`` (a list of
+            strings); or a list with one such grammar (or None) per prompt. Every token the grammar forbids is
+            masked out of the processed distribution, and a row ends with EOS once its text is a complete match
+            (`pdecode.grammar`; needs outlines-core, the ``grammar`` extra). Speculative methods verify every drafted
+            token against the constrained distribution (lossless with respect to it) and draft the grammar's forced
+            tokens for free. The ar and draft-and-verify methods take it.
+        json_schema: a JSON schema (a dict or its JSON text): the same as ``grammar={"json_schema": schema}``.
         stop: a string or strings that end a row: the text is cut before the first one, the tokens after the token
             that completed it (generation runs to the budget first; `pdecode.Engine` stops at once).
         logprobs: also return each new token's log-probability under the model (the penalised logits, before
@@ -543,6 +583,11 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
     samp = ctl.sampling(m.cfg.vocab_size)
+    grammars = None
+    if grammar is not None or json_schema is not None:
+        grammars = _grammars(m, grammar, json_schema, len(prompts) if _is_batch(prompts) else 1,
+                             ctl.min_tokens)
+        samp = dataclasses.replace(samp, grammar=True)
     kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",
@@ -584,7 +629,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
 
     if (samp.processing or samp.logprobs) and not plan.history_controls:
         what = ("repetition_penalty" if samp.penalty else "presence_penalty / frequency_penalty" if samp.counts
-                else "logit_bias" if samp.bias else "min_tokens" if samp.min_tokens else "logprobs")
+                else "logit_bias" if samp.bias else "min_tokens" if samp.min_tokens
+                else "a grammar (structured output)" if samp.grammar else "logprobs")
         raise InputError(f"method {method!r} does not take {what}: it works with the autoregressive loops (ar and "
                          f"the draft-and-verify methods); drop it")
     takes_stops = plan.token_loop
@@ -605,6 +651,14 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     warp = sampling.Warp.of(ctl.temperature, ctl.top_p, ctl.top_k, ctl.min_p, ctl.repetition_penalty,
                             ctl.presence_penalty, ctl.frequency_penalty, ctl.min_tokens,
                             ctl.bias_vector(m.cfg.vocab_size) if ctl.logit_bias else None)
+    if grammars is not None:
+        from pdecode import grammar as gr
+
+        uniq = [g for g in dict.fromkeys(g for g in grammars if g is not None)]
+        tables, starts = gr.pack(uniq, m.cfg.vocab_size)
+        start_of = dict(zip(uniq, starts))
+        row_start = np.asarray([start_of[g] if g is not None else gr.FREE for g in grammars], np.int32)
+        warp = warp.replace(grammar=tables, grammar_start=jnp.asarray(row_start))
     args = (plan.params, prompt_j, len_j, jax.random.PRNGKey(seed), warp)
     if takes_stops:
         limit = np.asarray(budgets if budgets is not None else [max_new_tokens] * len(ids), np.int32)

@@ -6,8 +6,8 @@ The target's distribution passes two stages, in the order `transformers` applies
   logit bias added (``logit_bias``: per token id); the repetition penalty (a logit of a token already in the prompt
   or the output divided by the penalty when positive, multiplied when negative); the presence and frequency
   penalties (OpenAI's: ``presence * [count > 0] + frequency * count`` subtracted, ``count`` the token's occurrences
-  in the output so far); and, while a row has fewer than ``min_tokens`` new tokens, its stop tokens (EOS and stop
-  ids) banned;
+  in the output so far); while a row has fewer than ``min_tokens`` new tokens, its stop tokens (EOS and stop
+  ids) banned; and every token its grammar forbids in its state (structured output, `pdecode.grammar`) banned;
 * *warping* (`warp`): temperature, then top-k, then top-p (nucleus), then min-p.
 
 Every method samples from and verifies against the processed and warped distribution, so the lossless methods stay
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,8 @@ class Sampling:
     largest top-k a row may ask for (0: top-k off); ``use_top_p`` / ``use_min_p`` / ``penalty``: those stages are
     on; ``logprobs``: the loop records the log-probability of every chosen token; ``counts``: the presence /
     frequency penalties (the loop keeps each row's output token counts); ``bias``: a logit bias; ``min_tokens``:
-    stop tokens banned below a row's minimum."""
+    stop tokens banned below a row's minimum; ``grammar``: structured output (`pdecode.grammar`: the loop keeps each
+    row's automaton state and masks what it forbids)."""
 
     greedy: bool = True
     top_k: int = 0
@@ -54,12 +56,13 @@ class Sampling:
     counts: bool = False
     bias: bool = False
     min_tokens: bool = False
+    grammar: bool = False
 
     @property
     def processing(self) -> bool:
         """Whether any stage needs the loop's history or the row's output length (methods without the history
         keeping loops refuse these)."""
-        return self.penalty or self.counts or self.bias or self.min_tokens
+        return self.penalty or self.counts or self.bias or self.min_tokens or self.grammar
 
 
 @struct.dataclass
@@ -67,7 +70,8 @@ class Warp:
     """The sampling values (traced): each a scalar or a [B] array. ``temperature`` 0 = greedy; ``top_p`` 1 = off;
     ``top_k`` 0 = off (at most `Sampling.top_k`); ``min_p`` 0 = off; ``penalty`` 1 = no repetition penalty;
     ``presence`` / ``frequency`` 0 = off; ``min_tokens`` 0 = off; ``bias``: None, or [V] (the batch) or [B, V]
-    (per row) added to the logits."""
+    (per row) added to the logits; ``grammar``: None, or the `pdecode.grammar.Tables` of the rows' grammars, with
+    ``grammar_start`` [B] int32 each row's start state (0: unconstrained)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -78,19 +82,24 @@ class Warp:
     frequency: jax.Array = None
     min_tokens: jax.Array = None
     bias: jax.Array | None = None
+    grammar: Any = None
+    grammar_start: jax.Array | None = None
 
     @staticmethod
     def of(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, penalty=1.0, presence=0.0, frequency=0.0,
-           min_tokens=0, bias=None) -> "Warp":
+           min_tokens=0, bias=None, grammar=None, grammar_start=None) -> "Warp":
         f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         return Warp(temperature=f(temperature), top_p=f(top_p), top_k=jnp.asarray(top_k, jnp.int32),
                     min_p=f(min_p), penalty=f(penalty), presence=f(presence), frequency=f(frequency),
-                    min_tokens=jnp.asarray(min_tokens, jnp.int32), bias=None if bias is None else f(bias))
+                    min_tokens=jnp.asarray(min_tokens, jnp.int32), bias=None if bias is None else f(bias),
+                    grammar=grammar,
+                    grammar_start=None if grammar_start is None else jnp.asarray(grammar_start, jnp.int32))
 
 
 def validate(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None, min_p: float = 0.0,
              repetition_penalty: float = 1.0, logprobs: bool = False, presence_penalty: float = 0.0,
-             frequency_penalty: float = 0.0, logit_bias: bool = False, min_tokens: int = 0) -> Sampling:
+             frequency_penalty: float = 0.0, logit_bias: bool = False, min_tokens: int = 0,
+             grammar: bool = False) -> Sampling:
     """Check one request's sampling values; returns the static `Sampling` they need (``logit_bias``: whether the
     request has one)."""
     check_values(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty, presence_penalty,
@@ -99,7 +108,7 @@ def validate(temperature: float, top_k: int, top_p: float, vocab_size: int | Non
                     use_top_p=top_p < 1.0 and temperature > 0, use_min_p=min_p > 0 and temperature > 0,
                     penalty=repetition_penalty != 1.0, logprobs=bool(logprobs),
                     counts=presence_penalty != 0 or frequency_penalty != 0, bias=bool(logit_bias),
-                    min_tokens=min_tokens > 0)
+                    min_tokens=min_tokens > 0, grammar=bool(grammar))
 
 
 def _number(x) -> bool:

@@ -34,15 +34,17 @@ class ARState:
     forwards: jax.Array  # scalar int32
     seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
     counts: jax.Array | None = None  # [B, V] int32: tokens of the output (the presence / frequency penalties')
+    gstate: jax.Array | None = None  # [B] int32: each row's grammar state after its tokens (structured output)
 
 
 def start(prompt_BP, prompt_len_B, cache, logits_BV, key, warp, stops, *, max_new: int, eos_ids: tuple[int, ...],
           samp: sampling.Sampling) -> ARState:
     """The loop state after a prefill (``cache`` holding the prompts, ``logits`` at each prompt's last token): the
     first token drawn and appended."""
-    out, first, key, seen, counts = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
-                                                      max_new=max_new, eos_ids=eos_ids, samp=samp)
-    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen, counts=counts)
+    out, first, key, seen, counts, gstate = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
+                                                              max_new=max_new, eos_ids=eos_ids, samp=samp)
+    return ARState(out=out, cache=cache, last=first, key=key, forwards=jnp.int32(1), seen=seen, counts=counts,
+                   gstate=gstate)
 
 
 def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None):
@@ -56,8 +58,10 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         mask = common.step_mask(cfg, s.cache, one, positions)
         fo = forward(params, cfg, s.last[:, None], positions, mask, cache=s.cache)
         raw = unembed(params, cfg, fo.hidden[:, 0])
+        v = raw.shape[-1]
         logits = sampling.penalize(raw, s.seen, samp, warp, s.counts,
-                                   common.stop_ban(s.out, eos_ids, raw.shape[-1], samp, warp))
+                                   common.either(common.stop_ban(s.out, eos_ids, v, samp, warp),
+                                                 common.grammar_ban(s.gstate, v, samp, warp)))
         k, sub = (s.key, s.key) if samp.greedy else sampling.split(s.key)
         nxt = sampling.sample(sub, logits, samp, warp)
         active = ~s.out.done
@@ -67,8 +71,9 @@ def make_step(params, warp, *, cfg: ModelConfig, eos_ids: tuple[int, ...], samp:
         last = jnp.where(active, nxt, s.last)
         seen = common.mark_taken(s.seen, nxt[:, None], active[:, None], samp)
         counts = common.count_taken(s.counts, nxt[:, None], active[:, None], samp)
+        gstate = common.advance_grammar(s.gstate, nxt[:, None], active.astype(jnp.int32), samp, warp)
         return ARState(out=out, cache=constrain_cache(cache, mesh), last=last, key=k, forwards=s.forwards + 1,
-                       seen=seen, counts=counts)
+                       seen=seen, counts=counts, gstate=gstate)
 
     return step
 

@@ -111,20 +111,47 @@ def draw_first(prompt_BP: jax.Array, prompt_len_B: jax.Array, logits_BV: jax.Arr
                max_new: int, eos_ids: tuple[int, ...], samp):
     """A token loop's first token, after its prefill (``logits`` at each prompt's last token): the processing
     history of the prompts started, the first token drawn from the processed distribution and appended to empty
-    outputs. Returns (outputs, the first tokens [B], the key after the draw, seen, counts)."""
+    outputs. Returns (outputs, the first tokens [B], the key after the draw, seen, counts, grammar state)."""
     from pdecode import sampling
 
     b, v = prompt_BP.shape[0], logits_BV.shape[-1]
     seen = prompt_seen(prompt_BP, prompt_len_B, v, samp)
     counts = output_counts(b, v, samp)
+    gstate = jnp.broadcast_to(warp.grammar_start, (b,)).astype(jnp.int32) if samp.grammar else None
     empty = Outputs.empty(b, max_new, stops, samp.logprobs)
-    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts, stop_ban(empty, eos_ids, v, samp, warp))
+    logits_BV = sampling.penalize(logits_BV, seen, samp, warp, counts,
+                                  either(stop_ban(empty, eos_ids, v, samp, warp), grammar_ban(gstate, v, samp, warp)))
     key, sub = sampling.split(key)
     first = sampling.sample(sub, logits_BV, samp, warp)
     lp = sampling.log_probs(logits_BV, first)[:, None] if samp.logprobs else None
     out, _ = append(empty, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, lp)
     taken = jnp.ones((b, 1), bool)
-    return out, first, key, mark_taken(seen, first[:, None], taken), count_taken(counts, first[:, None], taken)
+    return (out, first, key, mark_taken(seen, first[:, None], taken), count_taken(counts, first[:, None], taken),
+            advance_grammar(gstate, first[:, None], jnp.ones((b,), jnp.int32), samp, warp))
+
+
+def either(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+    """The union of two optional ban masks."""
+    return b if a is None else a if b is None else a | b
+
+
+def grammar_ban(gstate: jax.Array | None, vocab: int, samp, warp) -> jax.Array | None:
+    """[*gstate.shape, V] bool: the tokens each row's (or node's) grammar state forbids (None when grammars are
+    off)."""
+    if not samp.grammar:
+        return None
+    from pdecode import grammar
+
+    return grammar.ban(warp.grammar, gstate, vocab)
+
+
+def advance_grammar(gstate: jax.Array | None, tokens_BK: jax.Array, n_B: jax.Array, samp, warp) -> jax.Array | None:
+    """Each row's grammar state after its first ``n[b]`` taken tokens (None stays None)."""
+    if not samp.grammar or gstate is None:
+        return gstate
+    from pdecode import grammar
+
+    return grammar.advance_taken(warp.grammar, gstate, tokens_BK, n_B)
 
 
 def stop_ban(out: "Outputs", eos_ids: tuple[int, ...], vocab: int, samp, warp, depth=None) -> jax.Array | None:

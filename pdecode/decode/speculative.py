@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pdecode import sampling
+from pdecode import grammar, sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode.tree import StaticTree, depths_of
@@ -161,6 +161,7 @@ class SpecState:
     row_acc: jax.Array  # [B, D+1] the same per row (a serving engine's per-request acceptance)
     seen: jax.Array | None = None  # [B, V] bool: tokens of prompt and output (the repetition penalty's history)
     counts: jax.Array | None = None  # [B, V] int32: tokens of the output (the presence / frequency penalties')
+    gstate: jax.Array | None = None  # [B] int32: each row's grammar state after its committed tokens, root included
 
 
 def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key, warp, stops, *, cfg: ModelConfig,
@@ -171,8 +172,8 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d."""
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
-    out, first, key, seen, counts = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
-                                                      max_new=max_new, eos_ids=eos_ids, samp=samp)
+    out, first, key, seen, counts, gstate = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
+                                                              max_new=max_new, eos_ids=eos_ids, samp=samp)
     seq = jnp.zeros((b, max_len), jnp.int32).at[:, :p].set(prompt_BP)
     seq = seq.at[jnp.arange(b), prompt_len_B].set(first, mode="drop")
     last_idx = prompt_len_B - 1
@@ -189,15 +190,16 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
                      draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32),
                      row_acc=jnp.zeros((b, drafter.max_depth + 1), jnp.int32), seen=seen,
-                     counts=counts)
+                     counts=counts, gstate=gstate)
 
 
 def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, samp, warp, counts_BV=None,
-                   out=None, eos_ids: tuple[int, ...] = ()):
+                   out=None, eos_ids: tuple[int, ...] = (), node_gstate=None):
     """The processing stages (`sampling.penalize`) at every node of a drafted tree: node i's history is the
     committed sequence (``seen`` / ``counts``, the root included) plus the tokens on its path from the root (its
     ancestors and itself), and the token it predicts comes that many tokens after the committed ones
-    (``min_tokens``: ``out``'s count), so each node is processed exactly as AR would be after taking that path."""
+    (``min_tokens``: ``out``'s count), so each node is processed exactly as AR would be after taking that path;
+    ``node_gstate`` [B, N]: each node's grammar state after its path (`grammar.node_states`)."""
     if not samp.processing:
         return logits_BNV
     b, n, v = logits_BNV.shape
@@ -209,6 +211,7 @@ def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, s
         path_tok.append(jnp.where(below_root, jnp.take_along_axis(tokens_BN, node, axis=1), v))
         node = jnp.where(below_root, jnp.take_along_axis(parents_BN, node, axis=1), 0)
     ban = common.stop_ban(out, eos_ids, v, samp, warp, depth) if out is not None else None
+    ban = common.either(ban, common.grammar_ban(node_gstate, v, samp, warp))
     x = sampling.penalize(logits_BNV, None if seen_BV is None else seen_BV[:, None, :], samp, warp,
                           None if counts_BV is None else counts_BV[:, None, :])
     if samp.penalty or samp.counts:
@@ -265,6 +268,12 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             depth = depths_of(parents_BN, d_max)
         if prop.intra is not None:
             intra = prop.intra
+        node_g = None
+        if samp.grammar:  # each node's grammar state; deterministic drafts take the grammar's forced tokens
+            force = prop.q is None and not prop.from_layer and prop.rule in (Rule.GREEDY, Rule.TREE_DETERMINISTIC)
+            tokens, node_g = grammar.node_states(warp.grammar, s.gstate, prop.tokens, parents_BN, d_max, force)
+            if force:
+                prop = prop._replace(tokens=jnp.where(prop.valid, tokens, prop.tokens))
         if prop.positions is not None:
             depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
@@ -287,7 +296,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             if prop.side is not None:
                 side = prop.side()
         logits = penalize_nodes(logits, s.seen, prop.tokens, parents_BN, d_max, samp, warp, s.counts, s.out,
-                                eos_ids)
+                                eos_ids, node_g)
         ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, warp,
                      rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
                      typical=drafter.typical)
@@ -324,7 +333,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
                          forwards=s.forwards + 1, draft_forwards=s.draft_forwards + prop.draft_forwards,
                          acc_hist=hist, row_acc=row_acc,
                          seen=common.mark_taken(s.seen, ver.tokens, taken, samp),
-                         counts=common.count_taken(s.counts, ver.tokens, taken, samp))
+                         counts=common.count_taken(s.counts, ver.tokens, taken, samp),
+                         gstate=common.advance_grammar(s.gstate, ver.tokens, n_new, samp, warp))
 
     return step
 

@@ -1,0 +1,360 @@
+"""Structured output: a grammar (a regular expression, a JSON schema, any JSON object, a choice among strings)
+compiled to a token-level automaton whose tables live on the device, so every decode loop applies it inside its
+compiled program, at every drafted and verified position, with no host round trip.
+
+The grammar library is outlines-core (the ``grammar`` extra): it turns a JSON schema into a regular expression and a
+regular expression plus the tokenizer's vocabulary into a DFA over token ids (docs/serving.md, "Structured output",
+says why this one). Here that DFA becomes three arrays (`Tables`), several grammars side by side in one table:
+
+- ``allow`` [S, W] uint32: bit t of state s is set when token t may come next (W = ceil(V / 32)); the model's EOS ids
+  are allowed exactly in accepting states;
+- ``base`` [S, W] int32 and ``nexts`` [T] int32: the state after token t is ``nexts[base[s, t // 32] + rank]``,
+  ``rank`` the number of allowed tokens below t in that word (a popcount): O(1), T = the allowed transitions;
+- ``forced`` [S] int32: the one token a state allows, or -1.
+
+State 0 is free (every token allowed, it stays 0): a row without a grammar, in the same batch as rows with one.
+A token a state does not allow also leads to state 0 (a drafted node off the grammar is never accepted: its
+distribution masks it, so whatever follows it is never reached).
+
+Masking turns the processed distribution into the *constrained* one (`sampling.penalize`'s ban); speculative
+methods verify every node against it, each node's state found by walking its path from the committed state, so they
+are lossless with respect to constrained AR sampling (tests/test_grammar.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pdecode.errors import InputError
+
+FREE = 0  # the unconstrained state
+
+
+@struct.dataclass
+class Tables:
+    """One or more compiled grammars on the device (see the module's docstring). Shapes are static per program."""
+
+    allow: jax.Array  # [S, W] uint32
+    base: jax.Array  # [S, W] int32
+    nexts: jax.Array  # [T] int32
+    forced: jax.Array  # [S] int32
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Grammar:
+    """One compiled grammar on the host: its states numbered 0..n-1 (0 the start), before packing (`pack`)."""
+
+    allow: np.ndarray  # [n, W] uint32
+    nexts: list  # per state: int32 array of next states for its allowed tokens, ascending token order
+    spec: str  # what it was compiled from (for messages and caching)
+
+    @property
+    def num_states(self) -> int:
+        return self.allow.shape[0]
+
+    @property
+    def num_transitions(self) -> int:
+        return int(sum(len(x) for x in self.nexts))
+
+
+# ------------------------------------------------------------------------------------------------ host: compile
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte -> the byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, n = printable[:], 0
+    order = printable[:]
+    for b in range(256):
+        if b not in printable:
+            order.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(order, chars)}
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """The bytes each token id stands for (None: a special token or an id the tokenizer lacks). Byte-level BPE
+    (GPT-2 / Llama 3 / Qwen) maps its printable alphabet back to bytes; SentencePiece-style vocabularies (Llama 2,
+    Gemma) turn ``▁`` into a space and ``<0xNN>`` byte fallbacks into that byte."""
+    backend = tokenizer.backend
+    spec = json.loads(backend.to_str())
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {}) or "ByteLevel" in json.dumps(
+        spec.get("pre_tokenizer") or {})
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    table = _byte_decoder() if byte_level else None
+    out: list[bytes | None] = [None] * vocab_size
+    for s, i in tokenizer.vocab().items():
+        if i >= vocab_size or i in special:
+            continue
+        if table is not None:
+            if all(c in table for c in s):
+                out[i] = bytes(table[c] for c in s)
+            else:  # an added (non-special) token written as plain text
+                out[i] = s.encode()
+        elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out[i] = bytes([int(s[3:5], 16)])
+        else:
+            out[i] = s.replace("\u2581", " ").encode()
+    return out
+
+
+def _outlines():
+    try:
+        import outlines_core
+        from outlines_core.json_schema import build_regex_from_schema
+    except ImportError as e:
+        raise InputError("structured output needs outlines-core: pip install 'pdecode[grammar]' "
+                         "(or pip install outlines-core)") from e
+    return outlines_core, build_regex_from_schema
+
+
+def schema_regex(schema: Any) -> str:
+    """The regular expression of a JSON schema (a dict or its JSON text); a schema outlines-core cannot read is an
+    InputError."""
+    _, build = _outlines()
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        return build(text)
+    except Exception as e:  # noqa: BLE001 (the library raises ValueError or its own types)
+        raise InputError(f"json_schema: cannot compile this schema ({str(e).splitlines()[0][:200]})") from None
+
+
+def json_object_regex() -> str:
+    """Any JSON object (OpenAI's ``json_object``): outlines-core's regex of ``{"type": "object"}`` (JSON is not a
+    regular language: its values nest to a bounded depth)."""
+    return schema_regex({"type": "object"})
+
+
+def choice_regex(choices: Sequence[str]) -> str:
+    """One of ``choices`` exactly (vLLM's ``guided_choice``)."""
+    import re
+
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InputError("a choice must be a non-empty list of non-empty strings")
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+MAX_STATES = 1 << 16  # per grammar: a larger automaton is refused (it would not fit a serving table)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(regex: str, tokens: tuple, vocab_size: int, eos_ids: tuple[int, ...]) -> Grammar:
+    oc, _ = _outlines()
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(tokens):
+        if b is not None and b and i not in eos_ids:
+            by_bytes.setdefault(b, []).append(i)
+    fake_eos = eos_ids[0] if eos_ids else vocab_size  # outlines' end token; replaced by the model's EOS ids below
+    try:
+        index = oc.Index(regex, oc.Vocabulary(fake_eos, by_bytes))
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"grammar: cannot compile {regex[:80]!r} for this tokenizer "
+                         f"({str(e).splitlines()[0][:200]})") from None
+    trans = {s: {t: n for t, n in e.items() if t != fake_eos} for s, e in index.get_transitions().items()}
+    return from_transitions(trans, index.get_initial_state(), index.get_final_states(), vocab_size, eos_ids, regex)
+
+
+def from_transitions(trans: dict, initial: int, finals, vocab_size: int, eos_ids: Sequence[int],
+                     spec: str = "") -> Grammar:
+    """A `Grammar` from a token-level DFA: ``trans`` {state: {token id: next state}} (any hashable state names),
+    its ``initial`` state and accepting ``finals``. The ``eos_ids`` are allowed in accepting states (and in any
+    state with no way on, so a row never has nothing to draw)."""
+    finals = set(finals)
+    order = [initial] + sorted((s for s in set(trans) | finals if s != initial), key=repr)
+    order += sorted({n for e in trans.values() for n in e.values()} - set(order), key=repr)
+    if len(order) > MAX_STATES:
+        raise InputError(f"grammar: {len(order)} states, more than {MAX_STATES}; simplify the schema or pattern")
+    num = {s: k for k, s in enumerate(order)}
+    w = (vocab_size + 31) // 32
+    allow = np.zeros((len(order), w), np.uint32)
+    nexts = []
+    for s in order:
+        k = num[s]
+        edges = {int(t): num[n] for t, n in trans.get(s, {}).items() if 0 <= t < vocab_size}
+        if s in finals or not edges:  # EOS ends a complete match (and any dead end: never an empty row)
+            edges.update({int(e): k for e in eos_ids if 0 <= e < vocab_size})
+        toks = np.asarray(sorted(edges), np.int64)
+        if len(toks):
+            np.bitwise_or.at(allow[k], toks // 32, (np.uint32(1) << (toks % 32).astype(np.uint32)))
+        nexts.append(np.asarray([edges[t] for t in toks], np.int32))
+    return Grammar(allow=allow, nexts=nexts, spec=spec)
+
+
+def compile_regex(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> Grammar:
+    """A regular expression over the output's text, for ``tokenizer``'s ids (compiled once per regex and
+    tokenizer). ``eos_ids``: the tokens that may end the output, allowed once the text matches."""
+    if not isinstance(regex, str) or not regex:
+        raise InputError("a grammar's regex must be a non-empty string")
+    if not eos_ids:
+        raise InputError("structured output needs the model's EOS id (config.json eos_token_id) to end a match")
+    cached = getattr(tokenizer, "_token_bytes", None)
+    if cached is None or len(cached) != vocab_size:
+        cached = tuple(token_bytes(tokenizer, vocab_size))
+        tokenizer._token_bytes = cached
+    return _compile(regex, cached, int(vocab_size), tuple(sorted(int(e) for e in eos_ids)))
+
+
+def regex_of(kind: str, value: Any = None) -> str:
+    """The regex of a grammar given as ``kind``: "regex" (value: the pattern), "json_schema" (value: the schema),
+    "json_object" (no value), "choice" (value: the strings)."""
+    if kind == "regex":
+        return value
+    if kind == "json_schema":
+        return schema_regex(value)
+    if kind == "json_object":
+        return json_object_regex()
+    if kind == "choice":
+        return choice_regex(value)
+    raise InputError(f"unknown grammar kind {kind!r}: use regex, json_schema, json_object or choice")
+
+
+# ------------------------------------------------------------------------------------------------ host: pack
+def _popcount_prefix(allow: np.ndarray) -> np.ndarray:
+    """[S, W] int32: per state, the allowed tokens in the words before each word."""
+    counts = np.zeros(allow.shape, np.int64)
+    for bit in range(32):
+        counts += (allow >> np.uint32(bit)) & np.uint32(1)
+    return (np.cumsum(counts, axis=1) - counts).astype(np.int64)
+
+
+def pack(grammars: Sequence[Grammar], vocab_size: int, states: int | None = None,
+         transitions: int | None = None) -> tuple[Tables, list[int]]:
+    """Put ``grammars`` into one `Tables` (state 0 free) and return it with each grammar's start state. ``states`` /
+    ``transitions``: the tables' sizes (padded up to them: a serving engine keeps one shape); default the sizes
+    needed, rounded up to a power of two (nearby sizes share one compiled program)."""
+    w = (vocab_size + 31) // 32
+    n_states = 1 + sum(g.num_states for g in grammars)
+    n_trans = max(1, sum(g.num_transitions for g in grammars))
+    rnd = lambda x: 1 << max(0, int(x - 1).bit_length())  # noqa: E731
+    s_cap = rnd(n_states) if states is None else states
+    t_cap = rnd(n_trans) if transitions is None else transitions
+    if n_states > s_cap or n_trans > t_cap:
+        raise InputError(f"grammars need {n_states} states and {n_trans} transitions; the table holds {s_cap} and "
+                         f"{t_cap}")
+    allow = np.zeros((s_cap, w), np.uint32)
+    base = np.zeros((s_cap, w), np.int32)
+    nexts = np.zeros((t_cap,), np.int32)
+    forced = np.full((s_cap,), -1, np.int32)
+    allow[0] = np.uint32(0xFFFFFFFF)
+    starts, s_off, t_off = [], 1, 0
+    for g in grammars:
+        n = g.num_states
+        allow[s_off:s_off + n] = g.allow
+        pre = _popcount_prefix(g.allow)
+        row_off = t_off + np.concatenate([[0], np.cumsum([len(x) for x in g.nexts])[:-1]]).astype(np.int64)
+        base[s_off:s_off + n] = (row_off[:, None] + pre).astype(np.int32)
+        for k, x in enumerate(g.nexts):
+            nexts[row_off[k]:row_off[k] + len(x)] = x + s_off
+            if len(x) == 1:
+                word = np.flatnonzero(g.allow[k])[0]
+                forced[s_off + k] = word * 32 + int(np.log2(int(g.allow[k, word])))
+        starts.append(s_off)
+        s_off += n
+        t_off += g.num_transitions
+    return Tables(allow=jnp.asarray(allow), base=jnp.asarray(base), nexts=jnp.asarray(nexts),
+                  forced=jnp.asarray(forced)), starts
+
+
+def table_bytes(states: int, transitions: int, vocab_size: int) -> int:
+    """Device bytes of a `Tables` of this size."""
+    return states * ((vocab_size + 31) // 32) * 8 + transitions * 4 + states * 4
+
+
+# ------------------------------------------------------------------------------------------------ device
+def allowed(t: Tables, state: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., V] bool: the tokens each ``state`` [...] allows."""
+    words = t.allow[state]  # [..., W]
+    bits = (words[..., :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    return bits.reshape(*state.shape, -1)[..., :vocab_size].astype(bool)
+
+
+def advance(t: Tables, state: jax.Array, token: jax.Array) -> jax.Array:
+    """The state after ``token`` in each ``state`` (same shapes); a token the state does not allow, or state 0,
+    gives 0."""
+    token = token.astype(jnp.int32)
+    w = jnp.clip(token >> 5, 0, t.allow.shape[1] - 1)
+    bit = (token & 31).astype(jnp.uint32)
+    word = t.allow[state, w]
+    ok = ((word >> bit) & jnp.uint32(1)).astype(bool) & (token >= 0) & (state != FREE)
+    below = word & ((jnp.uint32(1) << bit) - jnp.uint32(1))
+    rank = jax.lax.population_count(below).astype(jnp.int32)
+    idx = jnp.clip(t.base[state, w] + rank, 0, t.nexts.shape[0] - 1)
+    return jnp.where(ok, t.nexts[idx], FREE)
+
+
+def advance_taken(t: Tables, state_B: jax.Array, tokens_BK: jax.Array, n_B: jax.Array) -> jax.Array:
+    """The state after each row's first ``n[b]`` tokens of ``tokens`` (K static and small: a short unrolled walk)."""
+    for k in range(tokens_BK.shape[1]):
+        state_B = jnp.where(k < n_B, advance(t, state_B, tokens_BK[:, k]), state_B)
+    return state_B
+
+
+def ban(t: Tables, state: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., V] bool: the tokens each state forbids (what `sampling.penalize` masks)."""
+    return ~allowed(t, state, vocab_size)
+
+
+def node_states(t: Tables, state_B: jax.Array, tokens_BN: jax.Array, parents_BN: jax.Array, max_depth: int,
+                force: bool = False):
+    """Each drafted node's state after its own token, walking the tree from the root's ``state`` (node 0 is the
+    root: its state is ``state``). Returns (tokens, states [B, N]). ``force``: deterministic drafts get the
+    grammar's forced tokens written in: a node whose parent's state allows one token alone gets that token (the
+    target's constrained distribution there is a point mass on it, so it is accepted: forced tokens are free
+    drafts)."""
+    b, n = tokens_BN.shape
+    states = jnp.broadcast_to(state_B[:, None], (b, n))
+    par = jnp.maximum(parents_BN, 0)
+    drafted = tokens_BN
+    for _ in range(max_depth):  # depth by depth: a node's parent is settled one round before it
+        ps = jnp.take_along_axis(states, par, axis=1)
+        if force:
+            f = t.forced[ps]
+            tokens_BN = drafted.at[:, 1:].set(jnp.where(f[:, 1:] >= 0, f[:, 1:], drafted[:, 1:]))
+        states = advance(t, ps, tokens_BN).at[:, 0].set(state_B)
+    return tokens_BN, states
+
+
+# ------------------------------------------------------------------------------------------------ host: specs
+KINDS = ("regex", "json_schema", "json_object", "choice")
+
+
+def parse_spec(spec: Any) -> tuple[str, Any]:
+    """A grammar as `pdecode.generate` takes it -> (kind, value): a string is a regular expression; a dict has one
+    of the keys ``regex`` (a pattern), ``json_schema`` (a schema: a dict or its JSON text), ``json_object`` (true:
+    any JSON object) or ``choice`` (a list of strings, the output one of them)."""
+    if isinstance(spec, str):
+        return "regex", spec
+    if isinstance(spec, dict) and len(spec) == 1:
+        (kind, value), = spec.items()
+        if kind in KINDS:
+            if kind == "json_object" and value is not True:
+                raise InputError("grammar {'json_object': ...} takes true")
+            if kind == "json_schema" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"json_schema is not valid JSON ({e.msg} at character {e.pos})") from None
+            if kind == "json_schema" and not isinstance(value, dict):
+                raise InputError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
+            return kind, value
+    raise InputError(f"a grammar is a regex string or a dict with one key of {', '.join(KINDS)}; got {spec!r:.80}")
+
+
+def compile_spec(spec: Any, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> Grammar:
+    """`parse_spec` then `compile_regex` (a `Grammar` already compiled is returned as it is)."""
+    if isinstance(spec, Grammar):
+        if spec.allow.shape[1] != (vocab_size + 31) // 32:
+            raise InputError("this Grammar was compiled for another vocabulary size")
+        return spec
+    if tokenizer is None:
+        raise InputError("structured output from a regex or schema needs the model's tokenizer (tokenizer.json): grammars are over text")
+    kind, value = parse_spec(spec)
+    return compile_regex(regex_of(kind, value), tokenizer, vocab_size, eos_ids)

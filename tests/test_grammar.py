@@ -1,0 +1,193 @@
+"""Structured output (`pdecode.grammar`): the device tables follow outlines-core's automaton; greedy constrained
+speculative decoding equals constrained AR token for token and the output parses and validates; sampled speculative
+decoding is lossless with respect to the constrained distribution (a statistical test against exact constrained AR
+marginals), and a rule that ignores the drafted path is rejected by the same test."""
+
+import json
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+import pdecode
+from pdecode import grammar
+from pdecode.decode import speculative
+from pdecode.errors import InputError
+from tests.test_controls import N, PROMPT, _min_pvalue
+from tests.test_speculative import small_vocab  # noqa: F401 (fixture)
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return pdecode.load("code-target"), pdecode.load("code-draft")
+
+
+def test_tables_follow_the_automaton(zoo):
+    """Every state's allowed tokens and every transition of outlines-core's index, read back from the packed device
+    tables (next to another grammar and the free state 0)."""
+    import outlines_core as oc
+
+    m = zoo[0]
+    v, eos = m.cfg.vocab_size, pdecode.api.eos_ids(m)
+    regex = r"(yes|no)|[0-9]{2,3}\.[0-9]"
+    g = grammar.compile_regex(regex, m.tokenizer, v, eos)
+    other = grammar.compile_regex(r"[a-c]+", m.tokenizer, v, eos)
+    tables, (s_other, s_g) = grammar.pack([other, g], v)
+    toks = grammar.token_bytes(m.tokenizer, v)
+    by_bytes = {}
+    for i, b in enumerate(toks):
+        if b and i not in eos:
+            by_bytes.setdefault(b, []).append(i)
+    index = oc.Index(regex, oc.Vocabulary(eos[0], by_bytes))
+    trans = index.get_transitions()
+    finals = set(index.get_final_states())
+    # number the index's states by walking from the start through the packed tables
+    num = {index.get_initial_state(): s_g}
+    frontier = [index.get_initial_state()]
+    checked = 0
+    while frontier:
+        s = frontier.pop()
+        edges = {t: n for t, n in trans.get(s, {}).items() if t not in eos}
+        allowed = np.asarray(grammar.allowed(tables, jnp.asarray([num[s]]), v))[0]
+        want = set(edges) | (set(eos) if s in finals or not edges else set())
+        assert set(np.flatnonzero(allowed).tolist()) == want
+        ts = np.asarray(sorted(edges), np.int32)
+        if len(ts):
+            got = np.asarray(grammar.advance(tables, jnp.full(ts.shape, num[s]), jnp.asarray(ts)))
+            for t, n in zip(ts.tolist(), got.tolist()):
+                if edges[t] in num:
+                    assert num[edges[t]] == n
+                else:
+                    num[edges[t]] = n
+                    frontier.append(edges[t])
+                checked += 1
+        forced = int(tables.forced[num[s]])
+        assert forced == (next(iter(want)) if len(want) == 1 else -1)
+    assert checked > 20 and len(num) > 5
+    # a token a state forbids, and the free state, lead to 0; the free state allows everything
+    bad = int(np.flatnonzero(~np.asarray(grammar.allowed(tables, jnp.asarray([s_g]), v))[0])[0])
+    assert int(grammar.advance(tables, jnp.asarray(s_g), jnp.asarray(bad))) == grammar.FREE
+    assert int(grammar.advance(tables, jnp.asarray(0), jnp.asarray(5))) == grammar.FREE
+    assert np.asarray(grammar.allowed(tables, jnp.asarray([0]), v)).all()
+    assert s_other == 1
+
+
+PROMPTS = ["def f(x):\n    return", "# one record\nrecord = ", "import os\nimport sys\n\n\ndef main():\n"]
+GREEDY = [("ar", {}), ("sd", dict(gamma=4)), ("lookup", {})]
+
+
+def test_greedy_constrained_speculation_equals_ar_and_validates(zoo):
+    """A JSON schema, a choice and an unconstrained row in one batch (one grammar per row): sd (its draft model's
+    tokens, forced tokens written in) and lookup give constrained AR's tokens exactly; every constrained row parses
+    and validates, the choice row is one of the choices, the unconstrained row is plain AR's."""
+    target, draft = zoo
+    rows = [{"json_schema": SCHEMA}, {"choice": ["alpha", "beta", "gamma delta"]}, None]
+    outs = {}
+    for method, opts in GREEDY:
+        outs[method] = pdecode.generate(target, PROMPTS, method=method, draft=draft if method == "sd" else None,
+                                        max_new_tokens=48, grammar=rows, **opts)
+    ref = outs["ar"]
+    for method, o in outs.items():
+        assert o.tokens == ref.tokens, method
+    assert ref.finish_reasons[:2] == ["stop", "stop"]
+    jsonschema.validate(json.loads(ref.texts[0]), SCHEMA)
+    assert ref.texts[1] in ("alpha", "beta", "gamma delta")
+    plain = pdecode.generate(target, PROMPTS[2:], max_new_tokens=48)
+    assert ref.tokens[2] == plain.tokens[0]
+    # sampled: every row still parses and validates
+    s = pdecode.generate(target, PROMPTS * 2, method="sd", draft=draft, gamma=4, max_new_tokens=64, temperature=1.0,
+                         seed=4, json_schema=SCHEMA)
+    for text, why in zip(s.texts, s.finish_reasons):
+        if why == "stop":
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert s.finish_reasons.count("stop") >= 4
+
+
+# a grammar over small_vocab's 16 tokens whose allowed set depends on the previous token (so a drafted node's state
+# depends on its path), with one forced state (after 5 only 6 may come: deterministic drafts get it written in)
+def _toy_trans():
+    trans = {"start": {t: t for t in range(1, 16)}}
+    for k in range(1, 16):
+        trans[k] = {6: 6} if k == 5 else {t: t for t in range(1, 16) if t != k and (t + k) % 3 != 0}
+    return trans
+
+
+def _constrained_marginals(m, prompt, n_tok):
+    trans = _toy_trans()
+    v = m.cfg.vocab_size
+    prefixes, states, probs = [[]], ["start"], np.array([1.0])
+    margs = []
+    for _ in range(n_tok):
+        lg = np.asarray(pdecode.forward_logits(m, [prompt + pre for pre in prefixes]))[:, -1].astype(np.float64)
+        ok = np.zeros_like(lg, bool)
+        for i, s in enumerate(states):
+            ok[i, list(trans[s])] = True
+        lg = np.where(ok, lg, -np.inf)
+        cond = np.exp(lg - lg.max(-1, keepdims=True))
+        cond /= cond.sum(-1, keepdims=True)
+        joint = probs[:, None] * cond
+        margs.append(joint.sum(0))
+        keep = [(i, t) for i in range(len(prefixes)) for t in range(v) if joint[i, t] > 0]
+        prefixes = [prefixes[i] + [t] for i, t in keep]
+        states = [trans[states[i]][t] for i, t in keep]
+        probs = np.asarray([joint[i, t] for i, t in keep])
+    return margs
+
+
+SAMPLED = [("sd", dict(gamma=3)), ("tree", dict(tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])), ("lookup", dict(gamma=3))]
+
+
+@pytest.mark.parametrize("method,opts", SAMPLED, ids=[c[0] for c in SAMPLED])
+def test_constrained_sampling_is_lossless(small_vocab, method, opts):  # noqa: F811
+    """The first three tokens' marginals over 12,000 rows equal exact AR sampling from the constrained distribution
+    (a draft model's chain, a sampled multi-child tree, n-gram drafts with the forced state)."""
+    target, draft = small_vocab
+    g = grammar.from_transitions(_toy_trans(), "start", (), target.cfg.vocab_size, ())
+    out = pdecode.generate(target, [PROMPT] * N, method=method, draft=draft if method != "lookup" else None,
+                           max_new_tokens=3, temperature=1.0, seed=7, grammar=g, stop_at_eos=False, **opts)
+    toks = np.array(out.tokens)
+    assert _min_pvalue(toks, _constrained_marginals(target, PROMPT, 3)) > 1e-4
+    assert all(b == 6 for a, b in zip(toks[:, 0], toks[:, 1]) if a == 5)
+
+
+def test_a_grammar_blind_to_the_drafted_path_fails_the_test(small_vocab, monkeypatch):  # noqa: F811
+    """The wrong rule: every drafted node masked by the committed state (not the state after the drafted tokens
+    above it). The same test rejects it."""
+    target, draft = small_vocab
+    g = grammar.from_transitions(_toy_trans(), "start", (), target.cfg.vocab_size, ())
+    real = grammar.node_states
+
+    def committed_only(t, state_B, tokens_BN, parents_BN, max_depth, force=False):
+        tokens, _ = real(t, state_B, tokens_BN, parents_BN, max_depth, force)
+        return tokens, jnp.broadcast_to(state_B[:, None], tokens.shape)
+
+    monkeypatch.setattr(speculative.grammar, "node_states", committed_only)
+    pdecode.clear_compile_cache()
+    try:
+        out = pdecode.generate(target, [PROMPT] * N, method="sd", draft=draft, gamma=3, max_new_tokens=3,
+                               temperature=1.0, seed=7, grammar=g, stop_at_eos=False)
+    finally:
+        pdecode.clear_compile_cache()
+    assert _min_pvalue(np.array(out.tokens), _constrained_marginals(target, PROMPT, 3)) < 1e-6
+
+
+def test_bad_grammars(zoo):
+    m = zoo[0]
+    cases = [
+        (dict(grammar="[a-z", method="ar"), "cannot compile"),
+        (dict(json_schema="{not json", method="ar"), "not valid JSON"),
+        (dict(grammar={"json_schema": SCHEMA, "regex": "a"}, method="ar"), "one key"),
+        (dict(grammar="a+", json_schema=SCHEMA, method="ar"), "not both"),
+        (dict(grammar="a+", min_tokens=2, method="ar"), "min_tokens"),
+        (dict(grammar=["a+"] * 2, method="ar"), "one per prompt"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            pdecode.generate(m, PROMPTS, max_new_tokens=8, **kw)
+    with pytest.raises(InputError, match="does not take a grammar"):  # the canvas methods refuse it
+        pdecode.generate(pdecode.load("code-dllm"), PROMPTS, method="diffusion", max_new_tokens=8, grammar="a+")
