@@ -44,10 +44,10 @@ from typing import Any
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                      "seed", "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of", "user",
                      "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
-                     "min_tokens"}
+                     "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix"}) | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls"}
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's extensions
 
 
 logger = logging.getLogger("pdecode.serve")
@@ -257,9 +257,6 @@ class Server:
         min_tokens = _number(body, "min_tokens", 0, 0, integer=True)
         if body.get("tools") or body.get("tool_choice") not in (None, "none"):
             raise BadRequest("tool calls are not supported", "tools")
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise BadRequest("response_format other than {\"type\": \"text\"} is not supported", "response_format")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
@@ -300,6 +297,58 @@ class Server:
             include_usage=bool((so or {}).get("include_usage", False)),
             continuous_usage=bool((so or {}).get("continuous_usage_stats", False)))
 
+    @staticmethod
+    def grammar_spec(body: dict):
+        """The request's structured output as a `pdecode.generate` grammar (None: free text): OpenAI's
+        ``response_format`` (text, json_object, json_schema) or one of vLLM's ``guided_json`` / ``guided_regex`` /
+        ``guided_choice``."""
+        given = [k for k in ("response_format", *GUIDED) if body.get(k) is not None]
+        if len(given) > 1:
+            raise BadRequest(f"give one of {given[0]} and {given[1]}, not both", given[1])
+        if not given:
+            return None
+        key = given[0]
+        v = body[key]
+        if key in GUIDED:
+            if key == "guided_json" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError:
+                    raise BadRequest("guided_json must be a JSON schema (an object, or its JSON text)", key) from None
+            ok = {"guided_json": dict, "guided_regex": str, "guided_choice": list}[key]
+            if not isinstance(v, ok) or not v:
+                raise BadRequest(f"{key} must be a non-empty {ok.__name__.replace('dict', 'object')}", key)
+            return {GUIDED[key]: v}
+        kinds = ("text", "json_object", "json_schema")
+        if not isinstance(v, dict) or v.get("type") not in kinds:
+            raise BadRequest("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                             key)
+        if v["type"] == "text":
+            return None
+        if v["type"] == "json_object":
+            return {"json_object": True}
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise BadRequest("response_format json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
+                             "{...}}", key)
+        # a json_schema without a schema allows any JSON object (OpenAI's default schema is empty)
+        return {"json_schema": js["schema"]} if js.get("schema") else {"json_object": True}
+
+    async def compile_grammar(self, body: dict):
+        """The request's grammar compiled for the engine (in a worker thread: a large schema takes seconds the first
+        time; the cache makes a repeated one instant), or None."""
+        from pdecode.errors import InputError
+
+        spec = self.grammar_spec(body)
+        if spec is None:
+            return None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self.engine.compile_grammar, spec)
+        except InputError as e:
+            raise BadRequest(str(e), "response_format" if "response_format" in body else next(
+                k for k in GUIDED if k in body)) from None
+
     def _check(self, prompt: list[int], max_tokens, c: dict, logprobs: bool):
         from pdecode.errors import InputError
 
@@ -309,7 +358,7 @@ class Server:
                                      stop=c["stop"], stop_token_ids=c["stop_token_ids"], logprobs=logprobs,
                                      ignore_eos=c["ignore_eos"], presence_penalty=c["presence_penalty"],
                                      frequency_penalty=c["frequency_penalty"], logit_bias=c["logit_bias"],
-                                     min_tokens=c["min_tokens"])
+                                     min_tokens=c["min_tokens"], grammar=c.get("grammar"))
         except InputError as e:
             raise BadRequest(str(e)) from None
 
@@ -323,8 +372,9 @@ class Server:
         if self.lockstep is not None:
             raise BadRequest(f"{what} is not supported on a multi-process server", param)
 
-    def parse_completion(self, body: dict):
+    def parse_completion(self, body: dict, grammar=None):
         c = self._common(body, COMPLETION_FIELDS, "/v1/completions")
+        c["grammar"] = grammar
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
@@ -360,11 +410,12 @@ class Server:
         checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
         return ids, checked, c, lp is not None
 
-    def parse_chat(self, body: dict):
+    def parse_chat(self, body: dict, grammar=None):
         from pdecode import chat
         from pdecode.errors import InputError
 
         c = self._common(body, CHAT_FIELDS, "/v1/chat/completions")
+        c["grammar"] = grammar
         if "messages" not in body:
             raise BadRequest("messages is required", "messages")
         logprobs = body.get("logprobs", False)
@@ -389,6 +440,12 @@ class Server:
         return prompt, ctl, c, logprobs
 
     # -------------------------------------------------------------------------------------- handlers
+    async def _grammar_after_fields(self, body: dict, chat: bool):
+        """The request's compiled grammar, after its fields are checked (an unknown field is reported first)."""
+        self._common(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                     "/v1/chat/completions" if chat else "/v1/completions")
+        return await self.compile_grammar(body)
+
     async def _body(self, request, generates: bool = True) -> dict:
         request["pdecode"].generates = generates
         try:
@@ -469,7 +526,7 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
-        ids, checked, c, logprobs = self.parse_completion(body)
+        ids, checked, c, logprobs = self.parse_completion(body, await self._grammar_after_fields(body, False))
         request["pdecode"].prompt = sum(len(p) for p in ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if c["stream"]:
@@ -521,7 +578,7 @@ class Server:
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        prompt, ctl, c, logprobs = self.parse_chat(body)
+        prompt, ctl, c, logprobs = self.parse_chat(body, await self._grammar_after_fields(body, True))
         request["pdecode"].prompt = len(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if c["stream"]:

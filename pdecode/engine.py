@@ -65,7 +65,8 @@ TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per c
 @struct.dataclass
 class EngineState:
     loop: Any  # ar.ARState or speculative.SpecState, ``slots`` rows
-    warp: sampling.Warp  # [slots] each
+    warp: sampling.Warp  # [slots] each (``grammar_start`` each slot's grammar's start state; ``grammar`` None)
+    grammar: Any = None  # the `grammar.Tables` of the grammars requests brought (structured output), or None
 
 
 @struct.dataclass
@@ -103,6 +104,7 @@ class Request:
     t_first: float | None = None
     forwards: int = 0  # target forwards while decoding it (its prefill's counts one), as of its last event
     accepted: list[int] | None = None  # draft-and-verify: steps that accepted k drafted tokens, k = 0..depth
+    gstart: int = 0  # its grammar's start state in the engine's tables (0: none)
 
 
 @dataclasses.dataclass
@@ -140,12 +142,14 @@ class Engine:
     ``admit_rows``: requests admitted by one call when several wait; ``speculation``: "always" (every step drafts)
     or "auto" (drafted or plain steps by the cost model, module docstring; drafters that cannot follow a plain step
     keep drafting, `speculation_note` says why); ``spec_cost``: the cost ratio of a drafted step call to a plain one
-    (None: measured at warm-up)."""
+    (None: measured at warm-up); ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
+    (requests' grammars share them; None: `grammar.default_states` / `grammar.DEFAULT_TRANSITIONS`; 0 states:
+    structured output off)."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
                  admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
-                 **method_options):
+                 grammar_states: int | None = None, grammar_transitions: int | None = None, **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -175,8 +179,18 @@ class Engine:
         self.admit_rows = min(admit_rows, slots)
         self.vocab = model.cfg.vocab_size
         self.top_k_max = min(int(top_k_max), self.vocab)
+        from pdecode import grammar
+
+        gs = grammar.default_states(self.vocab) if grammar_states is None else grammar_states
+        gt = grammar.DEFAULT_TRANSITIONS if grammar_transitions is None else grammar_transitions
+        for name, x in (("grammar_states", gs), ("grammar_transitions", gt)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise InputError(f"{name} must be an integer >= 0, got {x!r}")
+        self.pool = grammar.Pool(self.vocab, gs, max(gt, 1)) if gs > 1 else None  # state 0 is the free state
+        self._pool_version = -1
         self.full = sampling.Sampling(greedy=False, top_k=self.top_k_max, use_top_p=True, use_min_p=True,
-                                      penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True)
+                                      penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True,
+                                      grammar=self.pool is not None)
         self.fast = sampling.Sampling(greedy=True)  # every live slot greedy, no penalty, no logprobs
         plan = meth.prepare(model, draft, opts, self.full)
         if plan.engine is None:
@@ -261,7 +275,7 @@ class Engine:
         hd = self._hidden_dtype()
         hid = jnp.zeros((b, self.max_len, cfg.hidden_size), hd)
         layers = jnp.zeros((len(self._hid), b, self.max_len, cfg.hidden_size), hd) if self._hid else None
-        warp = self._warp_of([None] * b)
+        warp = self._with_tables(self._warp_of([None] * b), self._tables_now())
         stops = common.Stops(limit=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, self.stop_width), -1, jnp.int32))
         key = jnp.zeros((b, 2), jnp.uint32)
         return self._start(params, prompt, plen, cache, jnp.zeros((b, self.vocab), jnp.float32),
@@ -272,7 +286,16 @@ class Engine:
         loop = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         loop = loop.replace(out=loop.out.replace(done=jnp.ones((self.slots,), bool)))
         n = self.slots
-        return EngineState(loop=loop, warp=jax.tree.map(jnp.asarray, self._warp_of([None] * n)))
+        return EngineState(loop=loop, warp=jax.tree.map(jnp.asarray, self._warp_of([None] * n)),
+                           grammar=self._tables_now())
+
+    def _tables_now(self):
+        """The structured-output tables as they stand on the host (None when off)."""
+        return None if self.pool is None else jax.tree.map(jnp.asarray, self.pool.tables())
+
+    @staticmethod
+    def _with_tables(warp, tables):
+        return warp if tables is None else warp.replace(grammar=tables)
 
     def _batch_axes(self):
         """Per leaf of the loop state: its row axis (None for counters shared by the batch), from the shapes at two
@@ -319,8 +342,8 @@ class Engine:
             fo = ForwardOut(hidden=p.hidden, cache=None, layer_hidden=p.layers)
             prompt, plen = prompt_1L, plen_1
         stops = common.Stops(limit=limit_A, stop_ids=stop_ids_AS)
-        rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A), warp_A, stops,
-                           self.full)
+        rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A),
+                           self._with_tables(warp_A, st.grammar), stops, self.full)
         loop, warp = st.loop, st.warp
         for i in range(a):
             def put(big, small, ax, i=i):
@@ -332,7 +355,7 @@ class Engine:
             loop = jax.tree.map(put, loop, rows, axes)
             warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
         out = rows.out
-        return self._pin(EngineState(loop=loop, warp=warp)), self._replicated(
+        return self._pin(EngineState(loop=loop, warp=warp, grammar=st.grammar)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
     def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False):
@@ -341,10 +364,11 @@ class Engine:
         target forwards since its admission))."""
         tp, dp = self._layout(params)
         cfg = self.model.cfg
+        warp = self._with_tables(st.warp, st.grammar)
         if self.drafter is None:
-            one = ar.make_step(tp, st.warp, cfg=cfg, eos_ids=(), samp=samp)
+            one = ar.make_step(tp, warp, cfg=cfg, eos_ids=(), samp=samp)
         else:
-            one = speculative.make_step(tp, dp, st.warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
+            one = speculative.make_step(tp, dp, warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
                                         eos_ids=(), samp=samp, plain=plain)
         c0 = st.loop.out.count
 
@@ -359,7 +383,7 @@ class Engine:
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
         acc = loop.row_acc if self.drafter is not None else jnp.zeros((self.slots, 1), jnp.int32)
-        return self._pin(EngineState(loop=loop, warp=st.warp)), self._replicated(
+        return self._pin(EngineState(loop=loop, warp=st.warp, grammar=st.grammar)), self._replicated(
             (c0, out.count, out.done, new, lps, out.row_forwards, acc))
 
     def _per_step(self) -> int:
@@ -388,7 +412,8 @@ class Engine:
 
         shapes = jax.eval_shape(self._empty, self.params)
         loop = jax.tree.map(sh, shapes.loop, self._axes)
-        return EngineState(loop=loop, warp=jax.tree.map(lambda x: sh(x, 0), shapes.warp))
+        return EngineState(loop=loop, warp=jax.tree.map(lambda x: sh(x, 0), shapes.warp),
+                           grammar=jax.tree.map(lambda x: sh(x, None), shapes.grammar))
 
     def _pin(self, st):
         return st if self.mesh is None else jax.lax.with_sharding_constraint(st, self._state_sh)
@@ -483,7 +508,7 @@ class Engine:
         """The admission call's arguments for ``reqs`` (their rows of ``tokens``); None entries: warm-up rows."""
         c = [r.controls if r is not None else None for r in reqs]
         f = lambda get, dt: np.asarray([get(x) for x in c], dt)  # noqa: E731
-        warp = self._warp_of(c)
+        warp = self._warp_of(c, [r.gstart if r is not None else 0 for r in reqs])
         ids = np.full((len(c), self.stop_width), -1, np.int32)
         for i, x in enumerate(c):
             if x:
@@ -495,8 +520,9 @@ class Engine:
         return (self.params, self.state, tokens, n, slots, seeds, warp, f(lambda x: x.max_new_tokens if x else 1,
                                                                             np.int32), ids)
 
-    def _warp_of(self, c: list) -> sampling.Warp:
-        """The rows' sampling values (numpy), from their controls (None: a blank row)."""
+    def _warp_of(self, c: list, gstart: list | None = None) -> sampling.Warp:
+        """The rows' sampling values (numpy), from their controls (None: a blank row) and their grammars' start
+        states."""
         f = lambda get, dt: np.asarray([get(x) for x in c], dt)  # noqa: E731
         bias = np.zeros((len(c), self.vocab), np.float32)
         for i, x in enumerate(c):
@@ -510,7 +536,8 @@ class Engine:
             penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32),
             presence=f(lambda x: x.presence_penalty if x else 0.0, np.float32),
             frequency=f(lambda x: x.frequency_penalty if x else 0.0, np.float32),
-            min_tokens=f(lambda x: x.min_tokens if x else 0, np.int32), bias=bias)
+            min_tokens=f(lambda x: x.min_tokens if x else 0, np.int32), bias=bias,
+            grammar_start=np.asarray(gstart or [0] * len(c), np.int32))
 
     def _admit_exe(self, size: int, rows: int = 1, pre=None):
         args = self._admit_args(np.zeros((rows, size), np.int32), [None] * rows)
@@ -524,8 +551,9 @@ class Engine:
                              static={"samp": samp, "k": self.k, "plain": plain}, donate=(1,))
 
     # ------------------------------------------------------------------------------------------ host API
-    def check(self, prompt: list[int], max_tokens: int | None = None, **controls) -> generation.Controls:
-        """The request's controls resolved and checked against this engine (one-line InputError otherwise)."""
+    def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
+        """The request's controls resolved and checked against this engine (one-line InputError otherwise);
+        ``grammar``: structured output (`compile_grammar`)."""
         if not prompt:
             raise InputError("the prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
@@ -542,7 +570,26 @@ class Engine:
             raise InputError(f"top_k must be at most {self.top_k_max} here, got {ctl.top_k}")
         if len(ctl.stop_token_ids) > MAX_STOP_IDS:
             raise InputError(f"at most {MAX_STOP_IDS} stop token ids, got {len(ctl.stop_token_ids)}")
+        if grammar is not None:
+            ctl = dataclasses.replace(ctl, grammar=self.compile_grammar(grammar))
+            if ctl.min_tokens:
+                raise InputError("min_tokens would ban the EOS a complete structured-output match needs; drop it")
         return ctl
+
+    def compile_grammar(self, spec):
+        """A structured-output grammar (`pdecode.generate`'s ``grammar`` forms, or a compiled `grammar.Grammar`)
+        compiled for this engine's model and checked against its tables (seconds for a large schema the first time;
+        cached after)."""
+        from pdecode import api, grammar
+
+        if self.pool is None:
+            raise InputError("structured output is off on this engine (grammar_states=0)")
+        g = grammar.compile_spec(spec, self.model.tokenizer, self.vocab, api.eos_ids(self.model))
+        if not self.pool.fits_ever(g):
+            raise InputError(f"this grammar needs {g.num_states} states and {g.num_transitions} transitions; the "
+                             f"engine's tables hold {self.pool.states - 1} and {self.pool.transitions} "
+                             f"(grammar_states / grammar_transitions)")
+        return g
 
     def submit(self, prompt: list[int], controls: generation.Controls, seed: int | None = None,
                callback: Callable[[Event], None] | None = None) -> Request:
@@ -604,10 +651,18 @@ class Engine:
     def _admit(self):
         free = [s for s in range(self.slots) if s not in self.running]
         while free and self.queue:
-            r = self.queue.popleft()
+            r = self.queue[0]
+            if r.controls.grammar is not None:
+                start = self.pool.acquire(r.controls.grammar)
+                if start is None:  # the grammars in use fill the tables: wait for some to finish
+                    self.stats["grammar_waits"] += 1
+                    break
+                r.gstart = start
+            self.queue.popleft()
             self._reqs[r.id] = r
             r.slot = free.pop(0)
             self.running[r.slot] = r
+        self._sync_tables()
         waiting = [r for r in self.running.values() if not r.inserted]
         short = [r for r in waiting if r.pre is None and len(r.prompt) <= self.chunk]
         for r in waiting:  # long prompts: one chunk per round, the last one admits
@@ -617,6 +672,18 @@ class Engine:
         for i in range(0, len(short), rows):  # short prompts: admitted together, `rows` per call
             group = short[i: i + rows]
             self._admit_group(group if len(group) == 1 else (group + [group[-1]] * rows)[:rows])
+
+    def _sync_tables(self):
+        """Upload the structured-output tables when a grammar was placed since the last upload (same shapes: the
+        programs do not recompile)."""
+        if self.pool is None or self.pool.version == self._pool_version:
+            return
+        tables = jax.tree.map(np.copy, self.pool.tables())
+        if self.mesh is not None:
+            tables = jax.device_put(tables, self._state_sh.grammar)
+        self.state = self.state.replace(grammar=jax.tree.map(jnp.asarray, tables))
+        self._pool_version = self.pool.version
+        self.stats["grammar_uploads"] += 1
 
     def _admit_group(self, reqs: list):
         """One admission call for ``reqs`` (a list of 1 or ``admit_rows``, the last one repeated to fill it)."""
@@ -797,6 +864,8 @@ class Engine:
     def _free(self, slot: int, release: bool = True):
         """Forget the slot's request; ``release``: also stop the slot on the device (it was still decoding)."""
         r = self.running.pop(slot, None)
+        if r is not None and r.controls.grammar is not None:
+            self.pool.release(r.controls.grammar)
         if release and r is not None and r.inserted:
             self.state = self._exe[("release", ())](self.state, np.int32(slot))
 

@@ -77,6 +77,7 @@ class Controls:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending
     min_tokens: int = 0  # EOS and stop ids banned (and stop strings not matched) before this many new tokens
+    grammar: Any = None  # structured output: a compiled `pdecode.grammar.Grammar` (the serving engine), or None
 
     def sampling(self, vocab_size: int | None = None) -> sampling.Sampling:
         return sampling.validate(self.temperature, self.top_k, self.top_p, vocab_size, self.min_p,
@@ -87,7 +88,7 @@ class Controls:
     def processing(self) -> bool:
         """Whether a stage of logits processing is on (`sampling.Sampling.processing`)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None)
 
     def bias_vector(self, vocab_size: int):
         """The logit bias as a dense [V] float32 vector (numpy)."""

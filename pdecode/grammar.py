@@ -225,42 +225,14 @@ def _popcount_prefix(allow: np.ndarray) -> np.ndarray:
     return (np.cumsum(counts, axis=1) - counts).astype(np.int64)
 
 
-def pack(grammars: Sequence[Grammar], vocab_size: int, states: int | None = None,
-         transitions: int | None = None) -> tuple[Tables, list[int]]:
-    """Put ``grammars`` into one `Tables` (state 0 free) and return it with each grammar's start state. ``states`` /
-    ``transitions``: the tables' sizes (padded up to them: a serving engine keeps one shape); default the sizes
-    needed, rounded up to a power of two (nearby sizes share one compiled program)."""
-    w = (vocab_size + 31) // 32
-    n_states = 1 + sum(g.num_states for g in grammars)
-    n_trans = max(1, sum(g.num_transitions for g in grammars))
+def pack(grammars: Sequence[Grammar], vocab_size: int) -> tuple[Tables, list[int]]:
+    """Put ``grammars`` into one `Tables` (state 0 free) and return it with each grammar's start state. The tables'
+    sizes are the sizes needed rounded up to powers of two (nearby sizes share one compiled program)."""
     rnd = lambda x: 1 << max(0, int(x - 1).bit_length())  # noqa: E731
-    s_cap = rnd(n_states) if states is None else states
-    t_cap = rnd(n_trans) if transitions is None else transitions
-    if n_states > s_cap or n_trans > t_cap:
-        raise InputError(f"grammars need {n_states} states and {n_trans} transitions; the table holds {s_cap} and "
-                         f"{t_cap}")
-    allow = np.zeros((s_cap, w), np.uint32)
-    base = np.zeros((s_cap, w), np.int32)
-    nexts = np.zeros((t_cap,), np.int32)
-    forced = np.full((s_cap,), -1, np.int32)
-    allow[0] = np.uint32(0xFFFFFFFF)
-    starts, s_off, t_off = [], 1, 0
-    for g in grammars:
-        n = g.num_states
-        allow[s_off:s_off + n] = g.allow
-        pre = _popcount_prefix(g.allow)
-        row_off = t_off + np.concatenate([[0], np.cumsum([len(x) for x in g.nexts])[:-1]]).astype(np.int64)
-        base[s_off:s_off + n] = (row_off[:, None] + pre).astype(np.int32)
-        for k, x in enumerate(g.nexts):
-            nexts[row_off[k]:row_off[k] + len(x)] = x + s_off
-            if len(x) == 1:
-                word = np.flatnonzero(g.allow[k])[0]
-                forced[s_off + k] = word * 32 + int(np.log2(int(g.allow[k, word])))
-        starts.append(s_off)
-        s_off += n
-        t_off += g.num_transitions
-    return Tables(allow=jnp.asarray(allow), base=jnp.asarray(base), nexts=jnp.asarray(nexts),
-                  forced=jnp.asarray(forced)), starts
+    pool = Pool(vocab_size, rnd(1 + sum(g.num_states for g in grammars)),
+                rnd(max(1, sum(g.num_transitions for g in grammars))))
+    starts = [pool.acquire(g) for g in grammars]
+    return jax.tree.map(jnp.asarray, pool.tables()), starts
 
 
 def table_bytes(states: int, transitions: int, vocab_size: int) -> int:
@@ -358,3 +330,96 @@ def compile_spec(spec: Any, tokenizer, vocab_size: int, eos_ids: Sequence[int]) 
         raise InputError("structured output from a regex or schema needs the model's tokenizer (tokenizer.json): grammars are over text")
     kind, value = parse_spec(spec)
     return compile_regex(regex_of(kind, value), tokenizer, vocab_size, eos_ids)
+
+
+# ------------------------------------------------------------------------------------------------ host: a pool
+def default_states(vocab_size: int) -> int:
+    """A serving engine's default table size in states: 4096, fewer for large vocabularies (the allowed bits and
+    the transition bases take 8 bytes per 32 tokens per state: at most 64 MiB)."""
+    w = (vocab_size + 31) // 32
+    return int(max(256, min(4096, (64 << 20) // (8 * w))))
+
+
+DEFAULT_TRANSITIONS = 1 << 22  # 16 MiB of int32 next states
+
+
+class Pool:
+    """The tables of a serving engine: fixed capacity (one shape: no compile when grammars come and go), grammars
+    placed in free ranges of states and transitions as requests bring them and kept while any request uses them
+    (then evicted, least recently used first, when a new one needs the room). Host-side numpy; ``version`` moves
+    whenever the arrays change (the engine then uploads them)."""
+
+    def __init__(self, vocab_size: int, states: int, transitions: int):
+        self.vocab, self.states, self.transitions = vocab_size, int(states), int(transitions)
+        w = (vocab_size + 31) // 32
+        self.allow = np.zeros((self.states, w), np.uint32)
+        self.allow[0] = np.uint32(0xFFFFFFFF)
+        self.base = np.zeros((self.states, w), np.int32)
+        self.nexts = np.zeros((self.transitions,), np.int32)
+        self.forced = np.full((self.states,), -1, np.int32)
+        self.placed: dict[int, list] = {}  # id(grammar) -> [grammar, s0, t0, users, last use]
+        self.version = 0
+        self._clock = 0
+
+    def tables(self) -> Tables:
+        return Tables(allow=self.allow, base=self.base, nexts=self.nexts, forced=self.forced)
+
+    def fits_ever(self, g: Grammar) -> bool:
+        return g.num_states <= self.states - 1 and g.num_transitions <= self.transitions
+
+    def _free_range(self, used: list[tuple[int, int]], need: int, lo: int, hi: int) -> int | None:
+        at = lo
+        for a, n in sorted(used):
+            if a - at >= need:
+                return at
+            at = max(at, a + n)
+        return at if hi - at >= need else None
+
+    def acquire(self, g: Grammar) -> int | None:
+        """``g``'s start state, placing it if it is not in the tables (evicting unused grammars as needed); None
+        when the grammars in use leave no room (try again once some finish)."""
+        self._clock += 1
+        e = self.placed.get(id(g))
+        if e is None:
+            while True:
+                s0 = self._free_range([(x[1], x[0].num_states) for x in self.placed.values()], g.num_states, 1,
+                                      self.states)
+                t0 = self._free_range([(x[2], x[0].num_transitions) for x in self.placed.values()],
+                                      g.num_transitions, 0, self.transitions)
+                if s0 is not None and t0 is not None:
+                    break
+                idle = [x for x in self.placed.values() if x[3] == 0]
+                if not idle:
+                    return None
+                victim = min(idle, key=lambda x: x[4])
+                del self.placed[id(victim[0])]
+            self._write(g, s0, t0)
+            e = self.placed[id(g)] = [g, s0, t0, 0, 0]
+        e[3] += 1
+        e[4] = self._clock
+        return e[1]
+
+    def release(self, g: Grammar) -> None:
+        e = self.placed.get(id(g))
+        if e is not None:
+            e[3] = max(0, e[3] - 1)
+
+    def _write(self, g: Grammar, s0: int, t0: int) -> None:
+        n = g.num_states
+        self.allow[s0:s0 + n] = g.allow
+        lens = np.asarray([len(x) for x in g.nexts], np.int64)
+        row_off = t0 + np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        self.base[s0:s0 + n] = (row_off[:, None] + _popcount_prefix(g.allow)).astype(np.int32)
+        for k, x in enumerate(g.nexts):
+            self.nexts[row_off[k]:row_off[k] + len(x)] = x + s0
+        self.forced[s0:s0 + n] = _forced(g)
+        self.version += 1
+
+
+def _forced(g: Grammar) -> np.ndarray:
+    out = np.full((g.num_states,), -1, np.int32)
+    for k, x in enumerate(g.nexts):
+        if len(x) == 1:
+            word = int(np.flatnonzero(g.allow[k])[0])
+            out[k] = word * 32 + int(g.allow[k, word]).bit_length() - 1
+    return out

@@ -34,9 +34,20 @@ def control_address(coordinator: str, port: int | None) -> tuple[str, int]:
     return host.strip("[]"), int(port) if port else int(cport) + 1
 
 
-def _controls(d: dict) -> generation.Controls:
+def _as_dict(controls: generation.Controls) -> dict:
+    """Controls as JSON-able values; a grammar as the regular expression it was compiled from."""
+    g = controls.grammar
+    d = dataclasses.asdict(dataclasses.replace(controls, grammar=None))
+    d["grammar"] = None if g is None else g.spec
+    return d
+
+
+def _controls(d: dict, engine=None) -> generation.Controls:
     tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731 (JSON lists back to tuples)
-    return generation.Controls(**{k: tup(v) for k, v in d.items()})
+    c = generation.Controls(**{k: tup(v) for k, v in d.items() if k != "grammar"})
+    if d.get("grammar") is not None:  # compiled here as process 0 did (the same regex and tokenizer: same tables)
+        c = dataclasses.replace(c, grammar=engine.compile_grammar({"regex": d["grammar"]}))
+    return c
 
 
 class Leader:
@@ -119,7 +130,7 @@ class LockstepEngine:
         if seed is None:  # drawn here, sent to all: every process samples with the same keys
             seed = self.engine.draw_seed()
         r = self.engine.submit(prompt, controls, seed=seed, callback=callback)
-        self._ops.append(["submit", list(prompt), dataclasses.asdict(controls), int(seed)])
+        self._ops.append(["submit", list(prompt), _as_dict(controls), int(seed)])
         return r
 
     def cancel(self, req) -> None:
@@ -151,7 +162,7 @@ def follow(engine, address: tuple[str, int], process_id: int, timeout_s: float =
                 return "stopped"
             for op in msg["ops"]:
                 if op[0] == "submit":
-                    r = engine.submit(op[1], _controls(op[2]), seed=op[3])
+                    r = engine.submit(op[1], _controls(op[2], engine), seed=op[3])
                     reqs[r.id] = r
                 else:
                     r = reqs.get(op[1])

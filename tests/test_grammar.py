@@ -5,6 +5,7 @@ marginals), and a rule that ignores the drafted path is rejected by the same tes
 
 import json
 
+import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -191,3 +192,55 @@ def test_bad_grammars(zoo):
             pdecode.generate(m, PROMPTS, max_new_tokens=8, **kw)
     with pytest.raises(InputError, match="does not take a grammar"):  # the canvas methods refuse it
         pdecode.generate(pdecode.load("code-dllm"), PROMPTS, method="diffusion", max_new_tokens=8, grammar="a+")
+
+
+def test_pool_places_evicts_and_waits():
+    """The serving tables: grammars placed in free ranges, kept while used, the least recently used idle one evicted
+    for a newcomer, None (wait) when those in use leave no room; a placed grammar reads back as `pack` writes it."""
+    v = 64
+    trans = lambda k: {s: {t: (s + 1) % k for t in range(s, s + 3)} for s in range(k)}  # noqa: E731
+    a, b, c = (grammar.from_transitions(trans(k), 0, {k - 1}, v, (63,)) for k in (5, 6, 4))
+    pool = grammar.Pool(v, states=1 + 11, transitions=64)
+    sa = pool.acquire(a)
+    sb = pool.acquire(b)
+    assert (sa, sb) == (1, 6) and pool.acquire(c) is None  # a and b in use: no room for c
+    pool.release(a)
+    assert pool.acquire(c) == 1 and id(a) not in pool.placed  # a evicted, c in its states
+    assert pool.acquire(c) == 1 and pool.placed[id(c)][3] == 2  # a second user
+    packed, (pc,) = grammar.pack([c], v)
+    tables = pool.tables()
+    for s in range(c.num_states):
+        np.testing.assert_array_equal(tables.allow[pool.placed[id(c)][1] + s], np.asarray(packed.allow[pc + s]))
+        for t in range(v):
+            if (int(tables.allow[1 + s, t // 32]) >> (t % 32)) & 1:
+                got = int(grammar.advance(jax.tree.map(jnp.asarray, tables), jnp.asarray(1 + s), jnp.asarray(t)))
+                want = int(grammar.advance(packed, jnp.asarray(pc + s), jnp.asarray(t)))
+                assert got - 1 == want - pc
+    assert not pool.fits_ever(grammar.from_transitions(trans(12), 0, {11}, v, (63,)))
+
+
+def test_engine_serves_grammars_without_compiling(zoo):
+    """The serving engine: two schemas and a free row through 2 slots whose tables hold one grammar at a time (the
+    second waits for the first to finish); each request's tokens = `pdecode.generate` with its grammar; nothing
+    compiles after warm-up."""
+    from pdecode.engine import Engine
+
+    target, draft = zoo
+    g1 = grammar.compile_spec({"json_schema": SCHEMA}, target.tokenizer, target.cfg.vocab_size,
+                              pdecode.api.eos_ids(target))
+    g2 = grammar.compile_spec({"choice": ["north", "south", "east by west"]}, target.tokenizer,
+                              target.cfg.vocab_size, pdecode.api.eos_ids(target))
+    eng = Engine(target, method="sd", draft=draft, gamma=3, slots=2, max_len=128, chunk=32,
+                 grammar_states=1 + max(g1.num_states, g2.num_states),
+                 grammar_transitions=max(g1.num_transitions, g2.num_transitions))
+    eng.warmup()
+    ids = [target.tokenizer.encode(p) for p in PROMPTS]
+    specs = [{"json_schema": SCHEMA}, {"choice": ["north", "south", "east by west"]}, None]
+    reqs = [eng.submit(p, eng.check(p, max_tokens=40, temperature=0, grammar=g)) for p, g in zip(ids, specs)]
+    while not eng.idle:
+        eng.run_once()
+    want = pdecode.generate(target, PROMPTS, method="sd", draft=draft, gamma=3, max_new_tokens=40, grammar=specs)
+    assert [r.tokens for r in reqs] == want.tokens
+    assert eng.compiles == eng.warm_compiles and eng.stats["grammar_waits"] >= 1
+    with pytest.raises(InputError, match="tables hold"):
+        Engine(target, slots=1, max_len=128, chunk=32, grammar_states=4).compile_grammar({"json_schema": SCHEMA})

@@ -283,6 +283,53 @@ def test_penalties_logit_bias_and_min_tokens_like_generate(server, model):
     assert forced.choices[0].text == model.tokenizer.decode([9] * 4)
 
 
+def test_structured_output(server, model):
+    """response_format json_schema / json_object and vLLM's guided_regex / guided_choice through the openai client:
+    greedy output = `pdecode.generate` with the same grammar, every answer parses (and validates); bad grammars 400."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"]}
+    msgs = [{"role": "user", "content": "Describe a list as JSON."}]
+    from pdecode import chat
+
+    ids = chat.encode_chat(model.tokenizer, chat.render(model.tokenizer, msgs))
+    want = pdecode.generate(model, [ids], max_new_tokens=48, json_schema=schema).texts[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model="code-target", messages=msgs, max_tokens=48, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want), schema)
+    for c in client.chat.completions.create(model="code-target", messages=msgs, max_tokens=48, temperature=1.0,
+                                            seed=3, n=3, response_format=fmt).choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), schema)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="code-target", messages=msgs, max_tokens=48, temperature=0, response_format=fmt, stream=True)
+        if c.choices]
+    assert "".join(pieces) == want
+    r = client.completions.create(model="code-target", prompt="config = ", max_tokens=64, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    r = client.completions.create(model="code-target", prompt="answer: ", max_tokens=8, temperature=1.0, seed=1,
+                                  extra_body={"guided_choice": ["yes", "no", "maybe so"]})
+    assert r.choices[0].text in ("yes", "no", "maybe so")
+    r = client.completions.create(model="code-target", prompt="phone: ", max_tokens=12, temperature=0,
+                                  extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    bad = [({"response_format": {"type": "xml"}}, "response_format must be"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}}, "json_schema needs"),
+           ({"guided_regex": "[0-9"}, "cannot compile"),
+           ({"guided_choice": "yes"}, "guided_choice must be"),
+           ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not both"),
+           ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens")]
+    for extra, msg in bad:
+        status, text = request(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 4, **extra})
+        assert status == 400 and msg in json.loads(text)["error"]["message"], (extra, text)
+
+
 def test_prometheus_metrics(server):
     """/metrics (Prometheus text): requests by endpoint and status, tokens, TTFT / inter-token / e2e histograms,
     slots, queue, compiles since warm-up; each moves by what one request did; usage carries tokens_per_forward."""
