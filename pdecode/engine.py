@@ -187,7 +187,7 @@ class Engine:
             if not isinstance(x, int) or isinstance(x, bool) or x < 0:
                 raise InputError(f"{name} must be an integer >= 0, got {x!r}")
         self.pool = grammar.Pool(self.vocab, gs, max(gt, 1)) if gs > 1 else None  # state 0 is the free state
-        self._pool_version = -1
+        self._pool_version = 0 if self.pool is None else self.pool.version  # (the empty state holds these tables)
         self.full = sampling.Sampling(greedy=False, top_k=self.top_k_max, use_top_p=True, use_min_p=True,
                                       penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True,
                                       grammar=self.pool is not None)
@@ -678,10 +678,9 @@ class Engine:
         programs do not recompile)."""
         if self.pool is None or self.pool.version == self._pool_version:
             return
-        tables = jax.tree.map(np.copy, self.pool.tables())
-        if self.mesh is not None:
-            tables = jax.device_put(tables, self._state_sh.grammar)
-        self.state = self.state.replace(grammar=jax.tree.map(jnp.asarray, tables))
+        tables = jax.tree.map(np.copy, self.pool.tables())  # (device_put: no staging program to compile)
+        self.state = self.state.replace(grammar=jax.device_put(
+            tables, self._state_sh.grammar if self.mesh is not None else None))
         self._pool_version = self.pool.version
         self.stats["grammar_uploads"] += 1
 

@@ -232,7 +232,7 @@ def pack(grammars: Sequence[Grammar], vocab_size: int) -> tuple[Tables, list[int
     pool = Pool(vocab_size, rnd(1 + sum(g.num_states for g in grammars)),
                 rnd(max(1, sum(g.num_transitions for g in grammars))))
     starts = [pool.acquire(g) for g in grammars]
-    return jax.tree.map(jnp.asarray, pool.tables()), starts
+    return jax.device_put(pool.tables()), starts
 
 
 def table_bytes(states: int, transitions: int, vocab_size: int) -> int:

@@ -16,6 +16,7 @@ from pdecode import grammar
 from pdecode.decode import speculative
 from pdecode.errors import InputError
 from tests.test_controls import N, PROMPT, _min_pvalue
+from tests.test_engine import COUNTER
 from tests.test_speculative import small_vocab  # noqa: F401 (fixture)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -236,9 +237,15 @@ def test_engine_serves_grammars_without_compiling(zoo):
     eng.warmup()
     ids = [target.tokenizer.encode(p) for p in PROMPTS]
     specs = [{"json_schema": SCHEMA}, {"choice": ["north", "south", "east by west"]}, None]
-    reqs = [eng.submit(p, eng.check(p, max_tokens=40, temperature=0, grammar=g)) for p, g in zip(ids, specs)]
-    while not eng.idle:
-        eng.run_once()
+    checked = [eng.check(p, max_tokens=40, temperature=0, grammar=g) for p, g in zip(ids, specs)]
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = [eng.submit(p, c) for p, c in zip(ids, checked)]
+        while not eng.idle:
+            eng.run_once()
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0  # no XLA compile of any kind (the tables' upload included)
     want = pdecode.generate(target, PROMPTS, method="sd", draft=draft, gamma=3, max_new_tokens=40, grammar=specs)
     assert [r.tokens for r in reqs] == want.tokens
     assert eng.compiles == eng.warm_compiles and eng.stats["grammar_waits"] >= 1
