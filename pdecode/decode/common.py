@@ -145,6 +145,23 @@ def grammar_ban(gstate: jax.Array | None, vocab: int, samp, warp) -> jax.Array |
     return grammar.ban(warp.grammar, gstate, vocab)
 
 
+def grammar_masker(gstate: jax.Array | None, vocab: int, samp, warp):
+    """For drafters that draw a chain token by token: ``fn(logits [B, V], state, last token) -> (masked logits,
+    state)``, the state advanced by the last drawn token first (``state`` None: the root's ``gstate``, nothing to
+    advance). Logits pass unchanged (and the state stays None) when grammars are off or the vocabularies differ."""
+    from pdecode import grammar, sampling
+
+    on = samp.grammar and gstate is not None and vocab <= warp.grammar.allow.shape[1] * 32
+
+    def fn(logits, state, last):
+        if not on:
+            return logits, gstate if state is None else state
+        state = gstate if state is None else grammar.advance(warp.grammar, state, last)
+        return jnp.where(grammar.ban(warp.grammar, state, vocab), sampling.NEG_INF, logits.astype(jnp.float32)), state
+
+    return fn
+
+
 def advance_grammar(gstate: jax.Array | None, tokens_BK: jax.Array, n_B: jax.Array, samp, warp) -> jax.Array | None:
     """Each row's grammar state after its first ``n[b]`` taken tokens (None stays None)."""
     if not samp.grammar or gstate is None:

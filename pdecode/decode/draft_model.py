@@ -119,6 +119,10 @@ class DraftChain(_DraftModelDrafter):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, g + 1)
         v = logits0.shape[-1]
         k_first, k_rest = sampling.split(key)
+        # structured output: the draft samples from its distribution masked by the grammar along the chain (q is
+        # what it drew from, so verification stays lossless); it then drafts only tokens the target may accept
+        gmask = common.grammar_masker(ctx.gstate, v, samp, warp)
+        logits0, gs = gmask(logits0, None, None)
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         tokens = jnp.zeros((b, g + 1), jnp.int32).at[:, 0].set(root)
         tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, warp))
@@ -132,20 +136,20 @@ class DraftChain(_DraftModelDrafter):
             return c[0] < n_steps
 
         def body(c):
-            i, cch, toks, q = c
+            i, cch, toks, q, gs = c
             x = jax.lax.dynamic_index_in_dim(toks, i + 1, axis=1, keepdims=True)  # d_{i+1}
             pos = ctx.seq_len + i  # position and slot of d_{i+1}
             mask = upto_mask(self.dcfg, pos + 1, max_len, pos)
             fo = forward(dparams, self.dcfg, x, pos[:, None], mask, cache=cch, write_at_B=pos)
-            lg = unembed(dparams, self.dcfg, fo.hidden[:, 0])
+            lg, gs = gmask(unembed(dparams, self.dcfg, fo.hidden[:, 0]), gs, x[:, 0])
             nxt = sampling.sample(sampling.fold_in(k_rest, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i + 2, axis=1)
             if q is not None:
                 q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, warp)[:, None],
                                                         i + 1, axis=1)
-            return i + 1, fo.cache, toks, q
+            return i + 1, fo.cache, toks, q, gs
 
-        _, cache, tokens, qs = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, tokens, qs))
+        _, cache, tokens, qs, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, tokens, qs, gs))
         valid = jnp.arange(g + 1)[None, :] <= gamma_row[:, None]
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g), valid=valid, q=qs,
                         draft_forwards=(1 + n_steps).astype(jnp.int32), rule=rule_for(samp, Rule.CHAIN_SAMPLING))

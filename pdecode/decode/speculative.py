@@ -42,6 +42,7 @@ class Context(NamedTuple):
     logits: jax.Array | None = None  # [B, N, V] the verify forward's logits at the step's nodes (`update` only)
     cache: Any = None  # the target's KV cache (`propose` only): self-speculative drafters run the target's layers
     side: Any = None  # what the proposal's ``side`` work returned (`update` only; None without side work)
+    gstate: Any = None  # [B] each row's grammar state after the root (structured output), or None
 
 
 class Proposal(NamedTuple):
@@ -255,7 +256,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
                             draft_forwards=jnp.int32(0), rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
             dstate = s.dstate
         else:
-            ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache)
+            ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, active, tparams, cache=s.cache,
+                          gstate=s.gstate)
             prop, dstate = drafter.propose(dparams, s.dstate, ctx, k_draft, samp, warp)
         n = prop.tokens.shape[1]
         if isinstance(prop.parents, StaticTree):  # mask and depths are constants
