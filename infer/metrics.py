@@ -63,6 +63,17 @@ class Metrics:
         g = Gauge("pdecode_compiles_since_warmup", "XLA compiles after warm-up (0 when every shape was warmed)",
                   names, registry=r)
         g.labels(**labels).set_function(lambda: state()[3])
+        g = Gauge("pdecode_prefix_cache_lookups", "long prompts looked up in the kept prefixes (--prefix-cache), "
+                  "by result", names + ["result"], registry=r)
+        for res in ("hit", "miss"):
+            g.labels(**labels, result=res).set_function(lambda k=res: engine.stats[f"prefix_{k}es" if k == "miss"
+                                                                                    else f"prefix_{k}s"])
+        g = Gauge("pdecode_prefix_cache_tokens_reused", "prompt tokens taken from kept prefixes (not prefilled)",
+                  names, registry=r)
+        g.labels(**labels).set_function(lambda: engine.stats["prefix_tokens_reused"])
+        g = Gauge("pdecode_grammar_table_uploads", "structured output: grammar table uploads (a new grammar placed)",
+                  names, registry=r)
+        g.labels(**labels).set_function(lambda: engine.stats["grammar_uploads"])
         if getattr(engine, "drafter", None) is not None:  # speculation by cost (pdecode.engine)
             g = Gauge("pdecode_engine_step_calls", "the engine's decode step calls by kind (drafted: draft and "
                       "verify; plain: the target alone, with speculation auto)", names + ["kind"], registry=r)

@@ -966,6 +966,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--spec-cost", type=float, default=None,
                     help="with --speculation auto: a drafted step call's cost over a plain one's (default: measured "
                          "at warm-up; the log says the figure; several processes need it given, to decide alike)")
+    ap.add_argument("--prefix-cache", type=int, default=0,
+                    help="prompt prefixes kept on the device (0: off): a request starting with a kept prefix (a shared "
+                         "system prompt longer than --chunk) prefills only the rest")
     ap.add_argument("--grammar-states", type=int, default=None,
                     help="structured output: states in the device tables the requests' grammars share (default 4096, "
                          "fewer for vocabularies over 64K tokens; 0: structured output off)")
@@ -1020,7 +1023,8 @@ def run_from_args(args) -> int:
                          "--speculation always")
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
                     steps_per_call=args.steps_per_call, speculation=speculation, spec_cost=args.spec_cost,
-                    grammar_states=args.grammar_states, grammar_transitions=args.grammar_transitions, **options)
+                    grammar_states=args.grammar_states, grammar_transitions=args.grammar_transitions,
+                    prefix_cache=args.prefix_cache, **options)
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
     secs = engine.warmup()
     _count_compiles()

@@ -58,6 +58,7 @@ CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the en
 MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
+MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
 PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
@@ -142,14 +143,17 @@ class Engine:
     ``admit_rows``: requests admitted by one call when several wait; ``speculation``: "always" (every step drafts)
     or "auto" (drafted or plain steps by the cost model, module docstring; drafters that cannot follow a plain step
     keep drafting, `speculation_note` says why); ``spec_cost``: the cost ratio of a drafted step call to a plain one
-    (None: measured at warm-up); ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
+    (None: measured at warm-up); ``prefix_cache``: prompts' prefixes kept on the device (0: off) so that a request
+    starting with a kept prefix (a shared system prompt) prefills only the rest (`_take_prefix`);
+    ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
     (requests' grammars share them; None: `grammar.default_states` / `grammar.DEFAULT_TRANSITIONS`; 0 states:
     structured output off)."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
                  admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
-                 grammar_states: int | None = None, grammar_transitions: int | None = None, **method_options):
+                 grammar_states: int | None = None, grammar_transitions: int | None = None, prefix_cache: int = 0,
+                 **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -175,6 +179,11 @@ class Engine:
             api._check_same_tokenizer(model, draft)
         if not isinstance(admit_rows, int) or admit_rows < 1:
             raise InputError(f"admit_rows must be an integer >= 1, got {admit_rows!r}")
+        if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
+            raise InputError(f"prefix_cache must be an integer >= 0 (prefixes kept), got {prefix_cache!r}")
+        self.prefix_entries = prefix_cache
+        self._prefixes: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # entry -> its tokens
+        self._store = None  # the kept prefixes' `Prefill`s, stacked: [prefix_cache, ...] per leaf
         self.model, self.method, self.slots, self.chunk, self.k = model, method, slots, chunk, steps_per_call
         self.admit_rows = min(admit_rows, slots)
         self.vocab = model.cfg.vocab_size
@@ -389,6 +398,18 @@ class Engine:
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
 
+    @staticmethod
+    def _prefix_get_fn(store: Prefill, entry, length) -> Prefill:
+        """Kept prefix ``entry`` as a request's prefill state holding its first ``length`` tokens (a causal cache's
+        first positions depend on those tokens alone: the rest is masked, then overwritten by the next chunks)."""
+        pre = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, entry, keepdims=False), store)
+        return pre.replace(cache=kvc.set_lengths(pre.cache, jnp.reshape(length, (1,)).astype(jnp.int32)))
+
+    @staticmethod
+    def _prefix_put_fn(store: Prefill, entry, pre: Prefill) -> Prefill:
+        return jax.tree.map(lambda big, x: jax.lax.dynamic_update_index_in_dim(big, x.astype(big.dtype), entry, 0),
+                            store, pre)
+
     def _release_fn(self, st: EngineState, slot):
         out = st.loop.out
         return self._pin(st.replace(loop=st.loop.replace(out=out.replace(done=out.done.at[slot].set(True)))))
@@ -417,6 +438,11 @@ class Engine:
 
     def _pin(self, st):
         return st if self.mesh is None else jax.lax.with_sharding_constraint(st, self._state_sh)
+
+    def _replicated_sharding(self):
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        return NamedSharding(self.mesh, P())
 
     def _replicated(self, tree):
         if self.mesh is None:
@@ -464,9 +490,16 @@ class Engine:
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
                 self._admit_exe(c, rows)
-        self._admit_exe(self.chunk, 1, self._blank_prefill())
+        for c in self._chunk_sizes():  # a long prompt's last chunk (after a kept prefix: often a short one)
+            self._admit_exe(c, 1, self._blank_prefill())
         self._compile("prefill", self._prefill_fn, self.params, self._blank_prefill(),
                       np.zeros((1, self.chunk), np.int32), np.ones((1,), np.int32))
+        if self.prefix_entries and self._store is None:
+            blank = self._blank_prefill()
+            store = jax.tree.map(lambda a: np.zeros((self.prefix_entries,) + a.shape, a.dtype), blank)
+            self._store = jax.device_put(store, None if self.mesh is None else self._replicated_sharding())
+            self._compile("prefix_get", self._prefix_get_fn, self._store, np.int32(0), np.int32(1))
+            self._compile("prefix_put", self._prefix_put_fn, self._store, np.int32(0), blank, donate=(0,))
         for samp in (self.fast, self.full):
             for plain in (False, True) if self.adaptive else (False,):
                 self._step_exe(samp, plain)
@@ -703,9 +736,9 @@ class Engine:
 
     def _feed_long(self, r: Request):
         """A long prompt's next chunk: a middle chunk of ``chunk`` tokens, or the admission with the last one."""
-        rest = len(r.prompt) - r.fed
         if r.pre is None:
-            r.pre = self._blank_prefill()
+            r.pre = self._take_prefix(r) or self._blank_prefill()
+        rest = len(r.prompt) - r.fed
         if rest > self.chunk:
             toks = np.asarray([r.prompt[r.fed: r.fed + self.chunk]], np.int32)
             r.pre = self._exe[("prefill", ())](self.params, r.pre, toks, np.asarray([self.chunk], np.int32))
@@ -713,18 +746,59 @@ class Engine:
             self.stats["prefill_chunks"] += 1
             self._round_admits += 1
             return
-        toks = np.zeros((1, self.chunk), np.int32)
+        size = next(c for c in self._chunk_sizes() if c >= rest)
+        toks = np.zeros((1, size), np.int32)
         toks[0, :rest] = r.prompt[r.fed:]
         prompt = np.zeros((1, self.max_len), np.int32)
         prompt[0, : len(r.prompt)] = r.prompt
+        self._keep_prefix(r)
         args = self._admit_args(toks, [r]) + (r.pre, prompt, np.asarray([len(r.prompt)], np.int32))
-        self.state, outs = self._exe[(("admit", self.chunk, 1, True), ())](*args)
+        self.state, outs = self._exe[(("admit", size, 1, True), ())](*args)
         r.fed, r.pre, r.inserted = len(r.prompt), None, True
         self.stats["prefill_chunks"] += 1
         self.stats["admit_calls"] += 1
         self._round_admits += 1
         self.stats["inserted"] += 1
         self._inflight.append(("admit", [r], outs))
+
+    def _take_prefix(self, r: Request):
+        """A kept prefix for ``r`` (the entry sharing the most leading tokens with its prompt, at least
+        `MIN_PREFIX`, one prompt token at least left to feed): its prefill state, ``r.fed`` set; else None."""
+        if not self.prefix_entries:
+            return None
+        best, best_n = None, 0
+        for e, toks in self._prefixes.items():
+            n = min(_common_prefix(toks, r.prompt), len(r.prompt) - 1)
+            if n > best_n:
+                best, best_n = e, n
+        if best is None or best_n < MIN_PREFIX:
+            self.stats["prefix_misses"] += 1
+            return None
+        self._prefixes.move_to_end(best)
+        r.fed = best_n
+        self.stats["prefix_hits"] += 1
+        self.stats["prefix_tokens_reused"] += best_n
+        return self._exe[("prefix_get", ())](self._store, np.int32(best), np.int32(best_n))
+
+    def _keep_prefix(self, r: Request):
+        """Before a long prompt's last chunk: keep what its prefill state holds (``r.fed`` tokens) unless a kept
+        prefix already covers it; it takes the place of a kept prefix it extends, else of the least recently used."""
+        if not self.prefix_entries or r.fed < MIN_PREFIX:
+            return
+        head = r.prompt[: r.fed]
+        if any(_common_prefix(t, head) == len(head) for t in self._prefixes.values()):
+            return
+        sub = [e for e, t in self._prefixes.items() if _common_prefix(t, head) == len(t)]
+        if sub:
+            e = sub[0]
+        elif len(self._prefixes) < self.prefix_entries:
+            e = len(self._prefixes)
+        else:
+            e = next(iter(self._prefixes))  # least recently used
+        self._prefixes.pop(e, None)
+        self._store = self._exe[("prefix_put", ())](self._store, np.int32(e), r.pre)
+        self._prefixes[e] = list(head)
+        self.stats["prefixes_kept"] += 1
 
     def _dispatch_step(self, live):
         plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
@@ -879,6 +953,13 @@ class Engine:
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
                       forwards=r.forwards)
                 for r in reqs]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 # ------------------------------------------------------------------------------------------------ streaming

@@ -203,3 +203,32 @@ def test_stream(code_engine):
     gen.close()
     eng = next(iter(pdecode.engine._ENGINES.values()))
     assert eng.idle
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle"])
+def test_prefix_cache_reuses_a_shared_prompt(models, method):  # noqa: F811
+    """Prompts sharing a 70-token head (a system prompt), longer than a chunk: the first is prefilled in chunks and
+    its head kept; the others take the kept prefill state (EAGLE's hidden states at the prompt positions included)
+    and feed only their own tail; each request's tokens = `pdecode.generate`'s, nothing compiles after warm-up."""
+    t, opts = _engine_case(models, method)
+    eng = Engine(t, method=method, slots=2, max_len=160, chunk=32, steps_per_call=2, prefix_cache=2, **opts)
+    eng.warmup()
+    rng = np.random.default_rng(0)
+    head = rng.integers(3, 90, 70).tolist()
+    prompts = [head + rng.integers(3, 90, n).tolist() for n in (9, 1, 25, 40)] + [rng.integers(3, 90, 50).tolist()]
+    budgets = [8, 6, 10, 5, 7]
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        first = eng.submit(prompts[0], eng.check(prompts[0], max_tokens=budgets[0], temperature=0.0))
+        while not eng.idle:
+            eng.run_once()
+        reqs = [first] + [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0))
+                          for p, b in zip(prompts[1:], budgets[1:])]
+        while not eng.idle:
+            eng.run_once()
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
+    assert eng.stats["prefix_hits"] == 3 and eng.stats["prefix_tokens_reused"] >= 3 * 64
+    want = pdecode.generate(t, prompts, method=method, max_new_tokens=budgets, **opts)
+    assert [r.tokens for r in reqs] == want.tokens
