@@ -93,6 +93,9 @@ def test_greedy_constrained_speculation_equals_ar_and_validates(zoo):
     for method, opts in GREEDY:
         outs[method] = pdecode.generate(target, PROMPTS, method=method, draft=draft if method == "sd" else None,
                                         max_new_tokens=48, grammar=rows, **opts)
+    # an EAGLE-2 dynamic tree: each node's state walked along parents chosen on the device
+    outs["eagle"] = pdecode.generate(pdecode.load("code-target-eagle"), PROMPTS, method="eagle", max_new_tokens=48,
+                                     grammar=rows)
     ref = outs["ar"]
     for method, o in outs.items():
         assert o.tokens == ref.tokens, method
