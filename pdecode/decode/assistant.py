@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pdecode import sampling
 from pdecode.config import ModelConfig
+from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal
 from pdecode.decode.verify import Rule, rule_for
@@ -49,7 +50,7 @@ class AssistantDrafter(Drafter):
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         if self.tree_top_k > 1:
-            return self._tree(dparams, ctx, samp), dstate
+            return self._tree(dparams, ctx, samp, warp), dstate
         b, g = ctx.seq.shape[0], self.gamma
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         n = ctx.cache.lengths  # committed tokens (the root is not among them)
@@ -57,22 +58,25 @@ class AssistantDrafter(Drafter):
         tokens = jnp.zeros((b, g + 1), jnp.int32).at[:, 0].set(root)
         v = self.cfg.vocab_size
         qs = None if samp.greedy else jnp.zeros((b, g + 1, v), jnp.float32)
+        gmask = common.grammar_masker(ctx.gstate, v, samp, warp)  # drafts drawn among the grammar's tokens
 
         def body(i, c):
-            tok, h, toks, q = c
+            tok, h, toks, q, gs = c
             lg, h = A.step(dparams, self.acfg, self.cfg, ctx.target, tok, h, pos, ctx.cache, n)
+            lg, gs = gmask(lg, gs, jnp.where(i == 0, -1, tok))  # (the first draw: the root's state)
             nxt = sampling.sample(sampling.fold_in(key, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i + 1, axis=1)
             if q is not None:
                 q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, warp)[:, None], i, axis=1)
-            return nxt, h.astype(ctx.root_hidden.dtype), toks, q
+            return nxt, h.astype(ctx.root_hidden.dtype), toks, q, gs
 
-        _, _, tokens, qs = jax.lax.fori_loop(0, g, body, (root, ctx.root_hidden, tokens, qs))
+        gs0 = gmask(jnp.zeros((b, v)), None, None)[1]
+        _, _, tokens, qs, _ = jax.lax.fori_loop(0, g, body, (root, ctx.root_hidden, tokens, qs, gs0))
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g), valid=jnp.ones((b, g + 1), bool), q=qs,
                         draft_forwards=jnp.int32(g), rule=rule_for(samp, Rule.CHAIN_SAMPLING))
         return prop, dstate
 
-    def _tree(self, dparams, ctx: Context, samp):
+    def _tree(self, dparams, ctx: Context, samp, warp):
         from pdecode.decode.draft_model import grow_dynamic_tree
 
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
@@ -89,7 +93,8 @@ class AssistantDrafter(Drafter):
         total = self.total_tokens or self.gamma * self.tree_top_k
         prop, _ = grow_dynamic_tree(ctx, _NoCache(), jax.nn.log_softmax(lg0), self.tree_top_k, self.gamma, total,
                                     expand, base_B=n, pos1_B=pos, state0=h0.astype(ctx.root_hidden.dtype),
-                                    rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+                                    rule=rule_for(samp, Rule.TREE_DETERMINISTIC),
+                                    grammar_tables=warp.grammar if samp.grammar else None)
         return prop
 
 

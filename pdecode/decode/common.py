@@ -148,7 +148,8 @@ def grammar_ban(gstate: jax.Array | None, vocab: int, samp, warp) -> jax.Array |
 def grammar_masker(gstate: jax.Array | None, vocab: int, samp, warp):
     """For drafters that draw a chain token by token: ``fn(logits [B, V], state, last token) -> (masked logits,
     state)``, the state advanced by the last drawn token first (``state`` None: the root's ``gstate``, nothing to
-    advance). Logits pass unchanged (and the state stays None) when grammars are off or the vocabularies differ."""
+    advance; a ``last`` of -1: nothing to advance). Logits pass unchanged (and the state as it came) when grammars are
+    off or the vocabularies differ."""
     from pdecode import grammar, sampling
 
     on = samp.grammar and gstate is not None and vocab <= warp.grammar.allow.shape[1] * 32
@@ -156,7 +157,10 @@ def grammar_masker(gstate: jax.Array | None, vocab: int, samp, warp):
     def fn(logits, state, last):
         if not on:
             return logits, gstate if state is None else state
-        state = gstate if state is None else grammar.advance(warp.grammar, state, last)
+        if state is None:
+            state = gstate
+        else:
+            state = jnp.where(last >= 0, grammar.advance(warp.grammar, state, last), state)
         return jnp.where(grammar.ban(warp.grammar, state, vocab), sampling.NEG_INF, logits.astype(jnp.float32)), state
 
     return fn

@@ -180,7 +180,7 @@ class DiffusionDrafter(Drafter):
 
         prop, _ = grow_dynamic_tree(ctx, cache, logp[:, 0], self.tree_top_k, g, self.total_tokens, expand,
                                     base_B=ctx.seq_len, pos1_B=ctx.seq_len, state0=jnp.ones((b,), jnp.int32),
-                                    rule=rule)
+                                    rule=rule, grammar_tables=warp.grammar if samp.grammar else None)
         depth = tree_lib.depths_of(prop.parents, g)  # the adaptive block length cuts the tree too
         valid = prop.valid & (depth <= st.gamma[:, None])
         return prop._replace(draft_forwards=jnp.int32(forwards), valid=valid), st.replace(cache=cache, prev=x)

@@ -251,12 +251,13 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
         prop, cache = grow_dynamic_tree(
             ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth, self.total_tokens,
             lambda c, tok, pos, write_at, mask, st: _expand(dparams, self.dcfg, c, tok, pos, write_at, mask) + (st,),
-            base_B=ctx.seq_len, pos1_B=ctx.seq_len, rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+            base_B=ctx.seq_len, pos1_B=ctx.seq_len, rule=rule_for(samp, Rule.TREE_DETERMINISTIC),
+            grammar_tables=warp.grammar if samp.grammar else None)
         return prop, dstate.replace(cache=cache)
 
 
 def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: int, expand_fn, base_B, pos1_B,
-                      state0=None, *, rule: Rule):
+                      state0=None, *, rule: Rule, grammar_tables=None):
     """EAGLE-2 tree growth, vectorised over rows (shared by the draft-model, EAGLE and MTP drafters).
 
     ``expand_fn(cache, tokens [B,k], positions [B,k], write_at [B], mask [B,k,S], state [B,k,...])
@@ -264,10 +265,23 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
     carries into its own expansion (EAGLE: the feature predicted by its parent) and ``out_state`` what its children
     inherit. Frontier nodes of depth d sit in the drafter cache at slots ``base + (d-1) k + j`` (uncommitted), at
     positions ``pos1 + d - 1``; slots below ``base`` are the drafter's committed history. ``rule``: the proposal's
-    verification rule (the children are top-k picks: ``TREE_DETERMINISTIC`` when sampling).
+    verification rule (the children are top-k picks: ``TREE_DETERMINISTIC`` when sampling). ``grammar_tables``:
+    structured output's `grammar.Tables` (with ``ctx.gstate``): every node's children are picked among the tokens its
+    grammar state allows (each node's state walked from the root's), so the tree holds no token the target must
+    reject; None: off.
     Returns (Proposal with per-row parents, cache).
     """
+    from pdecode import grammar
+
     b = ctx.seq.shape[0]
+    v = logp0_BV.shape[-1]
+    constrained = (grammar_tables is not None and ctx.gstate is not None
+                   and v <= grammar_tables.allow.shape[1] * 32)
+
+    def allowed_only(lp, states):
+        return jnp.where(grammar.ban(grammar_tables, states, v), -jnp.inf, lp) if constrained else lp
+
+    logp0_BV = allowed_only(logp0_BV, ctx.gstate)
     max_len = cache.max_len
     pool_size = k + (depth - 1) * k * k
     if total > pool_size:
@@ -277,6 +291,10 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
     pool_score = jnp.full((b, pool_size), -jnp.inf).at[:, :k].set(top_lp)
     pool_parent = jnp.full((b, pool_size), -1, jnp.int32)
     pool_depth = jnp.ones((b, pool_size), jnp.int32)
+    pool_state = None
+    if constrained:  # each pool node's grammar state after its own token
+        pool_state = jnp.zeros((b, pool_size), jnp.int32).at[:, :k].set(
+            grammar.advance(grammar_tables, ctx.gstate[:, None], top_tok))
     front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool index of frontier nodes
     front_score = top_lp
     n_slots = (depth - 1) * k
@@ -291,13 +309,20 @@ def grow_dynamic_tree(ctx: Context, cache, logp0_BV, k: int, depth: int, total: 
         mask = attention.cache_mask(base_B, front_anc, max_len)
         lg, cache, out_state = expand_fn(cache, tok, pos, base_B + slot0, mask, state)
         forwards += 1
-        c_lp, c_tok = jax.lax.top_k(jax.nn.log_softmax(lg), k)  # [B, k, k]
+        lp = jax.nn.log_softmax(lg)
+        if constrained:
+            front_state = jnp.take_along_axis(pool_state, front_idx, axis=1)  # [B, k]
+            lp = allowed_only(lp, front_state)
+        c_lp, c_tok = jax.lax.top_k(lp, k)  # [B, k, k]
         c_score = front_score[:, :, None] + c_lp
         off = k + (d - 1) * k * k
         pool_tok = pool_tok.at[:, off: off + k * k].set(c_tok.reshape(b, k * k))
         pool_score = pool_score.at[:, off: off + k * k].set(c_score.reshape(b, k * k))
         pool_parent = pool_parent.at[:, off: off + k * k].set(jnp.repeat(front_idx, k, axis=1))
         pool_depth = pool_depth.at[:, off: off + k * k].set(d + 1)
+        if constrained:
+            kids = grammar.advance(grammar_tables, front_state[:, :, None], c_tok)
+            pool_state = pool_state.at[:, off: off + k * k].set(kids.reshape(b, k * k))
         # next frontier: the k best children overall; each inherits its parent's ancestor slots
         best_score, best = jax.lax.top_k(c_score.reshape(b, k * k), k)
         parent_j = best // k

@@ -96,7 +96,8 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
 
         prop, cache = grow_dynamic_tree(ctx, cache, jax.nn.log_softmax(logits0), self.tree_top_k, self.depth,
                                         self.total_tokens, expand, base_B=base, pos1_B=base, state0=f_root,
-                                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC))
+                                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC),
+                                        grammar_tables=warp.grammar if samp.grammar else None)
         return prop, dstate.replace(cache=cache)
 
     def update(self, dparams, dstate, ctx, ver, hidden_BND, layers_nBND):
