@@ -58,6 +58,7 @@ CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the en
 MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
+MIN_SPAN = 256  # the shortest attention span a step program is compiled for (`Engine.spans`)
 MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
 PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
@@ -145,7 +146,8 @@ class Engine:
     keep drafting, `speculation_note` says why); ``spec_cost``: the cost ratio of a drafted step call to a plain one
     (None: measured at warm-up); ``prefix_cache``: prompts' prefixes kept on the device (0: off) so that a request
     starting with a kept prefix (a shared system prompt) prefills only the rest (`_take_prefix`);
-    ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
+    ``spans``: the attention spans step programs are compiled for (None: `default_spans`; ``[max_len]``: every step
+    attends over the whole cache); ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
     (requests' grammars share them; None: `grammar.default_states` / `grammar.DEFAULT_TRANSITIONS`; 0 states:
     structured output off)."""
 
@@ -153,7 +155,7 @@ class Engine:
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
                  admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
                  grammar_states: int | None = None, grammar_transitions: int | None = None, prefix_cache: int = 0,
-                 **method_options):
+                 spans=None, **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -229,6 +231,9 @@ class Engine:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "
                              f"{model.cfg.max_position_embeddings} tokens")
         self.max_len = int(max_len)
+        self.spans = default_spans(self.max_len) if spans is None else sorted({int(x) for x in spans} | {self.max_len})
+        if any(x < 1 or x > self.max_len for x in self.spans):
+            raise InputError(f"spans must lie in [1, max_len={self.max_len}], got {spans!r}")
         if self.max_len < CHUNKS[0] + self.extra + 2:
             raise InputError(f"max_len must be at least {CHUNKS[0] + self.extra + 2} for method {method!r}")
         # EOS is each row's first stop ids (not compiled in): a request may ignore it (``ignore_eos``)
@@ -367,10 +372,16 @@ class Engine:
         return self._pin(EngineState(loop=loop, warp=warp, grammar=st.grammar)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
-    def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False):
+    def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False, span: int | None = None):
         """``k`` steps (``plain``: plain steps of a draft-and-verify loop, `speculative.make_step`); returns (state,
         (count before, count after, done, the tokens and logprobs from the count before: [slots, W], each row's
-        target forwards since its admission))."""
+        target forwards since its admission)). ``span``: the steps attend over the target cache's first ``span``
+        slots alone (`spans`: the host picks the smallest that holds every live row after the call; a step that
+        would write past it is not taken)."""
+        span = span or self.max_len
+        full_cache = st.loop.cache
+        st = st.replace(loop=st.loop.replace(cache=kvc.head(full_cache, span)))
+        fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         warp = self._with_tables(st.warp, st.grammar)
@@ -383,9 +394,11 @@ class Engine:
 
         def cond(c):
             i, s = c
-            return (i < k) & ~jnp.all(s.out.done)
+            room = jnp.max(jnp.where(s.out.done, 0, s.cache.lengths)) + fresh <= span
+            return (i < k) & ~jnp.all(s.out.done) & room
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
+        loop = loop.replace(cache=kvc.put_head(full_cache, loop.cache))
         out = loop.out
         w = k * (1 if plain else self._per_step())
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
@@ -502,7 +515,8 @@ class Engine:
             self._compile("prefix_put", self._prefix_put_fn, self._store, np.int32(0), blank, donate=(0,))
         for samp in (self.fast, self.full):
             for plain in (False, True) if self.adaptive else (False,):
-                self._step_exe(samp, plain)
+                for span in self.spans:
+                    self._step_exe(samp, plain, span)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
         if self.adaptive and self.spec_cost is None:
@@ -579,9 +593,18 @@ class Engine:
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
-    def _step_exe(self, samp, plain: bool = False):
-        return self._compile(("step", samp.greedy, plain), self._step_fn, self.params, self.state,
-                             static={"samp": samp, "k": self.k, "plain": plain}, donate=(1,))
+    def _step_exe(self, samp, plain: bool = False, span: int | None = None):
+        span = span or self.max_len
+        return self._compile(("step", samp.greedy, plain, span), self._step_fn, self.params, self.state,
+                             static={"samp": samp, "k": self.k, "plain": plain, "span": span}, donate=(1,))
+
+    def _span_for(self, live) -> int:
+        """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
+        more call's worth for each step call in flight and for this one, a draft tree."""
+        per = self.k * self._per_step()
+        calls = 1 + sum(1 for x in self._inflight if x[0] == "step")
+        need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * per + self._per_step() + 1
+        return next((x for x in self.spans if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
     def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
@@ -804,7 +827,9 @@ class Engine:
         plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
                     for r in live)
         drafted = self._speculate()
-        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted)
+        span = self._span_for(live)
+        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span)
+        self.stats[f"steps_span_{span}"] += 1
         t = time.perf_counter()
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
@@ -953,6 +978,13 @@ class Engine:
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
                       forwards=r.forwards)
                 for r in reqs]
+
+
+def default_spans(max_len: int) -> list[int]:
+    """The attention spans an engine's step programs are compiled for by default: a quarter and a half of ``max_len``
+    (when at least `MIN_SPAN`) and ``max_len`` itself. A step call attends over the smallest that holds its live rows:
+    short requests on a long-context server do not pay for ``max_len`` slots each step."""
+    return sorted({x for x in (max_len // 4, max_len // 2) if x >= MIN_SPAN} | {max_len})
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -232,3 +232,28 @@ def test_prefix_cache_reuses_a_shared_prompt(models, method):  # noqa: F811
     assert eng.stats["prefix_hits"] == 3 and eng.stats["prefix_tokens_reused"] >= 3 * 64
     want = pdecode.generate(t, prompts, method=method, max_new_tokens=budgets, **opts)
     assert [r.tokens for r in reqs] == want.tokens
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F811
+    """Step programs for spans of 32, 64 and 128 slots: calls with short live rows attend over 32 or 64 slots (the
+    cache's head, written back after), longer ones over more; tokens = `pdecode.generate`'s, nothing compiles after
+    warm-up; a bad span is refused."""
+    t, opts = _engine_case(models, method)
+    eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=2, spans=[32, 64], **opts)
+    assert eng.spans == [32, 64, 128]
+    eng.warmup()
+    budgets = [40, 5, 60, 9, 16, 3, 11, 70]
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, budgets)]
+        while not eng.idle:
+            eng.run_once()
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
+    assert eng.stats["steps_span_32"] and eng.stats["steps_span_64"] and eng.stats["steps_span_128"]
+    want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
+    assert [r.tokens for r in reqs] == want.tokens
+    with pytest.raises(InputError, match="spans must lie"):
+        Engine(t, slots=1, max_len=128, chunk=32, spans=[0])

@@ -25,6 +25,8 @@ Every operation works by index on static shapes, so it runs inside jit and ``lax
   gather by node index, e.g. an accepted tree path) to ``lengths .. lengths + n - 1`` and advance ``lengths``;
 * `rollback`: forget the last n committed tokens of each row (only ``lengths`` moves);
 * `grow`: more slots at the end (a decode loop that runs in phases attends over a cache no longer than it needs);
+* `head`, `put_head`: the first n slots as a cache of their own, and back (the serving engine's steps attend over the
+  span its live rows need);
 * `set_lengths`, `where_rows`: set the lengths; pick each row from one of two caches.
 """
 
@@ -158,6 +160,24 @@ def grow(cache: KVCache, max_len: int) -> KVCache:
 
     # keys [.., hd, S] grow on the last axis, values [.., S, hd] on the one before
     return cache.replace(k=jax.tree.map(lambda a: pad(a, -1), cache.k), v=jax.tree.map(lambda a: pad(a, -2), cache.v))
+
+
+def head(cache: KVCache, n: int) -> KVCache:
+    """The cache's first ``n`` slots (a copy; lengths unchanged): a loop whose rows all fit ``n`` slots attends over
+    those alone."""
+    if n >= cache.max_len:
+        return cache
+    return cache.replace(k=jax.tree.map(lambda a: a[..., :n], cache.k),
+                         v=jax.tree.map(lambda a: a[..., :n, :], cache.v))
+
+
+def put_head(cache: KVCache, part: KVCache) -> KVCache:
+    """``cache`` with its first slots replaced by ``part``'s (a `head` after steps ran on it) and part's lengths."""
+    if part.max_len == cache.max_len:
+        return part
+    put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, axis)  # noqa: E731
+    return cache.replace(k=jax.tree.map(lambda a, b: put(a, b, a.ndim - 1), cache.k, part.k),
+                         v=jax.tree.map(lambda a, b: put(a, b, a.ndim - 2), cache.v, part.v), lengths=part.lengths)
 
 
 def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
