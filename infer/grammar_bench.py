@@ -71,11 +71,7 @@ def mask_costs(m, tokens: list[int], repeats: int = 5) -> dict:
     import outlines_core as oc
 
     toks = grammar.token_bytes(m.tokenizer, v)
-    by = {}
-    for i, bts in enumerate(toks):
-        if bts and i not in eos:
-            by.setdefault(bts, []).append(i)
-    index = oc.Index(regex, oc.Vocabulary(eos[0], by))
+    index = oc.Index(regex, oc.Vocabulary(eos[0], grammar.vocabulary_map(toks, eos)))
 
     def outlines_walk():
         s = index.get_initial_state()

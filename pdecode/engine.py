@@ -198,7 +198,7 @@ class Engine:
             if not isinstance(x, int) or isinstance(x, bool) or x < 0:
                 raise InputError(f"{name} must be an integer >= 0, got {x!r}")
         self.pool = grammar.Pool(self.vocab, gs, max(gt, 1)) if gs > 1 else None  # state 0 is the free state
-        self._pool_version = 0 if self.pool is None else self.pool.version  # (the empty state holds these tables)
+        self._pool_version = 0 if self.pool is None else self.pool.version  # (= the blank tables of the empty state)
         self.full = sampling.Sampling(greedy=False, top_k=self.top_k_max, use_top_p=True, use_min_p=True,
                                       penalty=True, logprobs=True, counts=True, bias=True, min_tokens=True,
                                       grammar=self.pool is not None)
@@ -289,7 +289,7 @@ class Engine:
         hd = self._hidden_dtype()
         hid = jnp.zeros((b, self.max_len, cfg.hidden_size), hd)
         layers = jnp.zeros((len(self._hid), b, self.max_len, cfg.hidden_size), hd) if self._hid else None
-        warp = self._with_tables(self._warp_of([None] * b), self._tables_now())
+        warp = self._with_tables(self._warp_of([None] * b), self._blank_tables())
         stops = common.Stops(limit=jnp.ones((b,), jnp.int32), stop_ids=jnp.full((b, self.stop_width), -1, jnp.int32))
         key = jnp.zeros((b, 2), jnp.uint32)
         return self._start(params, prompt, plen, cache, jnp.zeros((b, self.vocab), jnp.float32),
@@ -301,11 +301,19 @@ class Engine:
         loop = loop.replace(out=loop.out.replace(done=jnp.ones((self.slots,), bool)))
         n = self.slots
         return EngineState(loop=loop, warp=jax.tree.map(jnp.asarray, self._warp_of([None] * n)),
-                           grammar=self._tables_now())
+                           grammar=self._blank_tables())
 
-    def _tables_now(self):
-        """The structured-output tables as they stand on the host (None when off)."""
-        return None if self.pool is None else jax.tree.map(jnp.asarray, self.pool.tables())
+    def _blank_tables(self):
+        """Structured-output tables holding no grammar (the free state alone), made on the device (no constants in
+        the program: the tables' content goes up with `_sync_tables`); None when structured output is off."""
+        if self.pool is None:
+            return None
+        from pdecode import grammar
+
+        p = self.pool
+        return grammar.Tables(allow=jnp.zeros(p.allow.shape, jnp.uint32).at[0].set(jnp.uint32(0xFFFFFFFF)),
+                              base=jnp.zeros(p.base.shape, jnp.int32), nexts=jnp.zeros(p.nexts.shape, jnp.int32),
+                              forced=jnp.full(p.forced.shape, -1, jnp.int32))
 
     @staticmethod
     def _with_tables(warp, tables):

@@ -145,13 +145,19 @@ def choice_regex(choices: Sequence[str]) -> str:
 MAX_STATES = 1 << 16  # per grammar: a larger automaton is refused (it would not fit a serving table)
 
 
+def vocabulary_map(tokens: Sequence[bytes | None], eos_ids: Sequence[int]) -> dict[bytes, list[int]]:
+    """outlines-core's vocabulary: each token text (bytes) -> the ids spelling it (no EOS, no special tokens)."""
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(tokens):
+        if b and i not in eos_ids:
+            by_bytes.setdefault(b, []).append(i)
+    return by_bytes
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(regex: str, tokens: tuple, vocab_size: int, eos_ids: tuple[int, ...]) -> Grammar:
     oc, _ = _outlines()
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, b in enumerate(tokens):
-        if b is not None and b and i not in eos_ids:
-            by_bytes.setdefault(b, []).append(i)
+    by_bytes = vocabulary_map(tokens, eos_ids)
     fake_eos = eos_ids[0] if eos_ids else vocab_size  # outlines' end token; replaced by the model's EOS ids below
     try:
         index = oc.Index(regex, oc.Vocabulary(fake_eos, by_bytes))

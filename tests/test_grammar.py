@@ -40,12 +40,7 @@ def test_tables_follow_the_automaton(zoo):
     g = grammar.compile_regex(regex, m.tokenizer, v, eos)
     other = grammar.compile_regex(r"[a-c]+", m.tokenizer, v, eos)
     tables, (s_other, s_g) = grammar.pack([other, g], v)
-    toks = grammar.token_bytes(m.tokenizer, v)
-    by_bytes = {}
-    for i, b in enumerate(toks):
-        if b and i not in eos:
-            by_bytes.setdefault(b, []).append(i)
-    index = oc.Index(regex, oc.Vocabulary(eos[0], by_bytes))
+    index = oc.Index(regex, oc.Vocabulary(eos[0], grammar.vocabulary_map(grammar.token_bytes(m.tokenizer, v), eos)))
     trans = index.get_transitions()
     finals = set(index.get_final_states())
     # number the index's states by walking from the start through the packed tables
