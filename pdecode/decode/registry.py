@@ -173,11 +173,14 @@ def resolve_options(method: Method, given: dict[str, Any], near: tuple[str, ...]
 
         name = unknown[0]
         also = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
-        close = difflib.get_close_matches(name, list(near) + sorted(method.options), n=1)
+        others = sorted(m.name for m in METHODS.values() if name in m.options)
+        # another method's option (sd's gamma given to ar) is not a misspelling: say who takes it instead
+        close = [] if others else difflib.get_close_matches(name, list(near) + sorted(method.options), n=1)
         if close:
             raise InputError(f"unknown option {name!r} for method {method.name!r}: did you mean {close[0]}?{also}")
         allowed = ", ".join(sorted(method.options)) or "none"
-        raise InputError(f"unknown option {name!r} for method {method.name!r}{also}; it takes: {allowed}")
+        whose = f" ({name} is an option of {', '.join(others)})" if others else ""
+        raise InputError(f"unknown option {name!r} for method {method.name!r}{also}; it takes: {allowed}{whose}")
     checked = {k: method.options[k].check(method.name, k, v) for k, v in given.items()}
     return {**method.defaults, **checked}
 
