@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 D = importlib.import_module("pdecode.decompose")
+from pdecode import generation  # noqa: E402
 
 
 def stub_prompts(n_points: int, count: int, long_prefix: bool = False, prefix_chars: int = 1600) -> list[str]:
@@ -183,7 +184,7 @@ def run(args) -> int:
             td.append(_time(dec, 1))
             tn.append(_time(nosh, 1))
         pdecode.clear_compile_cache()
-        long_rows.append({"prefix_tokens": D._common_prefix(ids), "decompose_s": statistics.median(td),
+        long_rows.append({"prefix_tokens": generation.common_prefix(ids), "decompose_s": statistics.median(td),
                           "no_sharing_s": statistics.median(tn), "speedup": statistics.median(tn) / statistics.median(td)})
     skel_rows = skeleton_rows(m, stub_prompts(2, args.prompts), budget, args.repeats)
     out = Path(args.out or "docs/bench/decompose")

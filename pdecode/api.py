@@ -432,10 +432,6 @@ def resolve_cache_dtype(m: Model, cache_dtype: str | None):
     return jnp.dtype(cache_dtype)
 
 
-def _is_batch(prompts) -> bool:
-    return not isinstance(prompts, str) and not (len(prompts) and isinstance(prompts[0], (int, np.integer)))
-
-
 def _grammars(m: Model, grammar, json_schema, n_rows: int, min_tokens: int) -> list:
     """`generate`'s ``grammar`` / ``json_schema`` compiled: one `pdecode.grammar.Grammar` (or None) per row."""
     from pdecode import grammar as gr
@@ -583,11 +579,6 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
     samp = ctl.sampling(m.cfg.vocab_size)
-    grammars = None
-    if grammar is not None or json_schema is not None:
-        grammars = _grammars(m, grammar, json_schema, len(prompts) if _is_batch(prompts) else 1,
-                             ctl.min_tokens)
-        samp = dataclasses.replace(samp, grammar=True)
     kv_dtype = resolve_cache_dtype(m, cache_dtype)
     if meth.needs_draft and draft is None:
         raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",
@@ -596,6 +587,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     if draft is not None:
         _check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
+    grammars = None
+    if grammar is not None or json_schema is not None:
+        grammars = _grammars(m, grammar, json_schema, len(ids), ctl.min_tokens)
+        samp = dataclasses.replace(samp, grammar=True)
     from pdecode import distributed
 
     distributed.check_mesh(mesh)

@@ -28,6 +28,7 @@ import re
 import time
 from typing import Any, Callable, Sequence
 
+from pdecode import generation
 from pdecode.errors import InputError
 
 PLANNERS = ("stubs", "lines", "skeleton")
@@ -302,15 +303,6 @@ def _tokens_for(tok, ids: list[int], text: str) -> list[int]:
     return ids
 
 
-def _common_prefix(rows: list[list[int]]) -> int:
-    n = min(len(r) for r in rows)
-    for i in range(n):
-        t = rows[0][i]
-        if any(r[i] != t for r in rows):
-            return i
-    return n
-
-
 # ------------------------------------------------------------------------------------------------ the API
 def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str = "ar", max_new_tokens: int = 64,
               router: bool = True, outline_tokens: int = 128, **generate_options) -> DecomposeOutput:
@@ -388,7 +380,7 @@ def decompose(model, prompt: str, planner: str | Callable = "stubs", method: str
         if masked:  # a canvas per row, one budget for all; stop rules cut on the host
             out = api.generate(model, ids, method=method, max_new_tokens=max(budget), **generate_options)
             return out, 0
-        n = min(_common_prefix(ids), min(len(x) for x in ids) - 1) if shared else 0
+        n = min(generation.common_prefix(ids), min(len(x) for x in ids) - 1) if shared else 0
         out = api.generate(model, ids, method=method, max_new_tokens=budget if len(set(budget)) > 1 else budget[0],
                            shared_prefix=max(n, 0), stop_token_ids=stop_ids,
                            stop_at_dedent=plan.stop == "body" and route != "plain", **generate_options)

@@ -742,7 +742,8 @@ class Engine:
         programs do not recompile)."""
         if self.pool is None or self.pool.version == self._pool_version:
             return
-        tables = jax.tree.map(np.copy, self.pool.tables())  # (device_put: no staging program to compile)
+        # a copy (device_put may alias host memory the pool writes in place later); device_put: nothing compiles
+        tables = jax.tree.map(np.copy, self.pool.tables())
         self.state = self.state.replace(grammar=jax.device_put(
             tables, self._state_sh.grammar if self.mesh is not None else None))
         self._pool_version = self.pool.version
@@ -799,7 +800,7 @@ class Engine:
             return None
         best, best_n = None, 0
         for e, toks in self._prefixes.items():
-            n = min(_common_prefix(toks, r.prompt), len(r.prompt) - 1)
+            n = min(generation.common_prefix([toks, r.prompt]), len(r.prompt) - 1)
             if n > best_n:
                 best, best_n = e, n
         if best is None or best_n < MIN_PREFIX:
@@ -817,9 +818,9 @@ class Engine:
         if not self.prefix_entries or r.fed < MIN_PREFIX:
             return
         head = r.prompt[: r.fed]
-        if any(_common_prefix(t, head) == len(head) for t in self._prefixes.values()):
+        if any(generation.common_prefix([t, head]) == len(head) for t in self._prefixes.values()):
             return
-        sub = [e for e, t in self._prefixes.items() if _common_prefix(t, head) == len(t)]
+        sub = [e for e, t in self._prefixes.items() if generation.common_prefix([t, head]) == len(t)]
         if sub:
             e = sub[0]
         elif len(self._prefixes) < self.prefix_entries:
@@ -993,13 +994,6 @@ def default_spans(max_len: int) -> list[int]:
     (when at least `MIN_SPAN`) and ``max_len`` itself. A step call attends over the smallest that holds its live rows:
     short requests on a long-context server do not pay for ``max_len`` slots each step."""
     return sorted({x for x in (max_len // 4, max_len // 2) if x >= MIN_SPAN} | {max_len})
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
 
 
 # ------------------------------------------------------------------------------------------------ streaming

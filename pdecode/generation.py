@@ -127,6 +127,16 @@ def resolve(gen: dict, vocab_size: int, given: dict[str, Any]) -> Controls:
                     frequency_penalty=float(freq), logit_bias=bias, min_tokens=int(mn))
 
 
+def common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every row shares (decomposition's shared prefill; the engine's kept prefixes)."""
+    n = min(len(r) for r in rows)
+    for i in range(n):
+        t = rows[0][i]
+        if any(r[i] != t for r in rows):
+            return i
+    return n
+
+
 MAX_LOGIT_BIAS = 1024  # entries per request
 
 

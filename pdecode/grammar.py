@@ -224,7 +224,7 @@ def regex_of(kind: str, value: Any = None) -> str:
 
 # ------------------------------------------------------------------------------------------------ host: pack
 def _popcount_prefix(allow: np.ndarray) -> np.ndarray:
-    """[S, W] int32: per state, the allowed tokens in the words before each word."""
+    """[S, W] int64: per state, the allowed tokens in the words before each word."""
     counts = np.zeros(allow.shape, np.int64)
     for bit in range(32):
         counts += (allow >> np.uint32(bit)) & np.uint32(1)
@@ -239,11 +239,6 @@ def pack(grammars: Sequence[Grammar], vocab_size: int) -> tuple[Tables, list[int
                 rnd(max(1, sum(g.num_transitions for g in grammars))))
     starts = [pool.acquire(g) for g in grammars]
     return jax.device_put(pool.tables()), starts
-
-
-def table_bytes(states: int, transitions: int, vocab_size: int) -> int:
-    """Device bytes of a `Tables` of this size."""
-    return states * ((vocab_size + 31) // 32) * 8 + transitions * 4 + states * 4
 
 
 # ------------------------------------------------------------------------------------------------ device

@@ -70,8 +70,7 @@ class AssistantDrafter(Drafter):
                 q = jax.lax.dynamic_update_slice_in_dim(q, sampling.probs(lg, samp, warp)[:, None], i, axis=1)
             return nxt, h.astype(ctx.root_hidden.dtype), toks, q, gs
 
-        gs0 = gmask(jnp.zeros((b, v)), None, None)[1]
-        _, _, tokens, qs, _ = jax.lax.fori_loop(0, g, body, (root, ctx.root_hidden, tokens, qs, gs0))
+        _, _, tokens, qs, _ = jax.lax.fori_loop(0, g, body, (root, ctx.root_hidden, tokens, qs, ctx.gstate))
         prop = Proposal(tokens=tokens, parents=tree_lib.chain(g), valid=jnp.ones((b, g + 1), bool), q=qs,
                         draft_forwards=jnp.int32(g), rule=rule_for(samp, Rule.CHAIN_SAMPLING))
         return prop, dstate

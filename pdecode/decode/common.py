@@ -146,21 +146,19 @@ def grammar_ban(gstate: jax.Array | None, vocab: int, samp, warp) -> jax.Array |
 
 
 def grammar_masker(gstate: jax.Array | None, vocab: int, samp, warp):
-    """For drafters that draw a chain token by token: ``fn(logits [B, V], state, last token) -> (masked logits,
-    state)``, the state advanced by the last drawn token first (``state`` None: the root's ``gstate``, nothing to
-    advance; a ``last`` of -1: nothing to advance). Logits pass unchanged (and the state as it came) when grammars are
-    off or the vocabularies differ."""
+    """For drafters that draw a chain token by token: ``fn(logits [B, V], state, last) -> (masked logits, state)``,
+    the state first advanced by ``last`` [B], the token drawn before (-1: nothing to advance, the first draw). A chain
+    starts from ``gstate`` (the root's state) with ``last`` -1. Logits and state pass unchanged when grammars are off
+    or the vocabularies differ."""
     from pdecode import grammar, sampling
 
     on = samp.grammar and gstate is not None and vocab <= warp.grammar.allow.shape[1] * 32
 
     def fn(logits, state, last):
         if not on:
-            return logits, gstate if state is None else state
-        if state is None:
-            state = gstate
-        else:
-            state = jnp.where(last >= 0, grammar.advance(warp.grammar, state, last), state)
+            return logits, state
+        last = jnp.asarray(last, jnp.int32)
+        state = jnp.where(last >= 0, grammar.advance(warp.grammar, state, last), state)
         return jnp.where(grammar.ban(warp.grammar, state, vocab), sampling.NEG_INF, logits.astype(jnp.float32)), state
 
     return fn

@@ -122,7 +122,7 @@ class DraftChain(_DraftModelDrafter):
         # structured output: the draft samples from its distribution masked by the grammar along the chain (q is
         # what it drew from, so verification stays lossless); it then drafts only tokens the target may accept
         gmask = common.grammar_masker(ctx.gstate, v, samp, warp)
-        logits0, gs = gmask(logits0, None, None)
+        logits0, gs = gmask(logits0, ctx.gstate, -1)
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         tokens = jnp.zeros((b, g + 1), jnp.int32).at[:, 0].set(root)
         tokens = tokens.at[:, 1].set(sampling.sample(k_first, logits0, samp, warp))
