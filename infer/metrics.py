@@ -71,6 +71,12 @@ class Metrics:
         g = Gauge("pdecode_prefix_cache_tokens_reused", "prompt tokens taken from kept prefixes (not prefilled)",
                   names, registry=r)
         g.labels(**labels).set_function(lambda: engine.stats["prefix_tokens_reused"])
+        if getattr(engine, "kv_pages", None) is not None:
+            g = Gauge("pdecode_kv_pages_in_use", "paged KV cache: pages held by requests (of --kv-pages)", names,
+                      registry=r)
+            g.labels(**labels).set_function(lambda: engine.kv_pages - len(engine._free_pages))
+            g = Gauge("pdecode_kv_page_waits", "admissions that waited for free KV pages", names, registry=r)
+            g.labels(**labels).set_function(lambda: engine.stats["page_waits"])
         g = Gauge("pdecode_grammar_table_uploads", "structured output: grammar table uploads (a new grammar placed)",
                   names, registry=r)
         g.labels(**labels).set_function(lambda: engine.stats["grammar_uploads"])

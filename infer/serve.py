@@ -969,6 +969,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-cache", type=int, default=0,
                     help="prompt prefixes kept on the device (0: off): a request starting with a kept prefix (a shared "
                          "system prompt longer than --chunk) prefills only the rest")
+    ap.add_argument("--kv-pages", type=int, default=None,
+                    help="a paged KV cache of this many pages that the slots share (a request holds the pages its "
+                         "prompt and max_tokens need; default: each slot reserves --max-len positions). With it, "
+                         "--slots may exceed what --max-len rows would fit in the same memory")
+    ap.add_argument("--page-size", type=int, default=16, help="positions per KV page (with --kv-pages)")
     ap.add_argument("--grammar-states", type=int, default=None,
                     help="structured output: states in the device tables the requests' grammars share (default 4096, "
                          "fewer for vocabularies over 64K tokens; 0: structured output off)")
@@ -1024,7 +1029,7 @@ def run_from_args(args) -> int:
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
                     steps_per_call=args.steps_per_call, speculation=speculation, spec_cost=args.spec_cost,
                     grammar_states=args.grammar_states, grammar_transitions=args.grammar_transitions,
-                    prefix_cache=args.prefix_cache, **options)
+                    prefix_cache=args.prefix_cache, kv_pages=args.kv_pages, page_size=args.page_size, **options)
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
     secs = engine.warmup()
     _count_compiles()

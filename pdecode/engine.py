@@ -59,6 +59,7 @@ MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
 MIN_SPAN = 256  # the shortest attention span a step program is compiled for (`Engine.spans`)
+PAGE_SIZE = 16  # positions per page of a paged KV cache (`Engine(kv_pages=...)`)
 MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
 PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
@@ -107,6 +108,7 @@ class Request:
     forwards: int = 0  # target forwards while decoding it (its prefill's counts one), as of its last event
     accepted: list[int] | None = None  # draft-and-verify: steps that accepted k drafted tokens, k = 0..depth
     gstart: int = 0  # its grammar's start state in the engine's tables (0: none)
+    pages: list[int] = dataclasses.field(default_factory=list)  # the KV pages it holds (a paged engine)
 
 
 @dataclasses.dataclass
@@ -149,13 +151,16 @@ class Engine:
     ``spans``: the attention spans step programs are compiled for (None: `default_spans`; ``[max_len]``: every step
     attends over the whole cache); ``grammar_states`` / ``grammar_transitions``: the structured-output tables' sizes
     (requests' grammars share them; None: `grammar.default_states` / `grammar.DEFAULT_TRANSITIONS`; 0 states:
-    structured output off)."""
+    structured output off); ``kv_pages``: a paged target KV cache of this many pages of ``page_size`` positions
+    that the slots share (a request holds the pages its prompt, budget and draft slots need, from its admission to
+    its end; one waits in the queue while the free pages are too few), so more slots fit in the memory of fewer
+    ``max_len`` rows (None: each slot reserves ``max_len`` positions)."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
                  admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
                  grammar_states: int | None = None, grammar_transitions: int | None = None, prefix_cache: int = 0,
-                 spans=None, **method_options):
+                 spans=None, kv_pages: int | None = None, page_size: int = PAGE_SIZE, **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -253,8 +258,34 @@ class Engine:
         self._inflight: collections.deque = collections.deque()  # dispatched calls whose results are not read yet
         self.state = None
         self.mesh = getattr(model, "_placed", None)  # the mesh the model is placed on (None: one device)
+        self.kv_pages, self.page_size = kv_pages, page_size
+        if kv_pages is not None:
+            self._check_pages(spans)
+            self._free_pages = list(range(kv_pages))
+            self._table = np.full((slots, self.max_len // page_size), kv_pages, np.int32)  # kv_pages: no page
         self._state_sh = None
         self.stats = collections.Counter()
+
+    def _check_pages(self, spans):
+        k, page = self.kv_pages, self.page_size
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InputError(f"kv_pages must be an integer >= 1 (pages of the shared KV cache), got {k!r}")
+        if not isinstance(page, int) or isinstance(page, bool) or page < 1:
+            raise InputError(f"page_size must be an integer >= 1, got {page!r}")
+        if self.mesh is not None:
+            raise InputError("kv_pages: the paged KV cache runs on one device (a model placed on a mesh keeps "
+                             "max_len per slot); drop kv_pages")
+        if spans is None:  # the default spans, rounded down to whole pages
+            self.spans = sorted({x - x % page for x in self.spans if x >= page} | {self.max_len})
+        bad = [x for x in self.spans if x % page]
+        if bad:
+            raise InputError(f"max_len and every span must be a multiple of page_size ({page}); got "
+                             f"{', '.join(map(str, bad))}")
+
+    def pages_for(self, prompt_len: int, max_tokens: int) -> int:
+        """The KV pages a request holds on a paged engine: its prompt, budget and the method's draft slots."""
+        need = prompt_len + max_tokens + self.extra + 1
+        return min(-(-need // self.page_size), self.max_len // self.page_size)
 
     # ------------------------------------------------------------------------------------------ device functions
     def _tparams(self, params):
@@ -299,6 +330,11 @@ class Engine:
         shapes = jax.eval_shape(functools.partial(self._row_state, b=self.slots), params)
         loop = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         loop = loop.replace(out=loop.out.replace(done=jnp.ones((self.slots,), bool)))
+        if self.kv_pages is not None:
+            cfg = self.model.cfg
+            per_layer = unrolled(decode_layout(self._tparams(params), cfg, fuse=True))
+            loop = loop.replace(cache=kvc.init_paged(cfg, self.slots, self.max_len, self.kv_pages, self.page_size,
+                                                     self.kv_dtype, per_layer=per_layer))
         n = self.slots
         return EngineState(loop=loop, warp=jax.tree.map(jnp.asarray, self._warp_of([None] * n)),
                            grammar=self._blank_tables())
@@ -344,12 +380,12 @@ class Engine:
         return self._replicated(Prefill(cache=cache, hidden=hidden, layers=layers, logits=logits))
 
     def _admit_fn(self, params, st: EngineState, tokens_AC, n_A, slot_A, seed_A, warp_A, limit_A, stop_ids_AS,
-                  pre=None, prompt_1L=None, plen_1=None, *, axes):
+                  table=None, pre=None, prompt_1L=None, plen_1=None, *, axes):
         """Requests into their slots, A at a time (A static; a row repeated to fill A writes its slot twice, alike):
         each prompt's last chunk prefilled (the whole prompt when ``pre`` is None; else, for one request, after the
         chunks in ``pre``, the whole prompt in ``prompt``), the loop state started (first token drawn, drafter state
         initialised) and written over the slot's row, its sampling values set. Returns (state, (first tokens, their
-        logprobs, done, target forwards) per row)."""
+        logprobs, done, target forwards) per row). ``table``: a paged engine's page table (the host's, whole)."""
         cfg = self.model.cfg
         tp = self._tparams(params)
         a = tokens_AC.shape[0]
@@ -367,6 +403,10 @@ class Engine:
         rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A),
                            self._with_tables(warp_A, st.grammar), stops, self.full)
         loop, warp = st.loop, st.warp
+        paged = table is not None
+        if paged:  # the pool has no row axis: the rows' caches go into their pages below
+            pool, fresh = loop.cache, rows.cache
+            loop, rows, axes = loop.replace(cache=None), rows.replace(cache=None), axes.replace(cache=None)
         for i in range(a):
             def put(big, small, ax, i=i):
                 if ax is None:
@@ -376,6 +416,8 @@ class Engine:
 
             loop = jax.tree.map(put, loop, rows, axes)
             warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
+        if paged:
+            loop = loop.replace(cache=kvc.put_rows(pool, fresh, slot_A, table))
         out = rows.out
         return self._pin(EngineState(loop=loop, warp=warp, grammar=st.grammar)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
@@ -543,6 +585,9 @@ class Engine:
                 args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))  # one-token prompts
                 args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
                 args[7] = np.full((rows,), budget, np.int32)  # a budget the timed calls do not reach
+                if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
+                    n = self._table.shape[1]
+                    args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
                 self.state, _ = self._admit_exe(c, rows)(*args)
             exe = self._step_exe(self.fast, plain)
             ts = []
@@ -572,8 +617,9 @@ class Engine:
         n = np.asarray([len(r.prompt) - r.fed if r is not None else 1 for r in reqs], np.int32)
         slots = np.asarray([r.slot if r is not None else 0 for r in reqs], np.int32)
         seeds = np.asarray([r.seed if r is not None else 0 for r in reqs], np.uint32)
+        table = None if self.kv_pages is None else self._table.copy()
         return (self.params, self.state, tokens, n, slots, seeds, warp, f(lambda x: x.max_new_tokens if x else 1,
-                                                                            np.int32), ids)
+                                                                            np.int32), ids, table)
 
     def _warp_of(self, c: list, gstart: list | None = None) -> sampling.Warp:
         """The rows' sampling values (numpy), from their controls (None: a blank row) and their grammars' start
@@ -632,6 +678,10 @@ class Engine:
                              f"server's context ({self.max_len - self.extra - 1}): ask for at most {room} tokens")
         if ctl.top_k > self.top_k_max:
             raise InputError(f"top_k must be at most {self.top_k_max} here, got {ctl.top_k}")
+        if self.kv_pages is not None and self.pages_for(len(prompt), ctl.max_new_tokens) > self.kv_pages:
+            need = self.pages_for(len(prompt), ctl.max_new_tokens)
+            raise InputError(f"this request needs {need} KV pages (prompt, max_tokens and draft slots); the engine "
+                             f"holds {self.kv_pages} (kv_pages): ask for fewer tokens")
         if len(ctl.stop_token_ids) > MAX_STOP_IDS:
             raise InputError(f"at most {MAX_STOP_IDS} stop token ids, got {len(ctl.stop_token_ids)}")
         if grammar is not None:
@@ -716,6 +766,10 @@ class Engine:
         free = [s for s in range(self.slots) if s not in self.running]
         while free and self.queue:
             r = self.queue[0]
+            need = 0 if self.kv_pages is None else self.pages_for(len(r.prompt), r.controls.max_new_tokens)
+            if need and need > len(self._free_pages):  # the requests running hold the pages: wait
+                self.stats["page_waits"] += 1
+                break
             if r.controls.grammar is not None:
                 start = self.pool.acquire(r.controls.grammar)
                 if start is None:  # the grammars in use fill the tables: wait for some to finish
@@ -726,6 +780,9 @@ class Engine:
             self._reqs[r.id] = r
             r.slot = free.pop(0)
             self.running[r.slot] = r
+            if need:  # its pages, in the host's table (the next admission call takes the whole table)
+                r.pages, self._free_pages = self._free_pages[:need], self._free_pages[need:]
+                self._table[r.slot, :need] = r.pages
         self._sync_tables()
         waiting = [r for r in self.running.values() if not r.inserted]
         short = [r for r in waiting if r.pre is None and len(r.prompt) <= self.chunk]
@@ -973,6 +1030,10 @@ class Engine:
         r = self.running.pop(slot, None)
         if r is not None and r.controls.grammar is not None:
             self.pool.release(r.controls.grammar)
+        if r is not None and r.pages:  # free for the next admission, whose call also takes this row's table off them
+            self._free_pages += r.pages
+            self._table[slot] = self.kv_pages
+            r.pages = []
         if release and r is not None and r.inserted:
             self.state = self._exe[("release", ())](self.state, np.int32(slot))
 

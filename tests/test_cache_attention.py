@@ -277,3 +277,55 @@ def test_attention_gradients_match_plain_softmax():
 
     for a, e in zip(jax.grad(ours, argnums=(0, 1, 2))(q, k, v), jax.grad(plain, argnums=(0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-4, rtol=1e-4)
+
+
+def _view(c):
+    """A paged cache's rows as a contiguous cache's arrays (stacked): every layer's gathered view."""
+    ks, vs = zip(*(c.layer(i) for i in range(CFG.num_layers)))
+    return np.stack([np.asarray(x) for x in ks]), np.stack([np.asarray(x) for x in vs])
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_paged_cache_equals_the_contiguous_one(per_layer):
+    """Rows in shuffled pages of a shared pool (one row owning fewer pages than its view): put_rows, write_layer,
+    commit, head / put_head give, through each layer's gathered view, the contiguous cache's content wherever the row
+    owns pages (zeros elsewhere: writes there dropped), and leave pages of other rows alone."""
+    page, n, pool = 4, 4, 13
+    c, _, _ = _filled(b=3, s=n * page, per_layer=per_layer)
+    c = kvc.set_lengths(c, jnp.array([3, 6, 2]))
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(pool)
+    table = np.full((3, n), pool, np.int32)
+    table[0], table[1], table[2, :2] = perm[:4], perm[4:8], perm[8:10]  # row 2 owns its first 2 pages only
+    owned = (np.arange(n * page)[None, :] // page) < np.array([4, 4, 2])[:, None]  # [B, S]
+    p = kvc.init_paged(CFG, 3, n * page, pool, page, per_layer=per_layer)
+    p = kvc.put_rows(p, c, jnp.arange(3), jnp.asarray(table))
+    spare = [np.asarray(x)[..., perm[10:], :, :, :] for x in jax.tree.leaves(p.k)]  # pages nobody owns
+
+    def same(paged, contig):
+        pk, pv = _view(paged)
+        ck, cv = _stacked(contig)
+        np.testing.assert_array_equal(np.asarray(paged.lengths), np.asarray(contig.lengths))
+        np.testing.assert_array_equal(pk, np.where(owned[None, :, None, None, :], ck, 0))
+        np.testing.assert_array_equal(pv, np.where(owned[None, :, None, :, None], cv, 0))
+
+    same(p, c)
+    new = rng.normal(size=(3, 1, 5, 4)).astype(np.float32)  # [B, KV, T, hd]: row 2's slots 7.. fall past its pages
+    c = kvc.write_layer(c, 1, jnp.asarray(new), jnp.asarray(-new), c.lengths)
+    p = kvc.write_layer(p, 1, jnp.asarray(new), jnp.asarray(-new), p.lengths)
+    same(p, c)
+    idx, acc = jnp.array([[0, 2, 4, 0], [0, 1, 2, 3], [0, 3, 1, 1]]), jnp.array([3, 4, 1])
+    c, p = kvc.commit(c, idx, acc), kvc.commit(p, idx, acc)
+    same(p, c)
+    ph = kvc.head(p, 2 * page)  # a shorter view: the first two pages of each row, nothing copied
+    assert ph.max_len == 2 * page and ph.k is p.k
+    ph = kvc.write_layer(ph, 0, jnp.asarray(new[:, :, :2]), jnp.asarray(new[:, :, :2]), jnp.array([0, 2, 1]))
+    c = kvc.write_layer(c, 0, jnp.asarray(new[:, :, :2]), jnp.asarray(new[:, :, :2]), jnp.array([0, 2, 1]))
+    p = kvc.put_head(p, kvc.rollback(ph, jnp.array([1, 0, 0])))
+    c = kvc.rollback(c, jnp.array([1, 0, 0]))
+    assert p.max_len == n * page
+    same(p, c)
+    for a, b in zip(spare, [np.asarray(x)[..., perm[10:], :, :, :] for x in jax.tree.leaves(p.k)]):
+        np.testing.assert_array_equal(a, b)  # the pages no row owns were never written
+    with pytest.raises(TypeError, match="contiguous"):
+        kvc.grow(p, 32)

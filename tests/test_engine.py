@@ -257,3 +257,37 @@ def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F81
     assert [r.tokens for r in reqs] == want.tokens
     with pytest.raises(InputError, match="spans must lie"):
         Engine(t, slots=1, max_len=128, chunk=32, spans=[0])
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "eagle"])
+def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
+    """A paged target cache of 9 pages of 16 positions for 4 slots of 128 (32 pages' worth): requests hold the pages
+    their prompt and budget need and wait while too few are free; freed pages go to later requests (other slots,
+    another order: any page kept stale or shared would change tokens); every request's tokens = `pdecode.generate`'s,
+    nothing compiles after warm-up, all pages free at the end; a request needing more pages than the pool is refused."""
+    t, opts = _engine_case(models, method)
+    eng = Engine(t, method=method, slots=4, max_len=128, chunk=32, steps_per_call=2, spans=[64], kv_pages=9,
+                 page_size=16, **opts)
+    eng.warmup()
+    budgets = [12, 5, 40, 9, 16, 3, 11, 30]
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, budgets)]
+        peak = 0
+        while not eng.idle:
+            eng.run_once()
+            peak = max(peak, 9 - len(eng._free_pages))
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
+    assert eng.stats["page_waits"] > 0 and peak <= 9
+    want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
+    assert [r.tokens for r in reqs] == want.tokens
+    assert sorted(eng._free_pages) == list(range(9)) and (eng._table == 9).all()
+    small = Engine(t, method=method, slots=1, max_len=128, chunk=32, kv_pages=4, **opts)
+    with pytest.raises(InputError, match="needs 5 KV pages"):
+        small.check(PROMPTS[0], max_tokens=4 * 16 + 1 - len(PROMPTS[0]) - small.extra - 1)
+    with pytest.raises(InputError, match="kv_pages must be"):
+        Engine(t, slots=1, max_len=128, chunk=32, kv_pages=0)
+    with pytest.raises(InputError, match="multiple of page_size"):
+        Engine(t, slots=1, max_len=128, chunk=32, kv_pages=8, page_size=48)

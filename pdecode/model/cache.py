@@ -28,6 +28,14 @@ Every operation works by index on static shapes, so it runs inside jit and ``lax
 * `head`, `put_head`: the first n slots as a cache of their own, and back (the serving engine's steps attend over the
   span its live rows need);
 * `set_lengths`, `where_rows`: set the lengths; pick each row from one of two caches.
+
+`PagedKVCache` is the same cache with its positions in fixed-size pages of a pool that rows share (the serving
+engine's slots, `pdecode.Engine(kv_pages=...)`): ``pages [B, n]`` maps row b's slots ``j*page .. (j+1)*page - 1`` to
+a pool page (the pool's size, an index past the pool, where the row owns none: writes there are dropped, reads give
+zeros). Each layer's keys and values are gathered into the contiguous ``[B, KV, hd, n*page]`` view attention reads
+(`PagedKVCache.layer`, one layer at a time: the view of all layers never exists at once); `write_layer`, `advance`,
+`commit`, `rollback`, `head` / `put_head` and `set_lengths` take either kind, so every decode loop runs on it
+unchanged. `init_paged` makes an empty one; `put_rows` writes contiguous rows (a prefill) into their pages.
 """
 
 from __future__ import annotations
@@ -69,6 +77,102 @@ class KVCache:
         return self.k[i], self.v[i]
 
 
+@struct.dataclass
+class PagedKVCache:
+    k: Any  # pool [L, P, KV, hd, page], or a tuple of L arrays [P, KV, hd, page] (None: a kv-shared layer)
+    v: Any  # pool [L, P, KV, page, hd], or a tuple of L arrays [P, KV, page, hd]
+    lengths: jax.Array  # [B] int32, committed tokens per row
+    pages: jax.Array  # [B, n] int32: the pool page holding row b's slots j*page.. (P, past the pool: none)
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
+    def page_size(self) -> int:
+        return jax.tree.leaves(self.v)[0].shape[-2]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return jax.tree.leaves(self.v)[0].shape[0 if self.per_layer else 1]
+
+    @property
+    def max_len(self) -> int:
+        return self.pages.shape[1] * self.page_size
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.k)[0].dtype
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
+        """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i, gathered from each row's pages (S = n*page)."""
+        k, v = self.k[i], self.v[i]
+        b, n = self.pages.shape
+        kp = jnp.take(k, self.pages, axis=0, mode="fill", fill_value=0)  # [B, n, KV, hd, page]
+        vp = jnp.take(v, self.pages, axis=0, mode="fill", fill_value=0)  # [B, n, KV, page, hd]
+        kv_, hd, page = kp.shape[2], kp.shape[3], kp.shape[4]
+        return (kp.transpose(0, 2, 3, 1, 4).reshape(b, kv_, hd, n * page),
+                vp.transpose(0, 2, 1, 3, 4).reshape(b, kv_, n * page, vp.shape[-1]))
+
+
+def init_paged(cfg: ModelConfig, batch: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
+               num_layers: int | None = None, per_layer: bool = False) -> PagedKVCache:
+    """An empty paged cache: a pool of ``num_pages`` pages of ``page_size`` positions; ``batch`` rows of ``max_len``
+    slots (a multiple of ``page_size``) owning no page yet."""
+    if max_len % page_size:
+        raise ValueError(f"init_paged: max_len {max_len} is not a multiple of the page size {page_size}")
+    like = jax.eval_shape(lambda: init_cache(cfg, 1, page_size, dtype, num_layers, per_layer))  # one page's shapes
+    lead = 0 if isinstance(like.k, tuple) else 1  # the row axis: after the layer axis of a stacked cache
+
+    def pool(a):  # one row of one page -> num_pages pages
+        return None if a is None else jnp.zeros(a.shape[:lead] + (num_pages,) + a.shape[lead + 1:], dtype)
+
+    k, v = jax.tree.map(pool, like.k), jax.tree.map(pool, like.v)
+    return PagedKVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                        pages=jnp.full((batch, max_len // page_size), num_pages, jnp.int32))
+
+
+def _contiguous(cache, op: str):
+    if isinstance(cache, PagedKVCache):
+        raise TypeError(f"{op} takes a contiguous KVCache (a paged cache's rows share a pool)")
+
+
+def _page_of(cache: PagedKVCache, slots_BT: jax.Array):
+    """Row slots [B, T] -> (pool page, offset in it); a slot past the view or in no page -> page P (dropped)."""
+    page, n = cache.page_size, cache.pages.shape[1]
+    j = slots_BT // page
+    pg = jnp.take_along_axis(cache.pages, jnp.clip(j, 0, n - 1), axis=1)
+    return jnp.where((j < n) & (slots_BT >= 0), pg, cache.num_pages), slots_BT % page
+
+
+def put_rows(cache: PagedKVCache, rows: KVCache, slot_A: jax.Array, pages_Bn: jax.Array) -> PagedKVCache:
+    """``cache`` with the page table ``pages_Bn`` and contiguous ``rows`` (A rows of as many slots as the view: a
+    prefill) written into the pages of slots ``slot_A``, their lengths set."""
+    n, page = pages_Bn.shape[1], cache.page_size
+    if rows.max_len != n * page:
+        raise ValueError(f"put_rows: rows of {rows.max_len} slots into a view of {n * page}")
+    dst = pages_Bn[slot_A]  # [A, n]
+    a = dst.shape[0]
+
+    def put(pool, x, s_axis):  # x [.., A, KV, hd, S] (keys, s_axis -1) or [.., A, KV, S, hd] (values, -2)
+        lead = x.ndim - 4
+        shape = list(x.shape)
+        shape[s_axis:s_axis + 1 if s_axis != -1 else None] = [n, page]
+        y = x.reshape(shape)  # keys [.., A, KV, hd, n, page]; values [.., A, KV, n, page, hd]
+        y = jnp.moveaxis(y, -2 if s_axis == -1 else -3, lead + 1).astype(pool.dtype)  # [.., A, n, KV, ...]
+        idx = (slice(None),) * lead + (dst,)
+        return pool.at[idx].set(y, mode="drop")
+
+    k = jax.tree.map(lambda p, x: put(p, x, -1), cache.k, rows.k)
+    v = jax.tree.map(lambda p, x: put(p, x, -2), cache.v, rows.v)
+    return PagedKVCache(k=k, v=v, lengths=cache.lengths.at[slot_A].set(rows.lengths), pages=pages_Bn.astype(jnp.int32))
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
                per_layer: bool = False) -> KVCache:
     n = num_layers or cfg.num_layers
@@ -102,6 +206,8 @@ def write_layer(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, off
     slots = _row_slots(offsets_B, t)
     # advanced indices (rows, slots) around slices: the indexed shape is [B, T, KV, hd] for both layouts
     k_new, v_new = jnp.swapaxes(k_BKTH, 1, 2), jnp.swapaxes(v_BKTH, 1, 2)
+    if isinstance(cache, PagedKVCache):  # (page, offset) in place of (row, slot)
+        rows, slots = _page_of(cache, slots)
     if cache.per_layer:
         k, v = list(cache.k), list(cache.v)
         k[layer] = k[layer].at[rows, :, :, slots].set(k_new.astype(k[layer].dtype), mode="drop")
@@ -131,6 +237,20 @@ def commit(cache: KVCache, node_idx_BA: jax.Array, n_B: jax.Array) -> KVCache:
     keep = jnp.arange(a)[None, :] < n_B[:, None]
     # Rows/slots not kept scatter out of range and are dropped.
     dst = jnp.where(keep, dst, cache.max_len)
+    if isinstance(cache, PagedKVCache):  # the same moves between (page, offset) pairs
+        sp, so = _page_of(cache, src)
+        dp, do = _page_of(cache, dst)
+        get = lambda x, i: x.at[i].get(mode="fill", fill_value=0)  # noqa: E731
+        if cache.per_layer:
+            k = tuple(None if x is None else x.at[dp, :, :, do].set(get(x, (sp, slice(None), slice(None), so)),
+                                                                     mode="drop") for x in cache.k)
+            v = tuple(None if x is None else x.at[dp, :, do].set(get(x, (sp, slice(None), so)), mode="drop")
+                      for x in cache.v)
+        else:
+            k = cache.k.at[:, dp, :, :, do].set(get(cache.k, (slice(None), sp, slice(None), slice(None), so)),
+                                                mode="drop")
+            v = cache.v.at[:, dp, :, do].set(get(cache.v, (slice(None), sp, slice(None), so)), mode="drop")
+        return cache.replace(k=k, v=v, lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
     if cache.per_layer:
         k = tuple(None if a is None else a.at[rows, :, :, dst].set(a[rows, :, :, src], mode="drop") for a in cache.k)
         v = tuple(None if a is None else a.at[rows, :, dst].set(a[rows, :, src], mode="drop") for a in cache.v)
@@ -147,6 +267,7 @@ def rollback(cache: KVCache, n_B: jax.Array) -> KVCache:
 
 def grow(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with ``max_len`` slots (new slots zero, at the end); lengths unchanged."""
+    _contiguous(cache, "grow")
     extra = max_len - cache.max_len
     if extra < 0:
         raise ValueError(f"grow: the cache has {cache.max_len} slots, more than the {max_len} asked for")
@@ -167,6 +288,10 @@ def head(cache: KVCache, n: int) -> KVCache:
     those alone."""
     if n >= cache.max_len:
         return cache
+    if isinstance(cache, PagedKVCache):  # fewer pages of the table; nothing copied
+        if n % cache.page_size:
+            raise ValueError(f"head: {n} slots is not a whole number of pages of {cache.page_size}")
+        return cache.replace(pages=cache.pages[:, : n // cache.page_size])
     return cache.replace(k=jax.tree.map(lambda a: a[..., :n], cache.k),
                          v=jax.tree.map(lambda a: a[..., :n, :], cache.v))
 
@@ -175,6 +300,8 @@ def put_head(cache: KVCache, part: KVCache) -> KVCache:
     """``cache`` with its first slots replaced by ``part``'s (a `head` after steps ran on it) and part's lengths."""
     if part.max_len == cache.max_len:
         return part
+    if isinstance(cache, PagedKVCache):  # the pool was written in place: keep the whole table
+        return cache.replace(k=part.k, v=part.v, lengths=part.lengths)
     put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, axis)  # noqa: E731
     return cache.replace(k=jax.tree.map(lambda a, b: put(a, b, a.ndim - 1), cache.k, part.k),
                          v=jax.tree.map(lambda a, b: put(a, b, a.ndim - 2), cache.v, part.v), lengths=part.lengths)
@@ -186,6 +313,9 @@ def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
 
 def where_rows(sel_B: jax.Array, a: KVCache, b: KVCache) -> KVCache:
     """Row by row, cache ``a`` where ``sel[b]`` and cache ``b`` elsewhere (both of the same layout)."""
+    _contiguous(a, "where_rows")
+    _contiguous(b, "where_rows")
+
     def pick(x, y, axis):
         shape = [1] * x.ndim
         shape[axis] = sel_B.shape[0]
@@ -199,6 +329,7 @@ def where_rows(sel_B: jax.Array, a: KVCache, b: KVCache) -> KVCache:
 
 def broadcast_rows(cache: KVCache, batch: int) -> KVCache:
     """A one-row cache repeated to ``batch`` rows (a shared prefix prefilled once, then given to every row)."""
+    _contiguous(cache, "broadcast_rows")
     axis = 0 if cache.per_layer else 1
     rep = lambda a: jnp.repeat(a, batch, axis=axis)  # noqa: E731
     return KVCache(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
