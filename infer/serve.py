@@ -970,9 +970,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="prompt prefixes kept on the device (0: off): a request starting with a kept prefix (a shared "
                          "system prompt longer than --chunk) prefills only the rest")
     ap.add_argument("--kv-pages", type=int, default=None,
-                    help="a paged KV cache of this many pages that the slots share (a request holds the pages its "
-                         "prompt and max_tokens need; default: each slot reserves --max-len positions). With it, "
-                         "--slots may exceed what --max-len rows would fit in the same memory")
+                    help="pages of the paged KV cache the slots share (a request holds the pages its prompt and "
+                         "max_tokens need, from admission to its end; default: --slots x --max-len positions' worth, "
+                         "so raise --slots to serve more requests at once in the same memory; 0: no paging, each "
+                         "slot reserves --max-len positions, as with --mesh)")
     ap.add_argument("--page-size", type=int, default=16, help="positions per KV page (with --kv-pages)")
     ap.add_argument("--grammar-states", type=int, default=None,
                     help="structured output: states in the device tables the requests' grammars share (default 4096, "
@@ -1026,11 +1027,16 @@ def run_from_args(args) -> int:
         raise InputError("--speculation auto on several processes needs --spec-cost (every process must make the "
                          "same choice at every step): take the figure one process logs at warm-up, or use "
                          "--speculation always")
+    kv_pages = args.kv_pages
+    if kv_pages is None and mesh is None and args.page_size > 0 and args.max_len % args.page_size == 0:
+        kv_pages = args.slots * args.max_len // args.page_size  # the memory of --slots contiguous rows
     engine = Engine(model, method=args.method, draft=draft, slots=args.slots, max_len=args.max_len, chunk=args.chunk,
                     steps_per_call=args.steps_per_call, speculation=speculation, spec_cost=args.spec_cost,
                     grammar_states=args.grammar_states, grammar_transitions=args.grammar_transitions,
-                    prefix_cache=args.prefix_cache, kv_pages=args.kv_pages, page_size=args.page_size, **options)
+                    prefix_cache=args.prefix_cache, kv_pages=kv_pages or None, page_size=args.page_size, **options)
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
+    if engine.kv_pages:
+        logger.info("paged KV cache: %d pages of %d positions shared by the slots", engine.kv_pages, engine.page_size)
     secs = engine.warmup()
     _count_compiles()
     XLA_COMPILES["on"] = True

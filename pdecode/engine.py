@@ -16,7 +16,13 @@ The device side is a few compiled functions over one `EngineState` (the decode l
 Shapes are fixed when the engine is built: prompts come in a few bucket sizes (`CHUNKS` up to ``chunk``), admissions
 one or `ADMIT_ROWS` at a time, the state is always ``slots`` rows, and a step compiles in two variants (every live
 slot greedy and plain, or the full sampler: per-row temperature / top-k / top-p / min-p, repetition penalty,
-logprobs). `warmup` compiles them all; afterwards requests come and go without compiling (``compiles`` counts).
+logprobs), each per attention span (``spans``: the cache positions a call attends over) and per row bucket
+(``row_buckets``: a call decodes the first rows alone when every live slot is among them). `warmup` compiles them
+all; afterwards requests come and go without compiling (``compiles`` counts).
+
+With ``kv_pages`` the target's KV cache is paged (`cache.PagedKVCache`): the slots share a pool of pages, a request
+holds the pages it needs from its admission to its end (the host keeps the page table and free list; every admission
+call takes the whole table, so a page freed by a finished row is remapped in the same program that hands it on).
 
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
@@ -154,13 +160,17 @@ class Engine:
     structured output off); ``kv_pages``: a paged target KV cache of this many pages of ``page_size`` positions
     that the slots share (a request holds the pages its prompt, budget and draft slots need, from its admission to
     its end; one waits in the queue while the free pages are too few), so more slots fit in the memory of fewer
-    ``max_len`` rows (None: each slot reserves ``max_len`` positions)."""
+    ``max_len`` rows (None: each slot reserves ``max_len`` positions); ``row_buckets``: the row counts step programs
+    are compiled for besides ``slots`` (None: `default_row_buckets`): a step call decodes the first rows alone when
+    every live slot lies among them (requests take the lowest free slot), so a few clients do not pay for every
+    slot's compute."""
 
     def __init__(self, model, method: str = "ar", draft=None, slots: int = 8, max_len: int = 1024, chunk: int = 256,
                  steps_per_call: int = 4, cache_dtype: str | None = None, top_k_max: int = 64,
                  admit_rows: int = ADMIT_ROWS, speculation: str = "always", spec_cost: float | None = None,
                  grammar_states: int | None = None, grammar_transitions: int | None = None, prefix_cache: int = 0,
-                 spans=None, kv_pages: int | None = None, page_size: int = PAGE_SIZE, **method_options):
+                 spans=None, kv_pages: int | None = None, page_size: int = PAGE_SIZE, row_buckets=None,
+                 **method_options):
         from pdecode import api
 
         if not isinstance(slots, int) or slots < 1:
@@ -258,6 +268,15 @@ class Engine:
         self._inflight: collections.deque = collections.deque()  # dispatched calls whose results are not read yet
         self.state = None
         self.mesh = getattr(model, "_placed", None)  # the mesh the model is placed on (None: one device)
+        if row_buckets is None:  # (on a mesh the slots are split over devices: every step decodes them all)
+            self.row_buckets = default_row_buckets(slots) if self.mesh is None else [slots]
+        else:
+            self.row_buckets = sorted({int(x) for x in row_buckets} | {slots})
+            if any(x < 1 or x > slots for x in self.row_buckets):
+                raise InputError(f"row_buckets must lie in [1, slots={slots}], got {row_buckets!r}")
+            if self.mesh is not None and self.row_buckets != [slots]:
+                raise InputError("row_buckets: a model placed on a mesh decodes every slot at each step; drop "
+                                 "row_buckets")
         self.kv_pages, self.page_size = kv_pages, page_size
         if kv_pages is not None:
             self._check_pages(spans)
@@ -422,13 +441,17 @@ class Engine:
         return self._pin(EngineState(loop=loop, warp=warp, grammar=st.grammar)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
 
-    def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False, span: int | None = None):
+    def _step_fn(self, params, st: EngineState, *, samp, k: int, plain: bool = False, span: int | None = None,
+                 rows: int | None = None):
         """``k`` steps (``plain``: plain steps of a draft-and-verify loop, `speculative.make_step`); returns (state,
         (count before, count after, done, the tokens and logprobs from the count before: [slots, W], each row's
         target forwards since its admission)). ``span``: the steps attend over the target cache's first ``span``
         slots alone (`spans`: the host picks the smallest that holds every live row after the call; a step that
-        would write past it is not taken)."""
+        would write past it is not taken). ``rows``: the steps decode the first ``rows`` slots alone (every live
+        slot among them; `row_buckets`), written back after."""
         span = span or self.max_len
+        whole = st
+        st = self._first_rows(st, rows)
         full_cache = st.loop.cache
         st = st.replace(loop=st.loop.replace(cache=kvc.head(full_cache, span)))
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
@@ -454,9 +477,39 @@ class Engine:
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
-        acc = loop.row_acc if self.drafter is not None else jnp.zeros((self.slots, 1), jnp.int32)
-        return self._pin(EngineState(loop=loop, warp=st.warp, grammar=st.grammar)), self._replicated(
-            (c0, out.count, out.done, new, lps, out.row_forwards, acc))
+        acc = loop.row_acc if self.drafter is not None else jnp.zeros((out.done.shape[0], 1), jnp.int32)
+        st = self._put_first_rows(whole, EngineState(loop=loop, warp=st.warp, grammar=st.grammar))
+        return self._pin(st), self._replicated((c0, out.count, out.done, new, lps, out.row_forwards, acc))
+
+    def _first_rows(self, st: EngineState, rows: int | None) -> EngineState:
+        """The state of the first ``rows`` slots (a copy; a paged cache keeps its pool and cuts its page table)."""
+        if not rows or rows >= self.slots:
+            return st
+        cut = lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, rows, axis=ax)  # noqa: E731
+        cache, axes = st.loop.cache, self._axes
+        if isinstance(cache, kvc.PagedKVCache):
+            cache = cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
+        else:
+            cache = jax.tree.map(cut, cache, axes.cache)
+        loop = jax.tree.map(cut, st.loop.replace(cache=None), axes.replace(cache=None)).replace(cache=cache)
+        return st.replace(loop=loop, warp=jax.tree.map(lambda x: x[:rows], st.warp))
+
+    def _put_first_rows(self, whole: EngineState, part: EngineState) -> EngineState:
+        """``whole`` with its first rows replaced by ``part``'s (after steps ran on them)."""
+        rows = part.warp.temperature.shape[0]
+        if rows >= self.slots:
+            return part
+        put = lambda x, y, ax: x if ax is None else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            x, y.astype(x.dtype), 0, ax)
+        cache, sub, axes = whole.loop.cache, part.loop.cache, self._axes
+        if isinstance(cache, kvc.PagedKVCache):  # the pool was written in place; the table did not change
+            cache = cache.replace(k=sub.k, v=sub.v, lengths=cache.lengths.at[:rows].set(sub.lengths))
+        else:
+            cache = jax.tree.map(put, cache, sub, axes.cache)
+        loop = jax.tree.map(put, whole.loop.replace(cache=None), part.loop.replace(cache=None),
+                            axes.replace(cache=None)).replace(cache=cache)
+        warp = jax.tree.map(lambda x, y: x.at[:rows].set(y), whole.warp, part.warp)
+        return whole.replace(loop=loop, warp=warp, grammar=part.grammar)
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
@@ -566,7 +619,8 @@ class Engine:
         for samp in (self.fast, self.full):
             for plain in (False, True) if self.adaptive else (False,):
                 for span in self.spans:
-                    self._step_exe(samp, plain, span)
+                    for rows in self.row_buckets:
+                        self._step_exe(samp, plain, span, rows)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
         if self.adaptive and self.spec_cost is None:
@@ -647,10 +701,11 @@ class Engine:
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
-    def _step_exe(self, samp, plain: bool = False, span: int | None = None):
-        span = span or self.max_len
-        return self._compile(("step", samp.greedy, plain, span), self._step_fn, self.params, self.state,
-                             static={"samp": samp, "k": self.k, "plain": plain, "span": span}, donate=(1,))
+    def _step_exe(self, samp, plain: bool = False, span: int | None = None, rows: int | None = None):
+        span, rows = span or self.max_len, rows or self.slots
+        return self._compile(("step", samp.greedy, plain, span, rows), self._step_fn, self.params, self.state,
+                             static={"samp": samp, "k": self.k, "plain": plain, "span": span, "rows": rows},
+                             donate=(1,))
 
     def _span_for(self, live) -> int:
         """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
@@ -894,8 +949,11 @@ class Engine:
                     for r in live)
         drafted = self._speculate()
         span = self._span_for(live)
-        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span)
+        top = max(r.slot for r in live) + 1
+        rows = next(x for x in self.row_buckets if x >= top)
+        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
+        self.stats[f"steps_rows_{rows}"] += 1
         t = time.perf_counter()
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
@@ -1048,6 +1106,12 @@ class Engine:
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
                       forwards=r.forwards)
                 for r in reqs]
+
+
+def default_row_buckets(slots: int) -> list[int]:
+    """The row counts an engine's step programs are compiled for by default: a quarter of the slots (from 8 slots
+    on) and all of them. A step call with every live slot among the first quarter decodes those alone."""
+    return sorted({slots // 4, slots} if slots >= 8 else {slots})
 
 
 def default_spans(max_len: int) -> list[int]:

@@ -240,8 +240,9 @@ def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F81
     cache's head, written back after), longer ones over more; tokens = `pdecode.generate`'s, nothing compiles after
     warm-up; a bad span is refused."""
     t, opts = _engine_case(models, method)
-    eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=2, spans=[32, 64], **opts)
-    assert eng.spans == [32, 64, 128]
+    eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=2, spans=[32, 64],
+                 row_buckets=[1], **opts)
+    assert eng.spans == [32, 64, 128] and eng.row_buckets == [1, 3]
     eng.warmup()
     budgets = [40, 5, 60, 9, 16, 3, 11, 70]
     COUNTER.n, COUNTER.on = 0, True
@@ -253,10 +254,13 @@ def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F81
         COUNTER.on = False
     assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
     assert eng.stats["steps_span_32"] and eng.stats["steps_span_64"] and eng.stats["steps_span_128"]
+    assert eng.stats["steps_rows_1"] and eng.stats["steps_rows_3"]  # slot 0 alone live: a one-row step
     want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
     assert [r.tokens for r in reqs] == want.tokens
     with pytest.raises(InputError, match="spans must lie"):
         Engine(t, slots=1, max_len=128, chunk=32, spans=[0])
+    with pytest.raises(InputError, match="row_buckets must lie"):
+        Engine(t, slots=2, max_len=128, chunk=32, row_buckets=[3])
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "eagle"])
@@ -267,7 +271,7 @@ def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
     nothing compiles after warm-up, all pages free at the end; a request needing more pages than the pool is refused."""
     t, opts = _engine_case(models, method)
     eng = Engine(t, method=method, slots=4, max_len=128, chunk=32, steps_per_call=2, spans=[64], kv_pages=9,
-                 page_size=16, **opts)
+                 page_size=16, row_buckets=[2], **opts)
     eng.warmup()
     budgets = [12, 5, 40, 9, 16, 3, 11, 30]
     COUNTER.n, COUNTER.on = 0, True
@@ -281,6 +285,7 @@ def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
         COUNTER.on = False
     assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
     assert eng.stats["page_waits"] > 0 and peak <= 9
+    assert eng.stats["steps_rows_2"] and eng.stats["steps_rows_4"]  # calls with live slots 0-1 alone decode 2 rows
     want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
     assert [r.tokens for r in reqs] == want.tokens
     assert sorted(eng._free_pages) == list(range(9)) and (eng._table == 9).all()

@@ -360,6 +360,9 @@ def test_prometheus_metrics(server):
     assert d("pdecode_request_finished_total", finish_reason="length") == 1
     assert after[("pdecode_slots", ())] == 4 and after[("pdecode_compiles_since_warmup", ())] == 0
     assert after[("pdecode_slots_in_use", ())] == 0 and after[("pdecode_queue_length", ())] == 0
+    # the paged KV cache by default: --slots x --max-len positions in pages of 16, all free again
+    assert after[("pdecode_kv_pages_in_use", ())] == 0 and after[("pdecode_kv_page_waits", ())] == 0
+    assert "paged KV cache: 64 pages of 16 positions" in server.log_text()
 
 
 def test_n_and_best_of(server):
