@@ -31,6 +31,22 @@ class CompileCounter:
 COUNTER = CompileCounter()
 
 
+def _serve_greedy(eng, prompts, budgets, each_round=None):
+    """Submit greedy requests and run the engine until idle (``each_round()`` after every round); asserts that
+    nothing compiled meanwhile. Returns the requests."""
+    COUNTER.n, COUNTER.on = 0, True
+    try:
+        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(prompts, budgets)]
+        while not eng.idle:
+            eng.run_once()
+            if each_round is not None:
+                each_round()
+    finally:
+        COUNTER.on = False
+    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles  # requests came and went: nothing compiled
+    return reqs
+
+
 def _engine_case(models, method):  # noqa: F811
     t = models["target"]
     if method == "eagle":
@@ -55,17 +71,7 @@ def test_engine_equals_generate_with_no_compile_after_warmup(models, method):  #
     t, opts = _engine_case(models, method)
     eng = Engine(t, method=method, slots=3, max_len=128, chunk=32, steps_per_call=3, **opts)
     eng.warmup()
-    warm = eng.compiles
-    COUNTER.n, COUNTER.on = 0, True
-    try:
-        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, BUDGETS)]
-        rounds = 0
-        while not eng.idle:
-            eng.run_once()
-            rounds += 1
-    finally:
-        COUNTER.on = False
-    assert COUNTER.n == 0 and eng.compiles == warm  # requests came and went: nothing compiled
+    reqs = _serve_greedy(eng, PROMPTS, BUDGETS)
     assert eng.stats["prefill_chunks"] == 2  # the 37-token prompt went in two chunks
     assert eng.stats["admit_calls"] < len(PROMPTS)  # short prompts admitted together
     ref = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=BUDGETS, **opts)  # one budget per row
@@ -245,14 +251,7 @@ def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F81
     assert eng.spans == [32, 64, 128] and eng.row_buckets == [1, 3]
     eng.warmup()
     budgets = [40, 5, 60, 9, 16, 3, 11, 70]
-    COUNTER.n, COUNTER.on = 0, True
-    try:
-        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, budgets)]
-        while not eng.idle:
-            eng.run_once()
-    finally:
-        COUNTER.on = False
-    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
+    reqs = _serve_greedy(eng, PROMPTS, budgets)
     assert eng.stats["steps_span_32"] and eng.stats["steps_span_64"] and eng.stats["steps_span_128"]
     assert eng.stats["steps_rows_1"] and eng.stats["steps_rows_3"]  # slot 0 alone live: a one-row step
     want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
@@ -274,17 +273,10 @@ def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
                  page_size=16, row_buckets=[2], **opts)
     eng.warmup()
     budgets = [12, 5, 40, 9, 16, 3, 11, 30]
-    COUNTER.n, COUNTER.on = 0, True
-    try:
-        reqs = [eng.submit(p, eng.check(p, max_tokens=b, temperature=0.0)) for p, b in zip(PROMPTS, budgets)]
-        peak = 0
-        while not eng.idle:
-            eng.run_once()
-            peak = max(peak, 9 - len(eng._free_pages))
-    finally:
-        COUNTER.on = False
-    assert COUNTER.n == 0 and eng.compiles == eng.warm_compiles
-    assert eng.stats["page_waits"] > 0 and peak <= 9
+    held = []  # per round: (pages the running requests hold, pages free)
+    reqs = _serve_greedy(eng, PROMPTS, budgets, lambda: held.append(
+        (sum(len(r.pages) for r in eng.running.values()), len(eng._free_pages))))
+    assert eng.stats["page_waits"] > 0 and all(a + b == 9 for a, b in held)  # no page lost or held twice
     assert eng.stats["steps_rows_2"] and eng.stats["steps_rows_4"]  # calls with live slots 0-1 alone decode 2 rows
     want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)
     assert [r.tokens for r in reqs] == want.tokens

@@ -49,19 +49,12 @@ import jax.numpy as jnp
 from pdecode.config import ModelConfig
 
 
-@struct.dataclass
-class KVCache:
-    k: Any  # [L, B, KV, hd, S], or a tuple of L arrays [B, KV, hd, S]
-    v: Any  # [L, B, KV, S, hd], or a tuple of L arrays [B, KV, S, hd]
-    lengths: jax.Array  # [B] int32, committed tokens per row
+class _Rows:
+    """What both cache kinds answer alike (their fields ``k``, ``v``, ``lengths``)."""
 
     @property
     def per_layer(self) -> bool:
         return isinstance(self.k, tuple)
-
-    @property
-    def max_len(self) -> int:
-        return jax.tree.leaves(self.v)[0].shape[2] if self.per_layer else self.v.shape[3]
 
     @property
     def dtype(self):
@@ -72,21 +65,28 @@ class KVCache:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
+
+@struct.dataclass
+class KVCache(_Rows):
+    k: Any  # [L, B, KV, hd, S], or a tuple of L arrays [B, KV, hd, S]
+    v: Any  # [L, B, KV, S, hd], or a tuple of L arrays [B, KV, S, hd]
+    lengths: jax.Array  # [B] int32, committed tokens per row
+
+    @property
+    def max_len(self) -> int:
+        return jax.tree.leaves(self.v)[0].shape[2] if self.per_layer else self.v.shape[3]
+
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i."""
         return self.k[i], self.v[i]
 
 
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(_Rows):
     k: Any  # pool [L, P, KV, hd, page], or a tuple of L arrays [P, KV, hd, page] (None: a kv-shared layer)
     v: Any  # pool [L, P, KV, page, hd], or a tuple of L arrays [P, KV, page, hd]
     lengths: jax.Array  # [B] int32, committed tokens per row
     pages: jax.Array  # [B, n] int32: the pool page holding row b's slots j*page.. (P, past the pool: none)
-
-    @property
-    def per_layer(self) -> bool:
-        return isinstance(self.k, tuple)
 
     @property
     def page_size(self) -> int:
@@ -100,14 +100,6 @@ class PagedKVCache:
     @property
     def max_len(self) -> int:
         return self.pages.shape[1] * self.page_size
-
-    @property
-    def dtype(self):
-        return jax.tree.leaves(self.k)[0].dtype
-
-    @property
-    def batch(self) -> int:
-        return self.lengths.shape[0]
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i, gathered from each row's pages (S = n*page)."""
