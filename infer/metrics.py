@@ -74,7 +74,7 @@ class Metrics:
         if getattr(engine, "kv_pages", None) is not None:
             g = Gauge("pdecode_kv_pages_in_use", "paged KV cache: pages held by requests (of --kv-pages)", names,
                       registry=r)
-            g.labels(**labels).set_function(lambda: engine.kv_pages - len(engine._free_pages))
+            g.labels(**labels).set_function(lambda: engine.kv_pages - engine.pages_free)
             g = Gauge("pdecode_kv_page_waits", "admissions that waited for free KV pages", names, registry=r)
             g.labels(**labels).set_function(lambda: engine.stats["page_waits"])
         g = Gauge("pdecode_grammar_table_uploads", "structured output: grammar table uploads (a new grammar placed)",

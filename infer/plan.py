@@ -247,7 +247,6 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
 
     import pdecode
     from pdecode import sampling
-    from pdecode.api import _parameters
     from pdecode.decode import registry
     from pdecode.errors import InputError
     from pdecode.model import heads as H
@@ -308,7 +307,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if max_new < 1:
         raise InputError(f"--max-len {max_len} leaves no room for new tokens after a {prompt_len}-token prompt")
     static = dict(p.static, max_new=max_new, max_len=max_len, eos_ids=(), samp=samp, mesh=mesh)
-    if "cache_dtype" in _parameters(p.fn):
+    if p.token_loop or p.takes_cache_dtype:  # (the plan declares what its program takes)
         static["cache_dtype"] = cdt
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(mesh, (batch, prompt_len)))
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding(mesh, (batch,)))

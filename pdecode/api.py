@@ -403,7 +403,7 @@ def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -
     return out
 
 
-def _check_same_tokenizer(m: Model, draft: Model) -> None:
+def check_same_tokenizer(m: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer maps tokens to other ids than the target's (skipped when either has none)."""
     a, b = m.tokenizer, draft.tokenizer
     if a is None or b is None or a is b or a.fingerprint() == b.fingerprint():
@@ -585,7 +585,7 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
                              cli=f"method {method!r} needs a draft model: add --draft (a zoo name such as "
                                  "code-draft, or a model directory)")
     if draft is not None:
-        _check_same_tokenizer(m, draft)
+        check_same_tokenizer(m, draft)
     ids = encode_prompts(m, prompts)
     grammars = None
     if grammar is not None or json_schema is not None:

@@ -193,7 +193,7 @@ class Engine:
                              cli=f"method {method!r} needs a draft model: add --draft (a zoo name such as "
                                  "code-draft, or a model directory)")
         if draft is not None:
-            api._check_same_tokenizer(model, draft)
+            api.check_same_tokenizer(model, draft)
         if not isinstance(admit_rows, int) or admit_rows < 1:
             raise InputError(f"admit_rows must be an integer >= 1, got {admit_rows!r}")
         if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
@@ -300,6 +300,11 @@ class Engine:
         if bad:
             raise InputError(f"max_len and every span must be a multiple of page_size ({page}); got "
                              f"{', '.join(map(str, bad))}")
+
+    @property
+    def pages_free(self) -> int:
+        """Pages of a paged engine's KV cache no request holds (0 without paging)."""
+        return len(self._free_pages) if self.kv_pages is not None else 0
 
     def pages_for(self, prompt_len: int, max_tokens: int) -> int:
         """The KV pages a request holds on a paged engine: its prompt, budget and the method's draft slots."""

@@ -236,7 +236,7 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, n - 1).astype(jnp.int32)  # (all-NaN rows would otherwise point past the end)
 
 
-def _greedy_rows(w: Warp, like: jax.Array) -> jax.Array:
+def greedy_rows(w: Warp, like: jax.Array) -> jax.Array:
     """bool, broadcastable to ``like`` without its last axis: rows decoded greedily (temperature 0)."""
     return _rows(w.temperature, like)[..., 0] <= 0 if jnp.ndim(w.temperature) else jnp.asarray(w.temperature) <= 0
 
@@ -248,7 +248,7 @@ def probs(logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
     if s.greedy:
         return onehot
     p = jax.nn.softmax(warp(logits, s, w), axis=-1)
-    return jnp.where(_greedy_rows(w, logits)[..., None], onehot, p)
+    return jnp.where(greedy_rows(w, logits)[..., None], onehot, p)
 
 
 def sample(key: jax.Array, logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
@@ -257,7 +257,7 @@ def sample(key: jax.Array, logits: jax.Array, s: Sampling, w: Warp) -> jax.Array
     if s.greedy:
         return argmax(logits)
     drawn = gumbel_argmax(key, warp(logits, s, w))
-    return jnp.where(_greedy_rows(w, logits), argmax(logits), drawn)
+    return jnp.where(greedy_rows(w, logits), argmax(logits), drawn)
 
 
 def log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

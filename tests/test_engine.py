@@ -275,7 +275,7 @@ def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
     budgets = [12, 5, 40, 9, 16, 3, 11, 30]
     held = []  # per round: (pages the running requests hold, pages free)
     reqs = _serve_greedy(eng, PROMPTS, budgets, lambda: held.append(
-        (sum(len(r.pages) for r in eng.running.values()), len(eng._free_pages))))
+        (sum(len(r.pages) for r in eng.running.values()), eng.pages_free)))
     assert eng.stats["page_waits"] > 0 and all(a + b == 9 for a, b in held)  # no page lost or held twice
     assert eng.stats["steps_rows_2"] and eng.stats["steps_rows_4"]  # calls with live slots 0-1 alone decode 2 rows
     want = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=budgets, **opts)

@@ -307,8 +307,8 @@ class _LyingChain:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def init(self, *a):
-        return self.inner.init(*a)
+    def init(self, *a, **k):
+        return self.inner.init(*a, **k)
 
     def update(self, *a):
         return self.inner.update(*a)

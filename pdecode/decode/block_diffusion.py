@@ -173,7 +173,7 @@ def _noise(greedy_B, noise_id: int, key, shape, vocab: int):
 
 
 def _greedy(warp, samp, b):
-    return jnp.broadcast_to(sampling._greedy_rows(warp, jnp.zeros((b, 1))) | samp.greedy, (b,))
+    return jnp.broadcast_to(sampling.greedy_rows(warp, jnp.zeros((b, 1))) | samp.greedy, (b,))
 
 
 def generate(params, prompt_BP, prompt_len_B, key, warp, *, cfg: ModelConfig, opts: BlockDiffusionOptions,

@@ -85,7 +85,8 @@ class DiffusionDrafter(Drafter):
     def prepare(self, dparams, mesh):
         return decode_layout(dparams, self.dcfg, fuse=mesh is None)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
         """The draft model's cache over the prompts (bidirectional over each prompt, as the model was trained)."""
         b, p = prompt_BP.shape
         cache = kvc.init_cache(self.dcfg, b, max_len, cache_dtype, per_layer=unrolled(dparams))
@@ -211,7 +212,8 @@ class BlockDiffusionDrafter(DiffusionDrafter):
     def prepare(self, dparams, mesh):
         return decode_layout(dparams, self.dcfg, fuse=False)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
         from pdecode.model import block_diffusion as bd
 
         b = prompt_BP.shape[0]

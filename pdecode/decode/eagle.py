@@ -57,7 +57,7 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         return {**dparams, "modules": [unstack(m) for m in dparams["modules"]]} if "modules" in dparams \
             else unstack(dparams)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, pre, max_len, cache_dtype=jnp.float32):
+    def init(self, dparams, tparams, prompt_BP, plen_B, pre, max_len, cache_dtype=jnp.float32, shared_prefix: int = 0):
         b, p = prompt_BP.shape
         feats = self.target_feature(dparams, pre.hidden, pre.layer_hidden)  # [B, P, D]
         mods = dparams["modules"] if "modules" in dparams else [dparams]

@@ -36,7 +36,8 @@ class JacobiDrafter(StaticTreeShape, Drafter):
     def tree(self) -> tree_lib.StaticTree:
         return tree_lib.chain(self.block)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=None,
+             shared_prefix: int = 0):
         # the first iterate: the prompt's last `block` tokens (any guess converges to the same fixed point)
         idx = jnp.clip(plen_B[:, None] - self.block + jnp.arange(self.block)[None, :], 0, prompt_BP.shape[1] - 1)
         return JacobiState(guess=jnp.take_along_axis(prompt_BP, idx, axis=1))

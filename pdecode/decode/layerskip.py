@@ -65,7 +65,8 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
     def reuse(self) -> int:
         return shared_prefix_layers(self.draft_layers)
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=None,
+             shared_prefix: int = 0):
         b = prompt_BP.shape[0]
         return LayerSkipState(threshold=jnp.full((b,), self.threshold, jnp.float32),
                               rate=jnp.full((b,), self.target_rate, jnp.float32), drafted=jnp.zeros((b,), jnp.int32))

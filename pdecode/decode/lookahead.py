@@ -102,7 +102,8 @@ class LookaheadDrafter(Drafter):
     def max_children(self) -> int:
         return self.guesses
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=None,
+             shared_prefix: int = 0):
         b, p = prompt_BP.shape
         m, w, g = self.ngram - 1, self.window, self.guesses
         # level 0 starts as prompt tokens spread over the prompt; the other levels fill during the first steps

@@ -86,9 +86,12 @@ class Drafter:
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
         return dparams
 
-    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=jnp.float32):
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=jnp.float32,
+             shared_prefix: int = 0):
         """The drafter's state carried through the loop (a `flax.struct.dataclass`; ``()`` for none); a drafter
-        with its own KV cache keeps it in ``cache_dtype``."""
+        with its own KV cache keeps it in ``cache_dtype``; ``shared_prefix``: leading prompt tokens every row shares
+        (a drafter that prefills may do them once). Every drafter takes these arguments (the one interface the
+        loops call)."""
         return ()
 
     def propose(self, dparams, dstate, ctx: Context, key, samp: sampling.Sampling, warp):
@@ -180,13 +183,8 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     last_idx = prompt_len_B - 1
     root_hidden = common.gather_rows(pre.hidden, last_idx)
     root_layers = None if not n_hid else jax.vmap(lambda h: common.gather_rows(h, last_idx))(pre.layer_hidden)
-    import inspect
-
-    takes = inspect.signature(drafter.init).parameters
-    kv = {"cache_dtype": cache_dtype} if "cache_dtype" in takes else {}
-    if shared_prefix and "shared_prefix" in takes:  # a draft model prefills the shared prefix once too
-        kv["shared_prefix"] = shared_prefix
-    dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, **kv)  # older drafters: no dtype
+    dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, cache_dtype=cache_dtype,
+                          shared_prefix=shared_prefix or 0)  # (a draft model prefills a shared prefix once too)
     return SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
                      draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32),
