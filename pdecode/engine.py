@@ -1114,9 +1114,10 @@ class Engine:
 
 
 def default_row_buckets(slots: int) -> list[int]:
-    """The row counts an engine's step programs are compiled for by default: a quarter of the slots (from 8 slots
-    on) and all of them. A step call with every live slot among the first quarter decodes those alone."""
-    return sorted({slots // 4, slots} if slots >= 8 else {slots})
+    """The row counts an engine's step programs are compiled for by default: from 8 slots on one row, a quarter of
+    the slots and all of them (fewer slots: all of them). A step call with every live slot among the first rows of a
+    bucket decodes those alone (one client: one row)."""
+    return sorted({1, slots // 4, slots} if slots >= 8 else {slots})
 
 
 def default_spans(max_len: int) -> list[int]:

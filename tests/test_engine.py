@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pdecode
-from pdecode.engine import Engine
+from pdecode.engine import Engine, default_row_buckets
 from pdecode.errors import InputError
 from pdecode.model import heads as H
 from tests.test_heads import _with_heads
@@ -258,6 +258,7 @@ def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F81
     assert [r.tokens for r in reqs] == want.tokens
     with pytest.raises(InputError, match="spans must lie"):
         Engine(t, slots=1, max_len=128, chunk=32, spans=[0])
+    assert default_row_buckets(16) == [1, 4, 16] and default_row_buckets(4) == [4]
     with pytest.raises(InputError, match="row_buckets must lie"):
         Engine(t, slots=2, max_len=128, chunk=32, row_buckets=[3])
 

@@ -1,0 +1,46 @@
+"""One client on the serving engine: engines of 16 slots (code-target, bf16, max_len 1024, paged) with row buckets
+4 + 16, 1 + 4 + 16, the latter with a 128-position span, and with 8 steps per call, against `pdecode.generate` at
+batch 1, on 12 of the serve bench's requests one after another; engines interleaved, medians of passes 2-3.
+
+    python scripts/one_client_bench.py ar|sd
+"""
+import statistics, sys, time
+import pdecode
+from infer.serve_bench import _workload
+from pdecode.engine import Engine
+method = sys.argv[1]
+m = pdecode.load("code-target", dtype="bfloat16", activation_dtype="float32")
+kw = {"draft": pdecode.load("code-draft", dtype="bfloat16", activation_dtype="float32")} if method == "sd" else {}
+work = _workload(m, 48, (16, 64), (32, 96))[:12]
+V = {"default": {"row_buckets": [4]}, "rows1": {"row_buckets": [1, 4]}, "rows1+span128": {"row_buckets": [1, 4], "spans": [128, 256, 512]},
+     "rows1+span128+k8": {"row_buckets": [1, 4], "spans": [128, 256, 512], "steps_per_call": 8}}
+engs = {}
+for k, o in V.items():
+    e = Engine(m, method=method, slots=16, max_len=1024, chunk=256, kv_pages=1024, **kw, **o)
+    t = time.time(); e.warmup(); print(k, e.row_buckets, e.spans, f"warm-up {time.time()-t:.1f}s {e.compiles} programs", flush=True)
+    engs[k] = e
+def serial(e):
+    n, t = 0, time.perf_counter()
+    for p, b in work:
+        r = e.submit(p, e.check(p, max_tokens=b, temperature=0.0))
+        while not e.idle:
+            e.run_once()
+        n += len(r.tokens)
+    return n / (time.perf_counter() - t)
+def gen1():
+    n, t = 0, time.perf_counter()
+    for p, b in work:
+        n += len(pdecode.generate(m, [p], method=method, max_new_tokens=b, **kw).tokens[0])
+    return n / (time.perf_counter() - t)
+gen1()
+res = {k: [] for k in list(V) + ["generate"]}
+for i in range(3):
+    order = list(V) if i % 2 == 0 else list(V)[::-1]
+    for k in order:
+        res[k].append(serial(engs[k]))
+    res["generate"].append(gen1())
+    print(i, {k: round(v[-1]) for k, v in res.items()}, flush=True)
+g = statistics.median(res["generate"][1:])
+for k, v in res.items():
+    med = statistics.median(v[1:])
+    print(f"| {method} | {k} | {med:.0f} | {med / g:.2f}x |")
