@@ -237,7 +237,9 @@ class Engine:
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
-        self.call_s = {True: None, False: None}  # decayed seconds per step call: drafted, plain (auto, timed)
+        # per row bucket: decayed seconds per step call, drafted and plain, and their ratio (auto, timed)
+        self.call_s: dict[int, dict[bool, float | None]] = {}
+        self._ratio: dict[int, float] = {}
         self._calls = 0
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
@@ -504,7 +506,8 @@ class Engine:
         rows = part.warp.temperature.shape[0]
         if rows >= self.slots:
             return part
-        put = lambda x, y, ax: x if ax is None else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        # a leaf with no row axis (shared by the batch: a lookahead pool's clock, counters) is the part's, updated
+        put = lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
             x, y.astype(x.dtype), 0, ax)
         cache, sub, axes = whole.loop.cache, part.loop.cache, self._axes
         if isinstance(cache, kvc.PagedKVCache):  # the pool was written in place; the table did not change
@@ -952,10 +955,10 @@ class Engine:
     def _dispatch_step(self, live):
         plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
                     for r in live)
-        drafted = self._speculate()
         span = self._span_for(live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
+        drafted = self._speculate(rows)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1
@@ -964,17 +967,18 @@ class Engine:
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted, t, not self._round_admits))
+        self._inflight.append(("step", live, outs, drafted, t, not self._round_admits, rows))
 
-    def _speculate(self) -> bool:
-        """Whether the next step call drafts (the cost model: tau against the cost ratio; the other kind now and
-        then: drafted probes keep tau current, plain ones the timed ratio)."""
+    def _speculate(self, rows: int) -> bool:
+        """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio, timed
+        per row bucket once both kinds ran in it, else the warm-up's or the given one; the other kind now and then:
+        drafted probes keep tau current, plain ones the timed ratio)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
         if self.tau is None:
             return True
-        best = self.tau >= self.spec_cost
+        best = self.tau >= self._ratio.get(rows, self.spec_cost)
         probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
         return best != probe
 
@@ -984,17 +988,20 @@ class Engine:
             self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
             self.tau = self._tau_sums[0] / self._tau_sums[1]
 
-    def _note_time(self, drafted: bool, t_dispatch: float, clean: bool):
+    def _note_time(self, drafted: bool, rows: int, t_dispatch: float, clean: bool):
         """A step call's results are read and turned into events: its seconds — since the previous step call's
         were (or since its dispatch, if later): the loop's period per call, device-bound or host-bound — go into its
-        kind's decayed mean when neither the round that dispatched it nor this one admitted anything."""
+        kind's decayed mean for its row bucket when neither the round that dispatched it nor this one admitted
+        anything; the full bucket's ratio is ``spec_cost``."""
         now = time.perf_counter()
         if self.timed and clean and self._last_ready is not None:
             secs = now - max(self._last_ready, t_dispatch)
-            old = self.call_s[drafted]
-            self.call_s[drafted] = secs if old is None else TAU_DECAY * old + (1 - TAU_DECAY) * secs
-            if None not in self.call_s.values():
-                self.spec_cost = self.call_s[True] / self.call_s[False]
+            c = self.call_s.setdefault(rows, {True: None, False: None})
+            c[drafted] = secs if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * secs
+            if None not in c.values():
+                self._ratio[rows] = c[True] / c[False]
+                if rows == self.slots:
+                    self.spec_cost = self._ratio[rows]
         self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
@@ -1036,7 +1043,7 @@ class Engine:
         if self.adaptive:
             if drafted:
                 self._note_tau(tau_tok, tau_steps)
-            self._note_time(drafted, item[4], item[5] and not self._round_admits)
+            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

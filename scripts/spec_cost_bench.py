@@ -51,8 +51,9 @@ def main(argv=None) -> None:
         print(f"| {k} | {np.median(v):.1f} | {np.median(np.array(v) / ar):.3f} |")
     st = auto.stats
     print(f"auto: {st['drafted_steps']} drafted and {st['plain_steps']} plain step calls; tau {auto.tau:.2f}; "
-          f"seconds per call drafted {auto.call_s[True]:.3f}, plain {auto.call_s[False]:.3f}; "
-          f"ratio {auto.spec_cost:.2f}")
+          f"seconds per call by row bucket (drafted, plain): "
+          f"{ {r: (round(c[True] or 0, 3), round(c[False] or 0, 3)) for r, c in auto.call_s.items()} }; "
+          f"ratio (all slots) {auto.spec_cost:.2f}")
 
 
 if __name__ == "__main__":

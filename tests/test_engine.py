@@ -289,3 +289,19 @@ def test_paged_kv_cache_shares_pages_among_slots(models, method):  # noqa: F811
         Engine(t, slots=1, max_len=128, chunk=32, kv_pages=0)
     with pytest.raises(InputError, match="multiple of page_size"):
         Engine(t, slots=1, max_len=128, chunk=32, kv_pages=8, page_size=48)
+
+
+def test_row_buckets_keep_the_batch_shared_state(models):  # noqa: F811
+    """Lookahead's n-gram pool has a fill count and a clock shared by the batch (no row axis): steps in a one-row
+    bucket advance them as full-width steps do (a write-back that kept the old values would freeze the pool: tokens
+    still right, the pool never fed); tokens = `pdecode.generate`'s."""
+    t, opts = _engine_case(models, "lookahead")
+    eng = Engine(t, method="lookahead", slots=2, max_len=96, chunk=32, steps_per_call=2, row_buckets=[1], **opts)
+    eng.warmup()
+    reqs = _serve_greedy(eng, PROMPTS[:2], [20, 20])  # two at once: slots 0 and 1, full-width calls
+    reqs += _serve_greedy(eng, PROMPTS[2:3], [24])  # alone in slot 0: one-row calls
+    assert eng.stats["steps_rows_1"] > 0
+    d = eng.state.loop.dstate
+    assert int(d.clock) >= eng.stats["steps"] and int(d.filled) > 0
+    want = pdecode.generate(t, PROMPTS[:3], method="lookahead", max_new_tokens=[20, 20, 24], **opts)
+    assert [r.tokens for r in reqs] == want.tokens
