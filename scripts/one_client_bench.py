@@ -19,19 +19,17 @@ for k, o in V.items():
     e = Engine(m, method=method, slots=16, max_len=1024, chunk=256, kv_pages=1024, **kw, **o)
     t = time.time(); e.warmup(); print(k, e.row_buckets, e.spans, f"warm-up {time.time()-t:.1f}s {e.compiles} programs", flush=True)
     engs[k] = e
+from rows_bench import generate_one_by_one, one_client  # noqa: E402 (scripts/: python puts it on the path)
+
+
 def serial(e):
-    n, t = 0, time.perf_counter()
-    for p, b in work:
-        r = e.submit(p, e.check(p, max_tokens=b, temperature=0.0))
-        while not e.idle:
-            e.run_once()
-        n += len(r.tokens)
-    return n / (time.perf_counter() - t)
+    return one_client(e, work)
+
+
 def gen1():
-    n, t = 0, time.perf_counter()
-    for p, b in work:
-        n += len(pdecode.generate(m, [p], method=method, max_new_tokens=b, **kw).tokens[0])
-    return n / (time.perf_counter() - t)
+    return generate_one_by_one(m, method, work, kw)
+
+
 gen1()
 res = {k: [] for k in list(V) + ["generate"]}
 for i in range(3):

@@ -13,6 +13,27 @@ import statistics
 import time
 
 
+def one_client(e, work) -> float:
+    """Tokens/s of engine ``e`` serving ``work`` ((prompt, budget) pairs, greedy) one request after another."""
+    n, t = 0, time.perf_counter()
+    for p, b in work:
+        r = e.submit(p, e.check(p, max_tokens=b, temperature=0.0))
+        while not e.idle:
+            e.run_once()
+        n += len(r.tokens)
+    return n / (time.perf_counter() - t)
+
+
+def generate_one_by_one(m, method: str, work, kw) -> float:
+    """Tokens/s of `pdecode.generate` at batch 1 over ``work``, one request after another."""
+    import pdecode
+
+    n, t = 0, time.perf_counter()
+    for p, b in work:
+        n += len(pdecode.generate(m, [p], method=method, max_new_tokens=b, **kw).tokens[0])
+    return n / (time.perf_counter() - t)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["ar", "sd"])
@@ -42,13 +63,7 @@ def main(argv=None) -> None:
                   flush=True)
 
         def serial(e):
-            n, t = 0, time.perf_counter()
-            for p, b in one:
-                r = e.submit(p, e.check(p, max_tokens=b, temperature=0.0))
-                while not e.idle:
-                    e.run_once()
-                n += len(r.tokens)
-            return n / (time.perf_counter() - t)
+            return one_client(e, one)
 
         def burst(e):
             reqs = [e.submit(p, e.check(p, max_tokens=b, temperature=0.0)) for p, b in work]
@@ -58,11 +73,7 @@ def main(argv=None) -> None:
             return sum(len(r.tokens) for r in reqs) / (time.perf_counter() - t)
 
         def gen1():
-            n, t = 0, time.perf_counter()
-            for p, b in one:
-                out = pdecode.generate(m, [p], method=method, max_new_tokens=b, **kw)
-                n += len(out.tokens[0])
-            return n / (time.perf_counter() - t)
+            return generate_one_by_one(m, method, one, kw)
 
         gen1()  # compile generate's programs for these shapes first
         res = {(k, load): [] for k in engs for load in ("one", "burst")}
