@@ -237,9 +237,8 @@ class Engine:
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
-        # per row bucket: decayed seconds per step call, drafted and plain, and their ratio (auto, timed)
+        # per row bucket: decayed seconds per step call, drafted and plain (auto, timed)
         self.call_s: dict[int, dict[bool, float | None]] = {}
-        self._ratio: dict[int, float] = {}
         self._calls = 0
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
@@ -741,8 +740,8 @@ class Engine:
                              f"server's context ({self.max_len - self.extra - 1}): ask for at most {room} tokens")
         if ctl.top_k > self.top_k_max:
             raise InputError(f"top_k must be at most {self.top_k_max} here, got {ctl.top_k}")
-        if self.kv_pages is not None and self.pages_for(len(prompt), ctl.max_new_tokens) > self.kv_pages:
-            need = self.pages_for(len(prompt), ctl.max_new_tokens)
+        need = 0 if self.kv_pages is None else self.pages_for(len(prompt), ctl.max_new_tokens)
+        if need > (self.kv_pages or 0):
             raise InputError(f"this request needs {need} KV pages (prompt, max_tokens and draft slots); the engine "
                              f"holds {self.kv_pages} (kv_pages): ask for fewer tokens")
         if len(ctl.stop_token_ids) > MAX_STOP_IDS:
@@ -978,7 +977,8 @@ class Engine:
         self._calls += 1
         if self.tau is None:
             return True
-        best = self.tau >= self._ratio.get(rows, self.spec_cost)
+        c = self.call_s.get(rows)
+        best = self.tau >= (c[True] / c[False] if c and None not in c.values() else self.spec_cost)
         probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
         return best != probe
 
@@ -998,10 +998,8 @@ class Engine:
             secs = now - max(self._last_ready, t_dispatch)
             c = self.call_s.setdefault(rows, {True: None, False: None})
             c[drafted] = secs if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * secs
-            if None not in c.values():
-                self._ratio[rows] = c[True] / c[False]
-                if rows == self.slots:
-                    self.spec_cost = self._ratio[rows]
+            if rows == self.slots and None not in c.values():
+                self.spec_cost = c[True] / c[False]
         self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
