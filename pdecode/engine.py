@@ -64,7 +64,8 @@ CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)  # prompt chunk sizes (up to the en
 MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
-MIN_SPAN = 256  # the shortest attention span a step program is compiled for (`Engine.spans`)
+MIN_SPAN = 128  # the shortest attention span a step program is compiled for by default (`default_spans`)
+SPAN_MIN_ROWS = 4  # row buckets of fewer rows attend over max_len alone (their attention is cheap at any span)
 PAGE_SIZE = 16  # positions per page of a paged KV cache (`Engine(kv_pages=...)`)
 MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
 PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
@@ -414,10 +415,15 @@ class Engine:
         cfg = self.model.cfg
         tp = self._tparams(params)
         a = tokens_AC.shape[0]
-        if pre is None:
-            cache = kvc.init_cache(cfg, a, self.max_len, self.kv_dtype, per_layer=unrolled(tp))
+        if pre is None:  # the prompts attend over their chunk's slots alone (grown to max_len or paged after)
+            size = tokens_AC.shape[1]
+            if table is not None:
+                size = -(-size // self.page_size) * self.page_size
+            cache = kvc.init_cache(cfg, a, size, self.kv_dtype, per_layer=unrolled(tp))
             cache, logits, fo = common.prefill_at(tp, cfg, tokens_AC, jnp.zeros((a,), jnp.int32), n_A, cache,
                                                   self._hid)
+            if table is None:
+                cache = kvc.grow(cache, self.max_len)
             prompt, plen = tokens_AC, n_A
         else:
             p = self._prefill_fn(params, pre, tokens_AC, n_A)
@@ -458,8 +464,15 @@ class Engine:
         span = span or self.max_len
         whole = st
         st = self._first_rows(st, rows)
-        full_cache = st.loop.cache
-        st = st.replace(loop=st.loop.replace(cache=kvc.head(full_cache, span)))
+        # every KV cache of the state (the target's, a draft model's) cut to the span: a contiguous copy of its head
+        # (a paged one gathered from its pages) the steps read, and only the slots a call can commit written back;
+        # a paged cache whose copy would outgrow its pool stays paged (each layer gathered at each step)
+        full = st.loop
+        n_rows = rows or self.slots
+        gather = self.kv_pages is None or n_rows * span <= self.kv_pages * self.page_size
+        is_cache = lambda x: isinstance(x, (kvc.KVCache, kvc.PagedKVCache))  # noqa: E731
+        st = st.replace(loop=jax.tree.map(lambda c: kvc.head(c, span, gather) if is_cache(c) else c, full,
+                                          is_leaf=is_cache))
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
         tp, dp = self._layout(params)
         cfg = self.model.cfg
@@ -477,7 +490,11 @@ class Engine:
             return (i < k) & ~jnp.all(s.out.done) & room
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
-        loop = loop.replace(cache=kvc.put_head(full_cache, loop.cache))
+        # a row commits at most per_step tokens a step; a draft model's cache may trail the target's by as many (on a
+        # mesh the whole head goes back: a slice update the partitioner keeps local to each device's rows)
+        window = None if self.mesh is not None else (k + 1) * (1 if plain else self._per_step())
+        loop = jax.tree.map(lambda c, p: kvc.put_head(c, p, window) if is_cache(c) else p, full, loop,
+                            is_leaf=is_cache)
         out = loop.out
         w = k * (1 if plain else self._per_step())
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
@@ -625,8 +642,8 @@ class Engine:
             self._compile("prefix_put", self._prefix_put_fn, self._store, np.int32(0), blank, donate=(0,))
         for samp in (self.fast, self.full):
             for plain in (False, True) if self.adaptive else (False,):
-                for span in self.spans:
-                    for rows in self.row_buckets:
+                for rows in self.row_buckets:
+                    for span in self._spans_of(rows):
                         self._step_exe(samp, plain, span, rows)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
@@ -714,13 +731,18 @@ class Engine:
                              static={"samp": samp, "k": self.k, "plain": plain, "span": span, "rows": rows},
                              donate=(1,))
 
-    def _span_for(self, live) -> int:
-        """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
-        more call's worth for each step call in flight and for this one, a draft tree."""
+    def _spans_of(self, rows: int) -> list[int]:
+        """The spans step programs of ``rows`` rows are compiled for: all of `spans`, or ``max_len`` alone for a
+        bucket of fewer than `SPAN_MIN_ROWS` rows (unless it is every slot)."""
+        return self.spans if rows >= min(SPAN_MIN_ROWS, self.slots) else [self.max_len]
+
+    def _span_for(self, live, rows: int) -> int:
+        """The smallest span of the ``rows`` bucket holding every live row after the next step call: its prompt, the
+        tokens reported, one more call's worth for each step call in flight and for this one, a draft tree."""
         per = self.k * self._per_step()
         calls = 1 + sum(1 for x in self._inflight if x[0] == "step")
         need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * per + self._per_step() + 1
-        return next((x for x in self.spans if x >= need), self.max_len)
+        return next((x for x in self._spans_of(rows) if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
     def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
@@ -954,9 +976,9 @@ class Engine:
     def _dispatch_step(self, live):
         plain = all(not r.controls.processing and r.controls.temperature == 0 and not r.controls.logprobs
                     for r in live)
-        span = self._span_for(live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
+        span = self._span_for(live, rows)
         drafted = self._speculate(rows)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
@@ -1126,10 +1148,11 @@ def default_row_buckets(slots: int) -> list[int]:
 
 
 def default_spans(max_len: int) -> list[int]:
-    """The attention spans an engine's step programs are compiled for by default: a quarter and a half of ``max_len``
-    (when at least `MIN_SPAN`) and ``max_len`` itself. A step call attends over the smallest that holds its live rows:
-    short requests on a long-context server do not pay for ``max_len`` slots each step."""
-    return sorted({x for x in (max_len // 4, max_len // 2) if x >= MIN_SPAN} | {max_len})
+    """The attention spans an engine's step programs are compiled for by default: `MIN_SPAN`, twice it, a quarter and
+    a half of ``max_len`` (those at least `MIN_SPAN`) and ``max_len`` itself. A step call attends over the smallest
+    that holds its live rows: short requests on a long-context server do not pay for ``max_len`` slots each step."""
+    return sorted({x for x in (MIN_SPAN, 2 * MIN_SPAN, max_len // 4, max_len // 2) if MIN_SPAN <= x < max_len}
+                  | {max_len})
 
 
 # ------------------------------------------------------------------------------------------------ streaming

@@ -317,7 +317,7 @@ def test_paged_cache_equals_the_contiguous_one(per_layer):
     idx, acc = jnp.array([[0, 2, 4, 0], [0, 1, 2, 3], [0, 3, 1, 1]]), jnp.array([3, 4, 1])
     c, p = kvc.commit(c, idx, acc), kvc.commit(p, idx, acc)
     same(p, c)
-    ph = kvc.head(p, 2 * page)  # a shorter view: the first two pages of each row, nothing copied
+    ph = kvc.head(p, 2 * page, gather=False)  # a shorter view: the first two pages of each row, nothing copied
     assert ph.max_len == 2 * page and ph.k is p.k
     ph = kvc.write_layer(ph, 0, jnp.asarray(new[:, :, :2]), jnp.asarray(new[:, :, :2]), jnp.array([0, 2, 1]))
     c = kvc.write_layer(c, 0, jnp.asarray(new[:, :, :2]), jnp.asarray(new[:, :, :2]), jnp.array([0, 2, 1]))
@@ -325,6 +325,22 @@ def test_paged_cache_equals_the_contiguous_one(per_layer):
     c = kvc.rollback(c, jnp.array([1, 0, 0]))
     assert p.max_len == n * page
     same(p, c)
+    # a gathered head: a contiguous copy of the first 3 pages; steps write in it; only each row's window goes back
+    # (row 1's window reaches past the head: dropped; a write below the lengths stays in the copy)
+    gp, gc = kvc.head(p, 3 * page), kvc.head(c, 3 * page)
+    assert isinstance(gp, kvc.KVCache) and gp.max_len == 3 * page
+    np.testing.assert_array_equal(_stacked(gp)[0], _view(p)[0][..., : 3 * page])
+    fresh = jnp.asarray(rng.normal(size=(3, 1, 3, 4)).astype(np.float32))
+    below = jnp.asarray(rng.normal(size=(3, 1, 1, 4)).astype(np.float32))
+    gp, gc = ((kvc.write_layer(kvc.write_layer(g, 1, fresh, -fresh, g.lengths), 0, below, below,
+                               jnp.zeros((3,), jnp.int32))) for g in (gp, gc))
+    gp, gc = kvc.advance(gp, jnp.array([3, 2, 1])), kvc.advance(gc, jnp.array([3, 2, 1]))
+    before = _stacked(c)
+    p, c = kvc.put_head(p, gp, window=3), kvc.put_head(c, gc, window=3)
+    same(p, c)
+    np.testing.assert_array_equal(_stacked(c)[0][0, :, :, :, 0], before[0][0, :, :, :, 0])  # slot 0 not written back
+    assert not np.array_equal(_stacked(c)[0][1, :, :, :, 5:8], before[0][1, :, :, :, 5:8])  # the window was
+    np.testing.assert_array_equal(_stacked(c)[0][1, 1, :, :, 12], before[0][1, 1, :, :, 12])  # past the head: dropped
     for a, b in zip(spare, [np.asarray(x)[..., perm[10:], :, :, :] for x in jax.tree.leaves(p.k)]):
         np.testing.assert_array_equal(a, b)  # the pages no row owns were never written
     with pytest.raises(TypeError, match="contiguous"):

@@ -65,9 +65,12 @@ class ChainState:
 
 
 def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix: int = 0):
-    cache = kvc.init_cache(dcfg, prompt_BP.shape[0], max_len, cache_dtype, per_layer=unrolled(dparams))
+    """The draft's cache of ``max_len`` slots with the prompts prefilled (over the prompts' slots alone, grown
+    after: the prefill's attention does not span ``max_len``)."""
+    b, p = prompt_BP.shape
+    cache = kvc.init_cache(dcfg, b, min(p, max_len), cache_dtype, per_layer=unrolled(dparams))
     cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache, shared_prefix=shared_prefix)
-    return cache
+    return kvc.grow(cache, max_len)
 
 
 class _DraftModelDrafter(Drafter):

@@ -61,15 +61,16 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         b, p = prompt_BP.shape
         feats = self.target_feature(dparams, pre.hidden, pre.layer_hidden)  # [B, P, D]
         mods = dparams["modules"] if "modules" in dparams else [dparams]
-        # (the cache's layout follows the layers')
-        cache = kvc.init_cache(self.block_cfg(), b, max_len, cache_dtype, per_layer=unrolled(mods[0]))
+        # (the cache's layout follows the layers'; the prompt's pairs attend over their own slots, grown after)
+        size = min(p, max_len)
+        cache = kvc.init_cache(self.block_cfg(), b, size, cache_dtype, per_layer=unrolled(mods[0]))
         if p > 1:  # pairs (x_{i+1}, f_i) for i = 0 .. plen-2
             pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
             valid = pos + 1 < plen_B[:, None]
-            mask = attention.cache_mask(jnp.zeros((b,), jnp.int32), attention.causal_intra(p - 1), max_len, valid)
+            mask = attention.cache_mask(jnp.zeros((b,), jnp.int32), attention.causal_intra(p - 1), size, valid)
             _, _, cache = self.step(dparams, tparams, prompt_BP[:, 1:], feats[:, :-1], pos, mask, cache,
                                     jnp.zeros((b,), jnp.int32))
-        cache = kvc.set_lengths(cache, plen_B - 1)
+        cache = kvc.set_lengths(kvc.grow(cache, max_len), plen_B - 1)
         width = self.depth + 1
         last = jnp.take_along_axis(feats, (plen_B - 1)[:, None, None], axis=1)  # [B, 1, D]
         pend = jnp.zeros((b, width) + feats.shape[2:], feats.dtype).at[:, :1].set(last)

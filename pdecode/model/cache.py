@@ -103,13 +103,21 @@ class PagedKVCache(_Rows):
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i, gathered from each row's pages (S = n*page)."""
-        k, v = self.k[i], self.v[i]
-        b, n = self.pages.shape
-        kp = jnp.take(k, self.pages, axis=0, mode="fill", fill_value=0)  # [B, n, KV, hd, page]
-        vp = jnp.take(v, self.pages, axis=0, mode="fill", fill_value=0)  # [B, n, KV, page, hd]
-        kv_, hd, page = kp.shape[2], kp.shape[3], kp.shape[4]
-        return (kp.transpose(0, 2, 3, 1, 4).reshape(b, kv_, hd, n * page),
-                vp.transpose(0, 2, 1, 3, 4).reshape(b, kv_, n * page, vp.shape[-1]))
+        return _gather_pages(self.k[i], self.pages, True), _gather_pages(self.v[i], self.pages, False)
+
+
+def _gather_pages(pool: jax.Array, pages_Bn: jax.Array, keys: bool) -> jax.Array:
+    """Rows' pages of one pool (keys [.., P, KV, hd, page], values [.., P, KV, page, hd]; ``..``: a layer axis or
+    none) as the contiguous layout (keys [.., B, KV, hd, n*page], values [.., B, KV, n*page, hd]); a page index past
+    the pool reads zeros."""
+    lead = pool.ndim - 4
+    x = jnp.take(pool, pages_Bn, axis=lead, mode="fill", fill_value=0)  # [.., B, n, KV, a, b]
+    b, n = pages_Bn.shape
+    kv_, a, c = x.shape[lead + 2:]
+    pre = tuple(range(lead))
+    if keys:  # [.., B, KV, hd, n, page]
+        return x.transpose(pre + (lead, lead + 2, lead + 3, lead + 1, lead + 4)).reshape(x.shape[:lead] + (b, kv_, a, n * c))
+    return x.transpose(pre + (lead, lead + 2, lead + 1, lead + 3, lead + 4)).reshape(x.shape[:lead] + (b, kv_, n * a, c))
 
 
 def init_paged(cfg: ModelConfig, batch: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
@@ -143,12 +151,14 @@ def _page_of(cache: PagedKVCache, slots_BT: jax.Array):
 
 
 def put_rows(cache: PagedKVCache, rows: KVCache, slot_A: jax.Array, pages_Bn: jax.Array) -> PagedKVCache:
-    """``cache`` with the page table ``pages_Bn`` and contiguous ``rows`` (A rows of as many slots as the view: a
-    prefill) written into the pages of slots ``slot_A``, their lengths set."""
-    n, page = pages_Bn.shape[1], cache.page_size
-    if rows.max_len != n * page:
-        raise ValueError(f"put_rows: rows of {rows.max_len} slots into a view of {n * page}")
-    dst = pages_Bn[slot_A]  # [A, n]
+    """``cache`` with the page table ``pages_Bn`` and contiguous ``rows`` (A rows of a whole number of pages up to the
+    view's: a prefill) written into the first pages of slots ``slot_A``, their lengths set."""
+    page = cache.page_size
+    n = rows.max_len // page
+    if rows.max_len % page or n > pages_Bn.shape[1]:
+        raise ValueError(f"put_rows: rows of {rows.max_len} slots into a view of {pages_Bn.shape[1]} pages of "
+                         f"{page}")
+    dst = pages_Bn[slot_A, :n]  # [A, n]: the rows' first pages (a short prefill fills a few)
     a = dst.shape[0]
 
     def put(pool, x, s_axis):  # x [.., A, KV, hd, S] (keys, s_axis -1) or [.., A, KV, S, hd] (values, -2)
@@ -193,9 +203,13 @@ def _row_slots(offsets_B: jax.Array, t: int) -> jax.Array:
 def write_layer(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, offsets_B: jax.Array) -> KVCache:
     """Write fresh keys/values [B, KV, T, hd] of one layer at slots ``offsets[b] + t``; slots past max_len are
     dropped."""
-    b, _, t, _ = k_BKTH.shape
-    rows = jnp.arange(b)[:, None]
-    slots = _row_slots(offsets_B, t)
+    return _write_slots(cache, layer, k_BKTH, v_BKTH, _row_slots(offsets_B, k_BKTH.shape[2]))
+
+
+def _write_slots(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, slots_BT: jax.Array) -> KVCache:
+    """`write_layer` at any slots [B, T] per row (past max_len: dropped)."""
+    b = k_BKTH.shape[0]
+    rows, slots = jnp.arange(b)[:, None], slots_BT
     # advanced indices (rows, slots) around slices: the indexed shape is [B, T, KV, hd] for both layouts
     k_new, v_new = jnp.swapaxes(k_BKTH, 1, 2), jnp.swapaxes(v_BKTH, 1, 2)
     if isinstance(cache, PagedKVCache):  # (page, offset) in place of (row, slot)
@@ -275,28 +289,60 @@ def grow(cache: KVCache, max_len: int) -> KVCache:
     return cache.replace(k=jax.tree.map(lambda a: pad(a, -1), cache.k), v=jax.tree.map(lambda a: pad(a, -2), cache.v))
 
 
-def head(cache: KVCache, n: int) -> KVCache:
-    """The cache's first ``n`` slots (a copy; lengths unchanged): a loop whose rows all fit ``n`` slots attends over
-    those alone."""
+def head(cache: KVCache, n: int, gather: bool = True) -> KVCache:
+    """The cache's first ``n`` slots as a contiguous cache of their own (a copy; lengths unchanged): a loop whose rows
+    all fit ``n`` slots attends over those alone. A paged cache's rows are gathered from their pages once here, so
+    the steps after read contiguous buffers instead of gathering every layer at every step (``gather=False``: a
+    paged cache of the first ``n // page`` columns of the table, nothing copied; its steps gather each layer)."""
+    if isinstance(cache, PagedKVCache):
+        if n % cache.page_size or n > cache.max_len:
+            raise ValueError(f"head: {n} slots is not a whole number of pages of {cache.page_size} within the view "
+                             f"of {cache.max_len}")
+        pages = cache.pages[:, : n // cache.page_size]
+        if not gather:
+            return cache.replace(pages=pages)
+        return KVCache(k=jax.tree.map(lambda a: _gather_pages(a, pages, True), cache.k),
+                       v=jax.tree.map(lambda a: _gather_pages(a, pages, False), cache.v), lengths=cache.lengths)
     if n >= cache.max_len:
         return cache
-    if isinstance(cache, PagedKVCache):  # fewer pages of the table; nothing copied
-        if n % cache.page_size:
-            raise ValueError(f"head: {n} slots is not a whole number of pages of {cache.page_size}")
-        return cache.replace(pages=cache.pages[:, : n // cache.page_size])
     return cache.replace(k=jax.tree.map(lambda a: a[..., :n], cache.k),
                          v=jax.tree.map(lambda a: a[..., :n, :], cache.v))
 
 
-def put_head(cache: KVCache, part: KVCache) -> KVCache:
-    """``cache`` with its first slots replaced by ``part``'s (a `head` after steps ran on it) and part's lengths."""
-    if part.max_len == cache.max_len:
-        return part
-    if isinstance(cache, PagedKVCache):  # the pool was written in place: keep the whole table
+def put_head(cache: KVCache, part: KVCache, window: int | None = None) -> KVCache:
+    """``cache`` with its first slots replaced by ``part``'s (a `head` after steps ran on it) and part's lengths.
+
+    ``window``: only each row's slots ``cache.lengths[b] .. + window - 1`` are written back (steps that commit at most
+    ``window`` tokens per row and never rewrite a committed slot: the rest of the head is what ``cache`` holds); a
+    slot past the head or the row's pages is dropped. None: the whole head (a paged cache: every slot of a page
+    the row owns)."""
+    if isinstance(part, PagedKVCache):  # a table's head: the pool was written in place, the whole table kept
         return cache.replace(k=part.k, v=part.v, lengths=part.lengths)
-    put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, axis)  # noqa: E731
-    return cache.replace(k=jax.tree.map(lambda a, b: put(a, b, a.ndim - 1), cache.k, part.k),
-                         v=jax.tree.map(lambda a, b: put(a, b, a.ndim - 2), cache.v, part.v), lengths=part.lengths)
+    if isinstance(cache, PagedKVCache) and window is None:
+        window = part.max_len
+        start = jnp.zeros_like(cache.lengths)
+    else:
+        start = cache.lengths
+    if window is None:
+        if part.max_len == cache.max_len:
+            return part
+        put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, axis)  # noqa: E731
+        return cache.replace(k=jax.tree.map(lambda a, b: put(a, b, a.ndim - 1), cache.k, part.k),
+                             v=jax.tree.map(lambda a, b: put(a, b, a.ndim - 2), cache.v, part.v),
+                             lengths=part.lengths)
+    n = part.max_len
+    pos = _row_slots(start, window)  # [B, W]
+    src = jnp.clip(pos, 0, n - 1)
+    dst = jnp.where(pos < n, pos, cache.max_len)  # a window reaching past the head: dropped
+    out = cache
+    for i in range(len(part.k) if part.per_layer else part.k.shape[0]):
+        pk, pv = part.layer(i)
+        if pk is None:  # a kv-shared layer: no buffer of its own
+            continue
+        k_w = jnp.take_along_axis(pk, src[:, None, None, :], axis=3)  # [B, KV, hd, W]
+        v_w = jnp.take_along_axis(pv, src[:, None, :, None], axis=2)  # [B, KV, W, hd]
+        out = _write_slots(out, i, jnp.swapaxes(k_w, 2, 3), v_w, dst)
+    return out.replace(lengths=part.lengths)
 
 
 def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
