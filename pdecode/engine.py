@@ -65,7 +65,6 @@ MAX_STOP_IDS = 8  # extra stop ids per request
 ADMIT_ROWS = 4  # requests admitted together when several wait (their prefill batched: cheaper per request)
 SPECULATION = ("always", "auto")
 MIN_SPAN = 128  # the shortest attention span a step program is compiled for by default (`default_spans`)
-SPAN_MIN_ROWS = 4  # row buckets of fewer rows attend over max_len alone (their attention is cheap at any span)
 PAGE_SIZE = 16  # positions per page of a paged KV cache (`Engine(kv_pages=...)`)
 MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
 PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
@@ -474,6 +473,8 @@ class Engine:
         st = st.replace(loop=jax.tree.map(lambda c: kvc.head(c, span, gather) if is_cache(c) else c, full,
                                           is_leaf=is_cache))
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
+        # plain steps of a drafter that can catch up late: no draft pass a step, one after the call's steps
+        lazy = plain and self.drafter is not None and self.drafter.follows_late
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         warp = self._with_tables(st.warp, st.grammar)
@@ -481,7 +482,7 @@ class Engine:
             one = ar.make_step(tp, warp, cfg=cfg, eos_ids=(), samp=samp)
         else:
             one = speculative.make_step(tp, dp, warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
-                                        eos_ids=(), samp=samp, plain=plain)
+                                        eos_ids=(), samp=samp, plain=plain, follow=not lazy)
         c0 = st.loop.out.count
 
         def cond(c):
@@ -490,9 +491,11 @@ class Engine:
             return (i < k) & ~jnp.all(s.out.done) & room
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
+        if lazy:
+            loop = loop.replace(dstate=self.drafter.follow_late(dp, loop.dstate, loop.seq, loop.seq_len, k))
         # a row commits at most per_step tokens a step; a draft model's cache may trail the target's by as many (on a
         # mesh the whole head goes back: a slice update the partitioner keeps local to each device's rows)
-        window = None if self.mesh is not None else (k + 1) * (1 if plain else self._per_step())
+        window = None if self.mesh is not None else k * (1 if plain else self._per_step()) + self._per_step()
         loop = jax.tree.map(lambda c, p: kvc.put_head(c, p, window) if is_cache(c) else p, full, loop,
                             is_leaf=is_cache)
         out = loop.out
@@ -643,7 +646,7 @@ class Engine:
         for samp in (self.fast, self.full):
             for plain in (False, True) if self.adaptive else (False,):
                 for rows in self.row_buckets:
-                    for span in self._spans_of(rows):
+                    for span in self.spans:
                         self._step_exe(samp, plain, span, rows)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
@@ -731,18 +734,13 @@ class Engine:
                              static={"samp": samp, "k": self.k, "plain": plain, "span": span, "rows": rows},
                              donate=(1,))
 
-    def _spans_of(self, rows: int) -> list[int]:
-        """The spans step programs of ``rows`` rows are compiled for: all of `spans`, or ``max_len`` alone for a
-        bucket of fewer than `SPAN_MIN_ROWS` rows (unless it is every slot)."""
-        return self.spans if rows >= min(SPAN_MIN_ROWS, self.slots) else [self.max_len]
-
-    def _span_for(self, live, rows: int) -> int:
-        """The smallest span of the ``rows`` bucket holding every live row after the next step call: its prompt, the
-        tokens reported, one more call's worth for each step call in flight and for this one, a draft tree."""
+    def _span_for(self, live) -> int:
+        """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
+        more call's worth for each step call in flight and for this one, a draft tree."""
         per = self.k * self._per_step()
         calls = 1 + sum(1 for x in self._inflight if x[0] == "step")
         need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * per + self._per_step() + 1
-        return next((x for x in self._spans_of(rows) if x >= need), self.max_len)
+        return next((x for x in self.spans if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
     def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
@@ -978,7 +976,7 @@ class Engine:
                     for r in live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
-        span = self._span_for(live, rows)
+        span = self._span_for(live)
         drafted = self._speculate(rows)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1

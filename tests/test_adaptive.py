@@ -95,14 +95,16 @@ def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
         assert sum(r.accepted) < r.forwards
 
 
-def test_followed_draft_keeps_full_acceptance(models):  # noqa: F811
+@pytest.mark.parametrize("steps", [1, 3])
+def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
     """The draft is the target itself: every drafted step accepts all gamma tokens, also those after runs of plain
-    steps (the draft's cache followed them). A draft that did not follow would draft from a stale cache."""
+    steps (the draft's cache caught up after each plain call's steps, `Drafter.follow_late`: one pass for 1 or 3
+    plain steps). A draft that did not follow would draft from a stale cache."""
     t = models["target"]
-    eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=1, speculation="auto",
+    eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=steps, speculation="auto",
                  spec_cost=100.0, gamma=3)
     reqs = _run(eng, PROMPTS[:2], [60, 60])
-    assert eng.stats["plain_steps"] > eng.stats["drafted_steps"] >= 4
+    assert eng.stats["plain_steps"] > eng.stats["drafted_steps"] >= 3
     for r in reqs:
         h = r.accepted  # verify steps that accepted 0..3 drafted tokens
         assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer

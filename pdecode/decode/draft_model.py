@@ -85,6 +85,15 @@ class _DraftModelDrafter(Drafter):
         cache, _, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, 1)
         return dstate.replace(cache=cache)
 
+    follows_late = True
+
+    def follow_late(self, dparams, dstate, seq_BL, seq_len_B, steps: int):
+        """After ``steps`` plain steps: the committed tokens the draft lacks (at most ``steps`` + what the last verify
+        step left, ``max_depth + 1``) in one forward, all but the last (the next `propose` feeds the root itself)."""
+        upto = jnp.maximum(seq_len_B - 1, dstate.cache.lengths)  # (an empty slot: nothing to feed)
+        cache, _, _ = catch_up(dparams, self.dcfg, dstate.cache, seq_BL, upto, steps + self.max_depth + 1)
+        return dstate.replace(cache=cache)
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftChain(_DraftModelDrafter):

@@ -81,6 +81,7 @@ class Drafter:
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter wants (EAGLE-3)
     typical: tuple[float, float] | None = None  # (epsilon, delta) of the TYPICAL rule, for drafters proposing it
     follows = False  # `follow` keeps the state right across a plain step (a serving engine may then stop drafting)
+    follows_late = False  # `follow_late` catches up after plain steps that skipped `follow` (one pass, not one a step)
 
     def prepare(self, dparams, mesh):
         """Rearrange the drafter's params once per call, before the loop (e.g. `decode_layout`)."""
@@ -105,6 +106,12 @@ class Drafter:
         """The state after a *plain* step (``make_step(plain=True)``: the target took one token alone, nothing was
         drafted), for drafters that set ``follows``; ``ctx`` holds the sequence with that token appended."""
         raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps")
+
+    def follow_late(self, dparams, dstate, seq_BL, seq_len_B, steps: int):
+        """The state after up to ``steps`` plain steps made with ``make_step(follow=False)`` (``seq`` / ``seq_len``:
+        the sequence after them), for drafters that set ``follows_late``: one catch-up pass instead of a `follow`
+        per step."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps late")
 
 
 ROOT_ONLY = StaticTree(parents=(-1,), ranks=(0,))  # a proposal of the root alone: verifying it is one AR step
@@ -232,14 +239,18 @@ def penalize_nodes(logits_BNV, seen_BV, tokens_BN, parents_BN, max_depth: int, s
 
 
 def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max_len: int,
-              eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, pipe: bool = False, plain: bool = False):
+              eos_ids: tuple[int, ...], samp: sampling.Sampling, mesh=None, pipe: bool = False, plain: bool = False,
+              follow: bool = True):
     """One step of the loop, ``step(state) -> state``: draft, verify in one target forward, commit, append. ``pipe``:
     the step runs inside `pipelined` (a proposal's side work on the draft's device, `_overlap`). ``plain``: nothing
     is drafted; the target runs the root alone and takes one token (an AR step: the bonus of an empty tree, drawn
     from the same processed distribution), and the drafter's state is kept by its `Drafter.follow` (drafters with
-    ``follows``). A loop may mix both kinds of step in any order: each is lossless given the sequence so far."""
+    ``follows``; ``follow=False``: not kept, the loop calls `Drafter.follow_late` after its plain steps). A loop may
+    mix both kinds of step in any order: each is lossless given the sequence so far."""
     if plain and not drafter.follows:
         raise ValueError(f"{type(drafter).__name__} cannot follow plain steps (Drafter.follows is False)")
+    if not follow and not drafter.follows_late:
+        raise ValueError(f"{type(drafter).__name__} cannot follow plain steps late (Drafter.follows_late is False)")
     n_hid = drafter.hidden_layers
     d_max = drafter.max_depth
 
@@ -322,7 +333,7 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
             root_layers = jnp.where(active[None, :, None], new_layers, s.root_layers)
         ctx2 = Context(seq, seq_len, root_hidden, root_layers, active, tparams, logits, side=side)
         if plain:  # no verify step: the acceptance histograms count drafted steps only
-            dstate = drafter.follow(dparams, dstate, ctx2)
+            dstate = drafter.follow(dparams, dstate, ctx2) if follow else dstate
             hist, row_acc = s.acc_hist, s.row_acc
         else:
             dstate = drafter.update(dparams, dstate, ctx2, ver, fo.hidden, fo.layer_hidden)
