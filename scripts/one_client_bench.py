@@ -1,8 +1,9 @@
-"""One client on the serving engine: engines of 16 slots (code-target, bf16, max_len 1024, paged) with row buckets
-4 + 16, 1 + 4 + 16, the latter with a 128-position span, and with 8 steps per call, against `pdecode.generate` at
-batch 1, on 12 of the serve bench's requests one after another; engines interleaved, medians of passes 2-3.
+"""One client on the serving engine: engines of 16 slots as `pdecode serve` makes them (code-target, bf16, max_len 1024,
+paged, default row buckets and spans) with 4 steps per call (the engine's default) and with 8 (the serve bench's),
+against `pdecode.generate` at batch 1, on 12 of the serve bench's requests one after another; engines interleaved,
+medians of passes 2-3.
 
-    python scripts/one_client_bench.py ar|sd
+    python scripts/one_client_bench.py ar|sd ["4 steps per call" | "8 steps per call"]
 """
 import statistics, sys, time
 import pdecode
@@ -12,11 +13,12 @@ method = sys.argv[1]
 m = pdecode.load("code-target", dtype="bfloat16", activation_dtype="float32")
 kw = {"draft": pdecode.load("code-draft", dtype="bfloat16", activation_dtype="float32")} if method == "sd" else {}
 work = _workload(m, 48, (16, 64), (32, 96))[:12]
-V = {"default": {"row_buckets": [4]}, "rows1": {"row_buckets": [1, 4]}, "rows1+span128": {"row_buckets": [1, 4], "spans": [128, 256, 512]},
-     "rows1+span128+k8": {"row_buckets": [1, 4], "spans": [128, 256, 512], "steps_per_call": 8}}
+V = {"4 steps per call": {}, "8 steps per call": {"steps_per_call": 8}}
+if len(sys.argv) > 2:  # e.g. one engine of sd: two warmed sd engines use most of Linux's 65530 memory maps per process
+    V = {k: V[k] for k in sys.argv[2:]}
 engs = {}
 for k, o in V.items():
-    e = Engine(m, method=method, slots=16, max_len=1024, chunk=256, kv_pages=1024, **kw, **o)
+    e = Engine(m, method=method, slots=16, max_len=1024, chunk=128, kv_pages=1024, **kw, **o)
     t = time.time(); e.warmup(); print(k, e.row_buckets, e.spans, f"warm-up {time.time()-t:.1f}s {e.compiles} programs", flush=True)
     engs[k] = e
 from rows_bench import generate_one_by_one, one_client  # noqa: E402 (scripts/: python puts it on the path)
