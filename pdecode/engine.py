@@ -418,6 +418,7 @@ class Engine:
             size = tokens_AC.shape[1]
             if table is not None:
                 size = -(-size // self.page_size) * self.page_size
+            size = min(size, self.max_len)  # (a chunk longer than max_len: the prompt still fits max_len)
             cache = kvc.init_cache(cfg, a, size, self.kv_dtype, per_layer=unrolled(tp))
             cache, logits, fo = common.prefill_at(tp, cfg, tokens_AC, jnp.zeros((a,), jnp.int32), n_A, cache,
                                                   self._hid)

@@ -240,6 +240,17 @@ def test_prefix_cache_reuses_a_shared_prompt(models, method):  # noqa: F811
     assert [r.tokens for r in reqs] == want.tokens
 
 
+@pytest.mark.parametrize("pages", [None, 6])
+def test_prompt_chunks_longer_than_max_len(models, pages):  # noqa: F811
+    """An admission prefills over its chunk's slots, never more than max_len: chunk 64 on a 48-slot engine (paged:
+    3 pages of 16 a slot) warms up and serves generate's tokens."""
+    t = models["target"]
+    eng = Engine(t, slots=2, max_len=48, chunk=64, kv_pages=pages)
+    eng.warmup()
+    reqs = _serve_greedy(eng, PROMPTS[:3], [12, 5, 9])
+    assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:3], max_new_tokens=[12, 5, 9]).tokens
+
+
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F811
     """Step programs for spans of 32, 64 and 128 slots: calls with short live rows attend over 32 or 64 slots (the

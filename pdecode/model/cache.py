@@ -318,14 +318,14 @@ def put_head(cache: KVCache, part: KVCache, window: int | None = None) -> KVCach
     the row owns)."""
     if isinstance(part, PagedKVCache):  # a table's head: the pool was written in place, the whole table kept
         return cache.replace(k=part.k, v=part.v, lengths=part.lengths)
+    if not isinstance(cache, PagedKVCache) and part.max_len == cache.max_len:  # the whole cache: nothing to put
+        return part
     if isinstance(cache, PagedKVCache) and window is None:
         window = part.max_len
         start = jnp.zeros_like(cache.lengths)
     else:
         start = cache.lengths
     if window is None:
-        if part.max_len == cache.max_len:
-            return part
         put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, axis)  # noqa: E731
         return cache.replace(k=jax.tree.map(lambda a, b: put(a, b, a.ndim - 1), cache.k, part.k),
                              v=jax.tree.map(lambda a, b: put(a, b, a.ndim - 2), cache.v, part.v),
