@@ -86,7 +86,7 @@ class Metrics:
             for kind in ("drafted", "plain"):
                 g.labels(**labels, kind=kind).set_function(lambda k=kind: engine.stats[f"{k}_steps"])
             g = Gauge("pdecode_spec_tokens_per_drafted_step", "tokens per row per drafted step, decayed over recent "
-                      "drafted calls (speculation auto; NaN before the first)", names, registry=r)
+                      "drafted calls (NaN before the first)", names, registry=r)
             g.labels(**labels).set_function(lambda: float("nan") if engine.tau is None else engine.tau)
 
     def http(self, endpoint: str, status: int) -> None:

@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from typing import Any, Callable
 
@@ -235,7 +236,7 @@ class Engine:
                                      f"a plain step")
         self.spec_cost = None if spec_cost is None else float(spec_cost)
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
-        self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto)
+        self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto; span estimates)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
         # per row bucket: decayed seconds per step call, drafted and plain (auto, timed)
         self.call_s: dict[int, dict[bool, float | None]] = {}
@@ -738,9 +739,12 @@ class Engine:
     def _span_for(self, live) -> int:
         """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
         more call's worth for each step call in flight and for this one, a draft tree."""
-        per = self.k * self._per_step()
+        # a drafted step's tokens per row: tau (measured), with one token of margin, else the whole tree's depth; a
+        # call whose rows outrun the estimate stops its steps at the span (the loop's room test) and the next call
+        # takes a longer span
+        step = self._per_step() if self.tau is None else min(self._per_step(), math.ceil(self.tau) + 1)
         calls = 1 + sum(1 for x in self._inflight if x[0] == "step")
-        need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * per + self._per_step() + 1
+        need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * self.k * step + self._per_step() + 1
         return next((x for x in self.spans if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
@@ -1059,9 +1063,9 @@ class Engine:
             ev = self._progress(r, bool(done[s]))
             if ev is not None:
                 events.append(ev)
+        if drafted and self.drafter is not None:  # (the spans' estimate too, with or without auto)
+            self._note_tau(tau_tok, tau_steps)
         if self.adaptive:
-            if drafted:
-                self._note_tau(tau_tok, tau_steps)
             self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits)
         return events
 
