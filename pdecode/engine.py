@@ -495,13 +495,13 @@ class Engine:
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
         if lazy:
             loop = loop.replace(dstate=self.drafter.follow_late(dp, loop.dstate, loop.seq, loop.seq_len, k))
-        # a row commits at most per_step tokens a step; a draft model's cache may trail the target's by as many (on a
-        # mesh the whole head goes back: a slice update the partitioner keeps local to each device's rows)
-        window = None if self.mesh is not None else k * (1 if plain else self._per_step()) + self._per_step()
+        w = k * (1 if plain else self._per_step())  # the most tokens a row commits in this call
+        # a draft model's cache may trail the target's by one step's tokens (on a mesh the whole head goes back: a
+        # slice update the partitioner keeps local to each device's rows)
+        window = None if self.mesh is not None else w + self._per_step()
         loop = jax.tree.map(lambda c, p: kvc.put_head(c, p, window) if is_cache(c) else p, full, loop,
                             is_leaf=is_cache)
         out = loop.out
-        w = k * (1 if plain else self._per_step())
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)

@@ -114,10 +114,10 @@ def _gather_pages(pool: jax.Array, pages_Bn: jax.Array, keys: bool) -> jax.Array
     x = jnp.take(pool, pages_Bn, axis=lead, mode="fill", fill_value=0)  # [.., B, n, KV, a, b]
     b, n = pages_Bn.shape
     kv_, a, c = x.shape[lead + 2:]
-    pre = tuple(range(lead))
+    pre, at = tuple(range(lead)), x.shape[:lead]
     if keys:  # [.., B, KV, hd, n, page]
-        return x.transpose(pre + (lead, lead + 2, lead + 3, lead + 1, lead + 4)).reshape(x.shape[:lead] + (b, kv_, a, n * c))
-    return x.transpose(pre + (lead, lead + 2, lead + 1, lead + 3, lead + 4)).reshape(x.shape[:lead] + (b, kv_, n * a, c))
+        return x.transpose(pre + (lead, lead + 2, lead + 3, lead + 1, lead + 4)).reshape(at + (b, kv_, a, n * c))
+    return x.transpose(pre + (lead, lead + 2, lead + 1, lead + 3, lead + 4)).reshape(at + (b, kv_, n * a, c))
 
 
 def init_paged(cfg: ModelConfig, batch: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
