@@ -818,12 +818,16 @@ class Engine:
     def run_once(self) -> list[Event]:
         """One round: fill free slots from the queue (a long prompt takes one chunk per round), dispatch
         ``steps_per_call`` decode steps for the live slots, and, while the device runs them, turn the previous
-        round's results into events (returned, and given to each request's callback)."""
+        round's results into events (returned, and given to each request's callback). When that call may free a
+        slot (`_read_first`), its results are read first, before admitting and dispatching."""
         if self.state is None:
             self.warmup()
         events: list[Event] = []
-        self._drop_cancelled(events)
         self._round_admits = 0
+        if self._read_first():  # the in-flight call may free a slot: learn it before admitting and dispatching
+            while self._inflight:
+                events += self._collect(self._inflight.popleft())
+        self._drop_cancelled(events)
         self._admit()
         live = [r for r in self.running.values() if r.inserted and r.finish_reason is None]
         dispatched = bool(live)
@@ -838,6 +842,19 @@ class Engine:
             if e.finish_reason is not None:
                 self._reqs.pop(e.request_id, None)
         return events
+
+    def _read_first(self) -> bool:
+        """Whether this round reads the in-flight calls' results before it admits and dispatches (the device idles
+        meanwhile) rather than after (while the next call runs): when requests wait for a slot, or a row of the
+        in-flight step call may reach its budget in it. Otherwise a slot freed in that call would idle through the
+        next one too, and the next call's span would reserve room for both calls' tokens."""
+        if not self._inflight:
+            return False
+        if self.queue:
+            return True
+        most = self.k * self._per_step()  # the most tokens a row commits in one call
+        return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most
+                   for x in self._inflight if x[0] == "step" for r in x[1])
 
     def _drop_cancelled(self, events):
         for slot, r in list(self.running.items()):

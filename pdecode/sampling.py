@@ -142,33 +142,70 @@ def _rows(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def warp(logits: jax.Array, s: Sampling, w: Warp) -> jax.Array:
-    """Float32 logits of the warped distribution (filtered entries at -1e30). Greedy returns logits unchanged."""
+    """Float32 logits of the warped distribution (filtered entries at -1e30). Greedy returns logits unchanged.
+    A filter compiled in but asked for by no row of the batch (top_k 0, top_p 1, min_p 0 everywhere) is skipped
+    at run time (`lax.cond`): a batch pays for the filters its rows use."""
     x = logits.astype(jnp.float32)
     if s.greedy:
         return x
     x = x / jnp.maximum(_rows(w.temperature, x).astype(jnp.float32), 1e-6)
     if s.top_k:
-        vals = jax.lax.top_k(x, s.top_k)[0]
         k = jnp.broadcast_to(_rows(w.top_k, x), x.shape[:-1] + (1,))
-        kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, s.top_k - 1), axis=-1)
-        x = jnp.where((k > 0) & (x < kth), NEG_INF, x)
+        x = _when(jnp.any(k > 0), lambda x: _top_k(x, k, s.top_k), x)
     if s.use_top_p:
-        x = _top_p(x, _rows(w.top_p, x))
+        p = _rows(w.top_p, x)
+        x = _when(jnp.any(p < 1), lambda x: _top_p(x, p), x)
     if s.use_min_p:
-        p = jax.nn.softmax(x, axis=-1)
-        x = jnp.where(p < _rows(w.min_p, x) * jnp.max(p, axis=-1, keepdims=True), NEG_INF, x)
+        m = _rows(w.min_p, x)
+
+        def min_p(x):
+            q = jax.nn.softmax(x, axis=-1)
+            return jnp.where(q < m * jnp.max(q, axis=-1, keepdims=True), NEG_INF, x)
+
+        x = _when(jnp.any(m > 0), min_p, x)
     return x
 
 
+def _when(pred, f, x):
+    """``f(x)`` where ``pred`` (a traced bool), else ``x``: one branch runs."""
+    return jax.lax.cond(pred, f, lambda x: x, x)
+
+
+def _top_k(x: jax.Array, k: jax.Array, most: int) -> jax.Array:
+    """Keep each row's ``k`` largest entries (and ties of the k-th; k = 0: all), ``k <= most``."""
+    vals = jax.lax.top_k(x, most)[0]
+    kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, most - 1), axis=-1)
+    return jnp.where((k > 0) & (x < kth), NEG_INF, x)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """int32 keys of float32 values in the same order (the sign-magnitude bits turned into two's complement; -0.0
+    taken as 0.0, which it equals)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
 def _top_p(x: jax.Array, top_p) -> jax.Array:
-    # Keep the smallest set of top tokens whose mass reaches top_p (the top token always stays).
-    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < top_p
-    # Smallest kept logit is the threshold.
-    thresh = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x < thresh, NEG_INF, x)
+    """Keep the smallest set of top tokens whose mass reaches ``top_p`` (the top token always stays; ties of the
+    smallest kept value stay too; rows at top_p >= 1 keep everything).
+
+    The smallest kept value is the largest logit v with mass(x >= v) >= top_p (the rule of sorting and cutting the
+    cumulative mass), found by bisection over the values' order keys: 32 masked sums over the vocabulary instead of
+    a sort, which XLA on CPU runs 20x slower."""
+    p = jax.nn.softmax(x, axis=-1)
+    keys = _order_keys(x)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), x.shape[:-1] + (1,))
+
+    def halve(_, c):  # lo: the predicate holds (mass at or above lo reaches top_p); hi: it does not
+        lo, hi = c
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        ok = jnp.sum(jnp.where(keys >= mid, p, 0.0), axis=-1, keepdims=True) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True) + 1
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return jnp.where((keys < lo) & (top_p < 1), NEG_INF, x)
 
 
 def penalize(logits: jax.Array, seen: jax.Array | None, s: Sampling, w: Warp, counts: jax.Array | None = None,

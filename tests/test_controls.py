@@ -159,6 +159,51 @@ def test_greedy_with_penalty_equals_ar(models, method, opts):  # noqa: F811
     assert out.tokens == ref.tokens
 
 
+def _top_p_reference(x, top_p):
+    """Sort, cut the cumulative mass before each token at top_p, keep values at or above the last kept one."""
+    x = np.asarray(x, np.float64)
+    out = x.copy()
+    for idx in np.ndindex(x.shape[:-1]):
+        tp = top_p[idx[0]]
+        if tp >= 1:
+            continue
+        srt = np.sort(x[idx])[::-1]
+        p = np.exp(srt - srt.max())
+        p /= p.sum()
+        out[idx] = np.where(x[idx] < srt[np.cumsum(p) - p < tp].min(), sampling.NEG_INF, x[idx])
+    return out
+
+
+def test_top_p_by_bisection_equals_the_sorted_rule():
+    """`sampling._top_p` (a bisection over the values, no sort) keeps exactly the tokens the sort-and-cut rule keeps:
+    random logits at several scales, ties (with -0.0 against 0.0), filtered entries at -1e30, per-row top_p with
+    rows at 1.0; and `warp` skips a filter no row asks for and applies it to the rows that do."""
+    rng = np.random.default_rng(0)
+    for t in range(120):
+        x = (rng.normal(size=(3, 2, 50)) * rng.uniform(0.3, 5)).astype(np.float32)
+        if t % 3 == 0:
+            x = np.round(x)  # ties, and -0.0 next to 0.0
+        if t % 4 == 0:
+            x[..., :10] = sampling.NEG_INF
+        tp = rng.uniform(0.05, 1.0, size=3).astype(np.float32)
+        if t % 5 == 0:
+            tp[0] = 1.0
+        got = np.asarray(sampling._top_p(jnp.asarray(x), tp.reshape(3, 1, 1))) <= sampling.NEG_INF / 2
+        want = _top_p_reference(x, tp) <= sampling.NEG_INF / 2
+        assert (got == want).all(), t
+    x = jnp.asarray(rng.normal(size=(4, 64)).astype(np.float32) * 3)
+    samp = sampling.Sampling(greedy=False, top_k=8, use_top_p=True, use_min_p=True)
+    off = sampling.Warp.of(np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32), np.zeros(4))
+    assert (np.asarray(jax.jit(sampling.warp, static_argnums=1)(x, samp, off)) == np.asarray(x)).all()
+    on = sampling.Warp.of(np.ones(4, np.float32), np.asarray([1, .5, 1, 1], np.float32), np.asarray([0, 0, 3, 0]),
+                          np.asarray([0, 0, 0, .2], np.float32))
+    kept = np.asarray(jax.jit(sampling.warp, static_argnums=1)(x, samp, on)) > sampling.NEG_INF / 2
+    assert kept[0].all() and kept[2].sum() == 3
+    assert (kept[1] == (_top_p_reference(np.asarray(x)[1:2], [.5])[0] > sampling.NEG_INF / 2)).all()
+    q = np.exp(np.asarray(x)[3] - np.asarray(x)[3].max())
+    assert (kept[3] == (q >= .2 * q.max())).all()
+
+
 def test_per_row_values_and_keys(sharp):
     """One batch, per-row sampling values and keys (the serving engine's layout): rows at temperature 0 are exactly
     greedy AR inside a sampled batch, rows at temperature 1 follow the processed distribution, and a row's draws
