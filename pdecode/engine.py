@@ -27,10 +27,12 @@ call takes the whole table, so a page freed by a finished row is remapped in the
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
 two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio, a first guess); while
-serving, the engine keeps tau from the acceptance of its recent drafted calls and each kind's seconds per call from
-the calls themselves (the time from one step call's results being turned into events to the next one's, in rounds
-that admitted nothing; all decayed), and runs the kind that gives more tokens per second, with one call of the
-other kind every `PROBE_EVERY` calls to keep both figures current. A ``spec_cost`` given is kept as it is (no
+serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket, each kind's
+tokens per second per live row from the calls themselves (the tokens a call committed over the time from one step
+call's results being turned into events to the next one's, in rounds that admitted nothing; all decayed): that
+counts what tau alone misses (a drafted call's larger span, rows that end early in a call, the host's share), and the
+engine runs the kind with the higher rate, with one call of the other kind every `PROBE_EVERY` calls to keep both
+figures current. A ``spec_cost`` given is kept as it is (no
 timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
@@ -238,8 +240,8 @@ class Engine:
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto; span estimates)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
-        # per row bucket: decayed seconds per step call, drafted and plain (auto, timed)
-        self.call_s: dict[int, dict[bool, float | None]] = {}
+        # per row bucket: decayed tokens per second per live row of step calls, drafted and plain (auto, timed)
+        self.rate: dict[int, dict[bool, float | None]] = {}
         self._calls = 0
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
@@ -658,7 +660,8 @@ class Engine:
 
     def _measure_spec_cost(self, repeats: int = 3) -> float:
         """The cost model's ratio: seconds per drafted step call over seconds per plain one, each the median of
-        ``repeats`` timed calls with every slot live (one-token prompts, greedy); the slots are emptied after."""
+        ``repeats`` timed calls with every slot live (one-token prompts, greedy; the shortest span that holds them);
+        the slots are emptied after."""
         budget = self.max_len - self.extra - 3
         times = {}
         for plain in (False, True):
@@ -672,7 +675,8 @@ class Engine:
                     n = self._table.shape[1]
                     args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
                 self.state, _ = self._admit_exe(c, rows)(*args)
-            exe = self._step_exe(self.fast, plain)
+            need = 3 + (repeats + 2) * self.k * self._per_step()  # a one-token prompt after every call (both kinds)
+            exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len))
             ts = []
             for r in range(repeats + 1):
                 t = time.perf_counter()
@@ -1011,16 +1015,16 @@ class Engine:
         self._inflight.append(("step", live, outs, drafted, t, not self._round_admits, rows))
 
     def _speculate(self, rows: int) -> bool:
-        """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio, timed
-        per row bucket once both kinds ran in it, else the warm-up's or the given one; the other kind now and then:
-        drafted probes keep tau current, plain ones the timed ratio)."""
+        """Whether the next step call (of ``rows`` rows) drafts (the cost model: the kind with the higher timed rate
+        once both kinds ran in the row bucket, else tau against the warm-up's or the given cost ratio; the other kind
+        now and then: drafted probes keep tau and the drafted rate current, plain ones the plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
         if self.tau is None:
             return True
-        c = self.call_s.get(rows)
-        best = self.tau >= (c[True] / c[False] if c and None not in c.values() else self.spec_cost)
+        c = self.rate.get(rows)
+        best = c[True] >= c[False] if c and None not in c.values() else self.tau >= self.spec_cost
         probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
         return best != probe
 
@@ -1030,18 +1034,20 @@ class Engine:
             self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
             self.tau = self._tau_sums[0] / self._tau_sums[1]
 
-    def _note_time(self, drafted: bool, rows: int, t_dispatch: float, clean: bool):
-        """A step call's results are read and turned into events: its seconds — since the previous step call's
-        were (or since its dispatch, if later): the loop's period per call, device-bound or host-bound — go into its
-        kind's decayed mean for its row bucket when neither the round that dispatched it nor this one admitted
-        anything; the full bucket's ratio is ``spec_cost``."""
+    def _note_time(self, drafted: bool, rows: int, t_dispatch: float, clean: bool, tokens: int, live: int):
+        """A step call's results are read and turned into events: the ``tokens`` its ``live`` rows committed over
+        its seconds — since the previous step call's were read (or since its dispatch, if later): the loop's period
+        per call, device-bound or host-bound — go into its kind's decayed rate for its row bucket when neither the
+        round that dispatched it nor this one admitted anything. For the full bucket, ``spec_cost`` becomes the
+        tau at which the two rates would be equal (tau x plain rate / drafted rate)."""
         now = time.perf_counter()
-        if self.timed and clean and self._last_ready is not None:
-            secs = now - max(self._last_ready, t_dispatch)
-            c = self.call_s.setdefault(rows, {True: None, False: None})
-            c[drafted] = secs if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * secs
-            if rows == self.slots and None not in c.values():
-                self.spec_cost = c[True] / c[False]
+        if self.timed and clean and self._last_ready is not None and live:
+            rate = tokens / max(now - max(self._last_ready, t_dispatch), 1e-9) / live
+            c = self.rate.setdefault(rows, {True: None, False: None})
+            c[drafted] = rate if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * rate
+        c = self.rate.get(self.slots)
+        if self.timed and c and None not in c.values() and self.tau and c[True] > 0:
+            self.spec_cost = self.tau * c[False] / c[True]
         self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
@@ -1062,12 +1068,13 @@ class Engine:
             return events
         c0, c1, done, new, lps, fw, acc = (to_host(x) for x in outs)
         drafted = item[3]
-        tau_tok = tau_steps = 0
+        tau_tok = tau_steps = made = rows_made = 0
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue
             s = r.slot
             k = int(c1[s] - c0[s])
+            made, rows_made = made + k, rows_made + 1
             r.forwards = int(fw[s])
             if self.drafter is not None:
                 if drafted:
@@ -1083,7 +1090,7 @@ class Engine:
         if drafted and self.drafter is not None:  # (the spans' estimate too, with or without auto)
             self._note_tau(tau_tok, tau_steps)
         if self.adaptive:
-            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits)
+            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits, made, rows_made)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:
