@@ -27,19 +27,20 @@ call takes the whole table, so a page freed by a finished row is remapped in the
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
 two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio, a first guess); while
-serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket, each kind's
-tokens per second per live row from the calls themselves (the tokens a call committed over the time from one step
-call's results being turned into events to the next one's, in rounds that admitted nothing; all decayed): that
-counts what tau alone misses (a drafted call's larger span, rows that end early in a call, the host's share), and the
-engine runs the kind with the higher rate, with one call of the other kind every `PROBE_EVERY` calls to keep both
-figures current. A ``spec_cost`` given is kept as it is (no
+serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket, each kind's row
+steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
+time from one step call's results being turned into events to the next one's, in rounds that admitted nothing; all
+decayed): the ratio of the two rates is the cost ratio as served (rows that end early in a call, the host's share
+included), and the engine drafts while tau reaches it, with one call of the other kind every `PROBE_EVERY` calls to
+keep the figures current. A ``spec_cost`` given is kept as it is (no
 timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
-results, so host work overlaps device work. It is single-threaded: a server drives it from one thread.
+results, so host work overlaps device work — unless that call may free a slot (a row reaching its budget in it):
+then its results are read first, so the slot is refilled and the next span sized without it. It is single-threaded: a server drives it from one thread.
 """
 
 from __future__ import annotations
@@ -240,11 +241,12 @@ class Engine:
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto; span estimates)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
-        # per row bucket: decayed tokens per second per live row of step calls, drafted and plain (auto, timed)
+        # per row bucket: decayed row steps per second per live row of step calls, drafted and plain (auto, timed)
         self.rate: dict[int, dict[bool, float | None]] = {}
         self._calls = 0
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
+        self._t_round = 0.0  # when this round began
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
             raise InputError(f"max_len ({max_len}) exceeds the model's context of "
@@ -675,7 +677,7 @@ class Engine:
                     n = self._table.shape[1]
                     args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
                 self.state, _ = self._admit_exe(c, rows)(*args)
-            need = 3 + (repeats + 2) * self.k * self._per_step()  # a one-token prompt after every call (both kinds)
+            need = 3 + (repeats + 2) * self.k * self._per_step()  # room for every timed call's tokens (either kind)
             exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len))
             ts = []
             for r in range(repeats + 1):
@@ -718,7 +720,7 @@ class Engine:
                 bias[i] = x.bias_vector(self.vocab)
         return sampling.Warp(
             temperature=f(lambda x: x.temperature if x else 0.0, np.float32),
-            top_p=f(lambda x: x.top_p if x else 1.0, np.float32),
+            top_p=f(lambda x: x.top_p if x and x.temperature > 0 else 1.0, np.float32),
             top_k=f(lambda x: x.top_k if x and x.temperature > 0 else 0, np.int32),
             min_p=f(lambda x: x.min_p if x and x.temperature > 0 else 0.0, np.float32),
             penalty=f(lambda x: x.repetition_penalty if x else 1.0, np.float32),
@@ -828,6 +830,7 @@ class Engine:
             self.warmup()
         events: list[Event] = []
         self._round_admits = 0
+        self._t_round = time.perf_counter()
         if self._read_first():  # the in-flight call may free a slot: learn it before admitting and dispatching
             while self._inflight:
                 events += self._collect(self._inflight.popleft())
@@ -849,12 +852,14 @@ class Engine:
 
     def _read_first(self) -> bool:
         """Whether this round reads the in-flight calls' results before it admits and dispatches (the device idles
-        meanwhile) rather than after (while the next call runs): when requests wait for a slot, or a row of the
-        in-flight step call may reach its budget in it. Otherwise a slot freed in that call would idle through the
-        next one too, and the next call's span would reserve room for both calls' tokens."""
+        meanwhile) rather than after (while the next call runs): when a row of the in-flight step call may reach its
+        budget in it, or a waiting request is kept out of a free slot (by pages or grammar tables the in-flight call
+        may free). Otherwise a slot freed in that call would idle through the next one too, and the next call's span
+        would reserve room for both calls' tokens. (A row that ends on EOS or a stop is not foreseen: reading first
+        every round would give up the overlap of host and device work for it.)"""
         if not self._inflight:
             return False
-        if self.queue:
+        if self.queue and len(self.running) < self.slots:  # a waiting request kept out by pages or grammar tables
             return True
         most = self.k * self._per_step()  # the most tokens a row commits in one call
         return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most
@@ -1007,24 +1012,24 @@ class Engine:
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1
-        t = time.perf_counter()
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted, t, not self._round_admits, rows))
+        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits, rows))
 
     def _speculate(self, rows: int) -> bool:
-        """Whether the next step call (of ``rows`` rows) drafts (the cost model: the kind with the higher timed rate
-        once both kinds ran in the row bucket, else tau against the warm-up's or the given cost ratio; the other kind
-        now and then: drafted probes keep tau and the drafted rate current, plain ones the plain rate)."""
+        """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio — the
+        ratio of the two kinds' timed row-step rates once both were timed in the row bucket, else the full bucket's
+        or the warm-up's or the given one; the other kind now and then: drafted probes keep tau and the drafted rate
+        current, plain ones the plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
         if self.tau is None:
             return True
         c = self.rate.get(rows)
-        best = c[True] >= c[False] if c and None not in c.values() else self.tau >= self.spec_cost
+        best = self.tau >= (c[False] / c[True] if c and None not in c.values() else self.spec_cost)
         probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
         return best != probe
 
@@ -1034,20 +1039,22 @@ class Engine:
             self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
             self.tau = self._tau_sums[0] / self._tau_sums[1]
 
-    def _note_time(self, drafted: bool, rows: int, t_dispatch: float, clean: bool, tokens: int, live: int):
-        """A step call's results are read and turned into events: the ``tokens`` its ``live`` rows committed over
-        its seconds — since the previous step call's were read (or since its dispatch, if later): the loop's period
-        per call, device-bound or host-bound — go into its kind's decayed rate for its row bucket when neither the
-        round that dispatched it nor this one admitted anything. For the full bucket, ``spec_cost`` becomes the
-        tau at which the two rates would be equal (tau x plain rate / drafted rate)."""
+    def _note_time(self, drafted: bool, rows: int, t_round: float, clean: bool, row_steps: int, live: int):
+        """A step call's results are read and turned into events: the ``row_steps`` its ``live`` rows took (the
+        steps each row decoded before it ended, summed) over its seconds — since the previous step call's results
+        were read (or since the start of the round that dispatched it, if later: an idle engine's wait is not
+        counted): the loop's period per call, the host's work and the device's — go into its kind's decayed rate for
+        its row bucket when neither the round that dispatched it nor this one admitted anything. A drafted row step
+        gives tau tokens, a plain one 1: with both rates of the full bucket, ``spec_cost`` is their ratio (plain /
+        drafted), the tau at which drafting breaks even; tau itself stays current from every drafted call."""
         now = time.perf_counter()
         if self.timed and clean and self._last_ready is not None and live:
-            rate = tokens / max(now - max(self._last_ready, t_dispatch), 1e-9) / live
+            rate = row_steps / max(now - max(self._last_ready, t_round), 1e-9) / live
             c = self.rate.setdefault(rows, {True: None, False: None})
             c[drafted] = rate if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * rate
         c = self.rate.get(self.slots)
-        if self.timed and c and None not in c.values() and self.tau and c[True] > 0:
-            self.spec_cost = self.tau * c[False] / c[True]
+        if self.timed and c and None not in c.values() and c[True] > 0:
+            self.spec_cost = c[False] / c[True]
         self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
@@ -1090,7 +1097,8 @@ class Engine:
         if drafted and self.drafter is not None:  # (the spans' estimate too, with or without auto)
             self._note_tau(tau_tok, tau_steps)
         if self.adaptive:
-            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits, made, rows_made)
+            steps = tau_steps if drafted and self.drafter is not None else made  # (a plain step: one token)
+            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits, steps, rows_made)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

@@ -22,7 +22,8 @@ CONTROLS = [("greedy", dict(temperature=0.0)), ("temperature 1", dict(temperatur
 
 
 def _sorted_top_p(x, top_p):
-    """The sort-and-cut rule (what `sampling._top_p` computed before its bisection)."""
+    """The sort-and-cut rule (what `sampling._top_p` computed before its bisection; rows at top_p >= 1 keep all, as
+    the bisection's do)."""
     import jax.numpy as jnp
     import jax
 

@@ -86,8 +86,9 @@ def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
     ref = pdecode.generate(t, PROMPTS, method=method, max_new_tokens=BUDGETS, **opts)
     assert [r.tokens for r in reqs] == ref.tokens
     st = eng.stats
-    calls = st["drafted_steps"] + st["plain_steps"]  # the first two calls draft (tau comes a call late), then probes
-    assert calls == st["steps"] and 2 <= st["drafted_steps"] <= 2 + calls // PROBE_EVERY, dict(st)
+    # the first call or two draft (tau is known once a drafted call's results were read), then plain ones and probes
+    calls = st["drafted_steps"] + st["plain_steps"]
+    assert calls == st["steps"] and 1 <= st["drafted_steps"] <= 2 + calls // PROBE_EVERY < calls, dict(st)
     assert 0 < eng.tau < 100.0
     assert eng.spec_cost == 100.0 and eng.rate == {}  # a given ratio is kept, not timed
     # per request: drafted verify steps plus plain steps are its forwards after the prefill's
@@ -123,9 +124,9 @@ def test_measured_cost_and_options(models):  # noqa: F811
     assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:2], max_new_tokens=40).tokens
     st = eng.stats
     assert st["drafted_steps"] >= 1 and st["plain_steps"] >= 1, dict(st)
-    c = eng.rate[2]  # tokens per second per live row (2 slots: one row bucket)
+    c = eng.rate[2]  # row steps per second per live row (2 slots: one row bucket)
     assert c[True] > 0 and c[False] > 0
-    assert eng.spec_cost == pytest.approx(eng.tau * c[False] / c[True])  # the break-even tau
+    assert eng.spec_cost == pytest.approx(c[False] / c[True])  # the break-even tau
     with pytest.raises(InputError, match="speculation must be one of"):
         Engine(t, method="lookup", speculation="sometimes")
     with pytest.raises(InputError, match="spec_cost must be a number > 0"):

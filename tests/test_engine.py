@@ -251,6 +251,19 @@ def test_prompt_chunks_longer_than_max_len(models, pages):  # noqa: F811
     assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:3], max_new_tokens=[12, 5, 9]).tokens
 
 
+def test_a_slot_freed_by_the_call_in_flight_is_refilled_in_the_next_round(models):  # noqa: F811
+    """One slot, 4 steps a call, three requests of 4 tokens (the first from the admission, three from its call): each
+    request's call ends it by its budget, so the round after reads that call's results before it admits and
+    dispatches; three step calls in all, where a round that dispatched before reading would spend a call on the
+    finished row each time (and leave the waiting request out for it)."""
+    t = models["target"]
+    eng = Engine(t, slots=1, max_len=64, chunk=32, steps_per_call=4)
+    eng.warmup()
+    reqs = _serve_greedy(eng, PROMPTS[:3], [4, 4, 4])
+    assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:3], max_new_tokens=4).tokens
+    assert eng.stats["steps"] == 3, dict(eng.stats)
+
+
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_steps_attend_over_the_span_live_rows_need(models, method):  # noqa: F811
     """Step programs for spans of 32, 64 and 128 slots: calls with short live rows attend over 32 or 64 slots (the
