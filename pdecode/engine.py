@@ -742,15 +742,18 @@ class Engine:
                              static={"samp": samp, "k": self.k, "plain": plain, "span": span, "rows": rows},
                              donate=(1,))
 
-    def _span_for(self, live) -> int:
-        """The smallest span holding every live row after the next step call: its prompt, the tokens reported, one
-        more call's worth for each step call in flight and for this one, a draft tree."""
+    def _span_for(self, live, drafted: bool) -> int:
+        """The smallest span holding every live row after the next step call (``drafted``: of drafted steps): its
+        prompt, the tokens reported, each step call in flight's worth and this one's, this call's last tree."""
         # a drafted step's tokens per row: tau (measured), with one token of margin, else the whole tree's depth; a
-        # call whose rows outrun the estimate stops its steps at the span (the loop's room test) and the next call
-        # takes a longer span
-        step = self._per_step() if self.tau is None else min(self._per_step(), math.ceil(self.tau) + 1)
-        calls = 1 + sum(1 for x in self._inflight if x[0] == "step")
-        need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + calls * self.k * step + self._per_step() + 1
+        # plain step's: one. A call whose rows outrun the estimate stops its steps at the span (the loop's room test)
+        # and the next call takes a longer span
+        draft = self.drafter is not None
+        guess = self._per_step() if self.tau is None else min(self._per_step(), math.ceil(self.tau) + 1)
+        per = lambda d: guess if d and draft else 1  # noqa: E731
+        ahead = self.k * (per(drafted) + sum(per(x[3]) for x in self._inflight if x[0] == "step"))
+        fresh = self.drafter.tree_size if drafted and draft else 1  # the slots the call's last step writes
+        need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + ahead + fresh + 1
         return next((x for x in self.spans if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
@@ -1007,8 +1010,8 @@ class Engine:
                     for r in live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
-        span = self._span_for(live)
         drafted = self._speculate(rows)
+        span = self._span_for(live, drafted)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1

@@ -111,6 +111,26 @@ def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
         assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer
 
 
+def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
+    """The span of a step call holds its live rows after the call: a plain call reserves one token a step and one slot
+    for its last step, a drafted call tau + 1 tokens a step (the tree's depth before tau is known) and the tree, and
+    a call in flight counts with its own kind's reserve."""
+    from pdecode.engine import Request
+
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, steps_per_call=4,
+                 speculation="auto", spec_cost=2.0, spans=[32, 64, 128], gamma=4)
+    live = [Request(prompt=list(range(20)), controls=None, seed=0)]  # 21 positions after its first token
+    assert eng._span_for(live, False) == 32  # 21 + 4 x 1 + 1 + 1 = 27
+    assert eng._span_for(live, True) == 64  # 21 + 4 x 5 + 5 + 1 = 47
+    eng.tau = 1.5
+    assert eng._span_for(live, True) == 64  # 21 + 4 x 3 + 5 + 1 = 39
+    eng._inflight.append(("step", live, None, False))  # a plain call in flight: 4 more
+    assert eng._span_for(live, False) == 32  # 27 + 4 = 31
+    eng._inflight[0] = ("step", live, None, True)  # a drafted one: 12 more
+    assert eng._span_for(live, False) == 64  # 27 + 12 = 39
+
+
 def test_measured_cost_and_options(models):  # noqa: F811
     """Without spec_cost a ratio is timed at warm-up (its value is this machine's: not asserted), then from the
     serving loop's own calls of both kinds (the other kind runs every PROBE_EVERY calls); bad values are one-line
