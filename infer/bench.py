@@ -415,6 +415,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget-min", type=int, default=32, help="serve suite: smallest max_tokens")
     ap.add_argument("--max-len", type=int, default=192, help="serve suite: the server's context per slot")
     ap.add_argument("--steps-per-call", type=int, default=8, help="serve suite: decode steps per engine call")
+    ap.add_argument("--driver", choices=["pdecode", "guidellm"], default="pdecode",
+                    help="serve suite: who drives the load rows: the bench's own client (one at a time, --clients "
+                         "concurrent, Poisson rates) or guidellm's default streaming run (1, 4 and --clients streams, "
+                         "synthetic prompts of --prompt-tokens asking for --new-tokens; pip install guidellm)")
     ap.add_argument("--fixed-new-tokens", type=int, default=64,
                     help="serve suite: new tokens per row of the fixed-batch reference rows through generate")
     ap.add_argument("--recompute-verify-cost", action="store_true",

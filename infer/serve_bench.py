@@ -13,6 +13,11 @@ answer), time to first token (TTFT) and inter-token latency (ITL: the gap betwee
 tokens in the later chunk) at p50 / p99, and the XLA compiles the server made after its warm-up. Then fixed batches
 of 1 and ``--slots`` through `pdecode.generate` in this process (``--new-tokens`` each), the reference the issue
 names. Results: results.json, results.md and a plot (throughput and TTFT p99 against the arrival rate).
+
+``--driver guidellm``: the load rows come from guidellm (a load tester, `pip install guidellm`; not a pdecode extra)
+instead: its default streaming run against each server, closed loops of 1, 4 and ``--clients`` streams, synthetic
+prompts of ``--prompt-tokens`` asking for ``--new-tokens``, ``--requests`` per level; its benchmarks.json is kept
+under ``--out`` and read into the same table (`guidellm_rows`).
 """
 
 from __future__ import annotations
@@ -181,6 +186,9 @@ class Server:
 def run_suite(args) -> int:
     import pdecode
 
+    if getattr(args, "driver", "pdecode") == "guidellm" and _guidellm() is None:
+        print("error: --driver guidellm: guidellm is not installed (pip install guidellm)", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else Path("docs/bench/serve")
     out.mkdir(parents=True, exist_ok=True)
     dtype, act = "bfloat16", "float32"  # mixed precision, as the fixed-batch reference
@@ -211,6 +219,16 @@ def run_suite(args) -> int:
         srv = Server(sargs)
         meta.setdefault("server_start_s", {})[method] = time.perf_counter() - t0
         try:
+            if getattr(args, "driver", "pdecode") == "guidellm":
+                before = _get(srv.url + "/health")["compiles_since_warmup"]
+                got = _run_guidellm(srv.url, args, out / f"guidellm-{method.replace(':', '-').replace('=', '-')}")
+                comp = _get(srv.url + "/health")["compiles_since_warmup"] - before
+                for row in got:
+                    row.update(method=method, compiles_after_warmup=comp)  # (over guidellm's whole run)
+                    rows.append(row)
+                    print(f"    {method} {row['row']}: {row['tokens_per_s']:.1f} tok/s, failed {row['failed']}",
+                          file=sys.stderr, flush=True)
+                continue
             loads = [("one at a time", "closed", 0.0, 1), (f"{args.clients} concurrent", "closed", 0.0, args.clients)]
             loads += [(f"poisson {r:g}/s", "poisson", r, 0) for r in args.rates]
             for label, mode, rate, clients in loads:
@@ -259,8 +277,65 @@ def _fixed_batches(model, work, args) -> list[dict]:
     return rows
 
 
+def _guidellm():
+    import shutil
+
+    return shutil.which("guidellm")
+
+
+def _run_guidellm(url: str, args, out: Path) -> list[dict]:
+    """guidellm's default streaming run against ``url``: closed loops of 1, 4 and ``--clients`` streams; its results
+    in ``out`` (benchmarks.json, its console log run.log), read by `guidellm_rows`."""
+    import subprocess
+
+    from pdecode import api
+
+    out.mkdir(parents=True, exist_ok=True)
+    levels = ",".join(str(x) for x in sorted({1, 4, args.clients}))
+    tok = api.resolve_path(args.model or "code-target")
+    cmd = [_guidellm(), "run", "--backend", f"kind=openai_http,target={url}", "--profile", "kind=concurrent",
+           "--override", "profile.streams", levels,
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.new_tokens}",
+           "--tokenizer", f"kind=hf_auto,model={tok}", "--constraint", f"kind=max_requests,count={args.requests}",
+           "--disable-progress"]
+    print(f"[serve bench] guidellm: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    res = subprocess.run(cmd, cwd=out, capture_output=True, text=True)
+    (out / "run.log").write_text(res.stdout + res.stderr)
+    path = out / "benchmarks.json"
+    if not path.exists():  # (guidellm may exit 0 having run nothing)
+        raise RuntimeError(f"guidellm wrote no benchmarks.json (exit {res.returncode}): {(res.stderr or '')[-500:]}")
+    return guidellm_rows(path)
+
+
+def guidellm_rows(path: Path) -> list[dict]:
+    """The serve bench's rows from a guidellm benchmarks.json: one per concurrency level (its closed loop of N
+    streams): requests, failed (errored + incomplete), output tokens per second (guidellm's mean), TTFT, ITL (its
+    inter-token latency) and time per output token at p50 / p99, in seconds as the bench's own rows."""
+    data = json.loads(Path(path).read_text())
+    rows = []
+    for b in data["benchmarks"]:
+        n = b["config"]["strategy"]["streams"]
+        m = b["metrics"]
+        tot = m["request_totals"]
+
+        def stat(name, q):
+            s = m[name]["successful"]
+            return None if not s.get("count") else s["percentiles"][q] / 1e3
+
+        rows.append({"row": f"guidellm, {n} concurrent", "mode": "guidellm", "clients": n, "rate": 0.0,
+                     "requests": tot["total"], "failed": tot["errored"] + tot["incomplete"],
+                     "wall_s": b["duration"], "completion_tokens": m["output_token_count"]["successful"]["total_sum"],
+                     "tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],
+                     "ttft_p50": stat("time_to_first_token_ms", "p50"), "ttft_p99": stat("time_to_first_token_ms", "p99"),
+                     "itl_p50": stat("inter_token_latency_ms", "p50"), "itl_p99": stat("inter_token_latency_ms", "p99"),
+                     "tpot_p50": stat("time_per_output_token_ms", "p50"),
+                     "tpot_p99": stat("time_per_output_token_ms", "p99"), "compiles_after_warmup": None})
+    return rows
+
+
 def _ratios(rows):
-    one = {r["method"]: r["tokens_per_s"] for r in rows if r["row"] == "one at a time"}
+    one = {r["method"]: r["tokens_per_s"] for r in rows
+           if r["row"] == "one at a time" or (r["mode"] == "guidellm" and r["clients"] == 1)}
     fixed = next((r["tokens_per_s"] for r in rows if r["mode"] == "fixed" and not r["row"].endswith(" 1")), None)
     for r in rows:
         if r["mode"] != "fixed" and r["method"] in one:

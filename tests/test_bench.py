@@ -158,3 +158,30 @@ def test_dico_tuning_picks_the_cheapest_setting_near_the_best(tmp_path, monkeypa
     near = [r for r in rep["results"] if r["position_accuracy"] >= best - 0.01]
     assert rep["pick"] == min(near, key=lambda r: r["nfe_per_item"])
     assert (tmp_path / "t" / "dico_tuning.json").exists()
+
+
+def test_guidellm_rows_from_its_benchmarks_json(tmp_path, monkeypatch):
+    """The serve bench's guidellm driver reads guidellm's benchmarks.json into its own rows: tests/data holds the
+    metrics of a real run (guidellm 0.8.1's default streaming run against `pdecode serve --slots 16`, ar, 2026-12-05;
+    the per-request lists dropped): one row per concurrency with guidellm's figures in the bench's units; and
+    ``--driver guidellm`` without guidellm installed is a one-line error before any server starts."""
+    from pathlib import Path
+
+    from infer import serve_bench
+
+    rows = serve_bench.guidellm_rows(Path(__file__).parent / "data" / "guidellm_benchmarks.json")
+    assert [r["clients"] for r in rows] == [1, 4, 16]
+    assert [(r["requests"], r["failed"]) for r in rows] == [(32, 0)] * 3
+    assert [round(r["tokens_per_s"], 1) for r in rows] == [84.0, 233.2, 489.4]  # guidellm's console table
+    assert rows[0]["ttft_p50"] == pytest.approx(0.0495, abs=1e-4) and rows[2]["itl_p50"] == pytest.approx(0.0235, abs=1e-4)
+    assert all(r["ttft_p50"] <= r["ttft_p99"] and r["itl_p50"] <= r["itl_p99"] for r in rows)
+    rows = [dict(r, method="ar") for r in rows]  # (run_suite adds each server's method)
+    serve_bench._ratios(rows)  # guidellm's one stream is the one-at-a-time reference
+    assert rows[0]["x_one_at_a_time"] == 1.0 and rows[2]["x_one_at_a_time"] == pytest.approx(489.4 / 84.0, rel=1e-3)
+    assert "| ar | guidellm, 16 concurrent | 0 | 489.4 | 5.83 |" in serve_bench.to_markdown(
+        rows, {"requests": 32, "prompt_tokens": [136, 136], "budgets": [64, 64], "slots": 16, "date": "-"})
+    monkeypatch.setattr(serve_bench, "_guidellm", lambda: None)
+    started = []
+    monkeypatch.setattr(serve_bench, "Server", lambda *a: started.append(a))
+    assert bench_main(["--suite", "serve", "--driver", "guidellm", "--out", str(tmp_path)]) == 2
+    assert not started
