@@ -26,7 +26,8 @@ call takes the whole table, so a page freed by a finished row is remapped in the
 
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
-two step programs' costs. Warm-up times both on full slots (``spec_cost``: that ratio, a first guess); while
+two step programs' costs. Warm-up times both for each row bucket, each kind at its own span (``spec_costs``; the
+full bucket's is ``spec_cost``: first guesses); while
 serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket, each kind's row
 steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
 time from one step call's results being turned into events to the next one's, in rounds that admitted nothing; all
@@ -239,6 +240,7 @@ class Engine:
                                      f"a plain step")
         self.spec_cost = None if spec_cost is None else float(spec_cost)
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
+        self.spec_costs: dict[int, float] = {}  # per row bucket: the warm-up's ratio (auto, timed)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto; span estimates)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
         # per row bucket: decayed row steps per second per live row of step calls, drafted and plain (auto, timed)
@@ -657,38 +659,44 @@ class Engine:
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
         if self.adaptive and self.spec_cost is None:
-            self.spec_cost = self._measure_spec_cost()
+            self.spec_costs = self._measure_spec_cost()
+            self.spec_cost = self.spec_costs[self.slots]
         return time.perf_counter() - t0
 
-    def _measure_spec_cost(self, repeats: int = 3) -> float:
-        """The cost model's ratio: seconds per drafted step call over seconds per plain one, each the median of
-        ``repeats`` timed calls with every slot live (one-token prompts, greedy; the shortest span that holds them);
-        the slots are emptied after."""
+    def _measure_spec_cost(self, repeats: int = 3) -> dict[int, float]:
+        """The cost model's first ratios, per row bucket: seconds per drafted step call over seconds per plain one,
+        each the median of ``repeats`` timed calls with the bucket's rows live (one-token prompts, greedy), each kind
+        at the shortest span that holds its calls (as serving gives it); the slots are emptied after."""
         budget = self.max_len - self.extra - 3
-        times = {}
-        for plain in (False, True):
-            a, c = self.admit_rows, self._chunk_sizes()[0]
-            whole = self.slots - self.slots % a
-            for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, self.slots)]:
-                args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))  # one-token prompts
-                args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
-                args[7] = np.full((rows,), budget, np.int32)  # a budget the timed calls do not reach
-                if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
-                    n = self._table.shape[1]
-                    args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
-                self.state, _ = self._admit_exe(c, rows)(*args)
-            need = 3 + (repeats + 2) * self.k * self._per_step()  # room for every timed call's tokens (either kind)
-            exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len))
-            ts = []
-            for r in range(repeats + 1):
-                t = time.perf_counter()
-                self.state, outs = exe(self.params, self.state)
-                jax.block_until_ready(outs)
-                if r:  # the first call is a warm-up
-                    ts.append(time.perf_counter() - t)
-            times[plain] = float(np.median(ts))
+        ratios = {}
+        for bucket in self.row_buckets:
+            times = {}
+            for plain in (False, True):
+                a, c = self.admit_rows, self._chunk_sizes()[0]
+                whole = self.slots - self.slots % a
+                for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, self.slots)]:
+                    args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))  # one-token prompts
+                    args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
+                    args[7] = np.full((rows,), budget, np.int32)  # a budget the timed calls do not reach
+                    if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
+                        n = self._table.shape[1]
+                        args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
+                    self.state, _ = self._admit_exe(c, rows)(*args)
+                per, fresh = (1, 1) if plain else (self._per_step(), self.drafter.tree_size)
+                need = 3 + (repeats + 1) * self.k * per + fresh  # room for every timed call's tokens
+                exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len),
+                                     bucket)
+                ts = []
+                for r in range(repeats + 1):
+                    t = time.perf_counter()
+                    self.state, outs = exe(self.params, self.state)
+                    jax.block_until_ready(outs)
+                    if r:  # the first call is a warm-up
+                        ts.append(time.perf_counter() - t)
+                times[plain] = float(np.median(ts))
+            ratios[bucket] = times[False] / times[True]
         self.state = self._empty_exe(self.params)
-        return times[False] / times[True]
+        return ratios
 
     def _chunk_sizes(self):
         return [c for c in CHUNKS if c <= self.chunk]
@@ -1023,8 +1031,8 @@ class Engine:
 
     def _speculate(self, rows: int) -> bool:
         """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio — the
-        ratio of the two kinds' timed row-step rates once both were timed in the row bucket, else the full bucket's
-        or the warm-up's or the given one; the other kind now and then: drafted probes keep tau and the drafted rate
+        ratio of the two kinds' timed row-step rates once both were timed in the row bucket, else the warm-up's for
+        the bucket, or the given one; the other kind now and then: drafted probes keep tau and the drafted rate
         current, plain ones the plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
@@ -1032,7 +1040,8 @@ class Engine:
         if self.tau is None:
             return True
         c = self.rate.get(rows)
-        best = self.tau >= (c[False] / c[True] if c and None not in c.values() else self.spec_cost)
+        best = self.tau >= (c[False] / c[True] if c and None not in c.values()
+                            else self.spec_costs.get(rows, self.spec_cost))
         probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
         return best != probe
 
