@@ -326,7 +326,8 @@ def guidellm_rows(path: Path) -> list[dict]:
                      "requests": tot["total"], "failed": tot["errored"] + tot["incomplete"],
                      "wall_s": b["duration"], "completion_tokens": m["output_token_count"]["successful"]["total_sum"],
                      "tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],
-                     "ttft_p50": stat("time_to_first_token_ms", "p50"), "ttft_p99": stat("time_to_first_token_ms", "p99"),
+                     "ttft_p50": stat("time_to_first_token_ms", "p50"),
+                     "ttft_p99": stat("time_to_first_token_ms", "p99"),
                      "itl_p50": stat("inter_token_latency_ms", "p50"), "itl_p99": stat("inter_token_latency_ms", "p99"),
                      "tpot_p50": stat("time_per_output_token_ms", "p50"),
                      "tpot_p99": stat("time_per_output_token_ms", "p99"), "compiles_after_warmup": None})

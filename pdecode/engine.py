@@ -41,7 +41,8 @@ but equally distributed path when the mix changes).
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
 results, so host work overlaps device work — unless that call may free a slot (a row reaching its budget in it):
-then its results are read first, so the slot is refilled and the next span sized without it. It is single-threaded: a server drives it from one thread.
+then its results are read first, so the slot is refilled and the next span sized without it. It is
+single-threaded: a server drives it from one thread.
 """
 
 from __future__ import annotations
@@ -672,16 +673,7 @@ class Engine:
         for bucket in self.row_buckets:
             times = {}
             for plain in (False, True):
-                a, c = self.admit_rows, self._chunk_sizes()[0]
-                whole = self.slots - self.slots % a
-                for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, self.slots)]:
-                    args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))  # one-token prompts
-                    args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
-                    args[7] = np.full((rows,), budget, np.int32)  # a budget the timed calls do not reach
-                    if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
-                        n = self._table.shape[1]
-                        args[9] = (np.arange(self.slots * n, dtype=np.int32) % self.kv_pages).reshape(self.slots, n)
-                    self.state, _ = self._admit_exe(c, rows)(*args)
+                self._fill_for_timing(bucket, budget)
                 per, fresh = (1, 1) if plain else (self._per_step(), self.drafter.tree_size)
                 need = 3 + (repeats + 1) * self.k * per + fresh  # room for every timed call's tokens
                 exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len),
@@ -697,6 +689,19 @@ class Engine:
             ratios[bucket] = times[False] / times[True]
         self.state = self._empty_exe(self.params)
         return ratios
+
+    def _fill_for_timing(self, n: int, budget: int):
+        """The first ``n`` slots admitted with one-token prompts and ``budget`` (the timed calls decode them)."""
+        a, c = self.admit_rows, self._chunk_sizes()[0]
+        whole = n - n % a
+        for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, n)]:
+            args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))
+            args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
+            args[7] = np.full((rows,), budget, np.int32)
+            if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
+                m = self._table.shape[1]
+                args[9] = (np.arange(self.slots * m, dtype=np.int32) % self.kv_pages).reshape(self.slots, m)
+            self.state, _ = self._admit_exe(c, rows)(*args)
 
     def _chunk_sizes(self):
         return [c for c in CHUNKS if c <= self.chunk]

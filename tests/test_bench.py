@@ -173,7 +173,8 @@ def test_guidellm_rows_from_its_benchmarks_json(tmp_path, monkeypatch):
     assert [r["clients"] for r in rows] == [1, 4, 16]
     assert [(r["requests"], r["failed"]) for r in rows] == [(32, 0)] * 3
     assert [round(r["tokens_per_s"], 1) for r in rows] == [84.0, 233.2, 489.4]  # guidellm's console table
-    assert rows[0]["ttft_p50"] == pytest.approx(0.0495, abs=1e-4) and rows[2]["itl_p50"] == pytest.approx(0.0235, abs=1e-4)
+    assert rows[0]["ttft_p50"] == pytest.approx(0.0495, abs=1e-4)
+    assert rows[2]["itl_p50"] == pytest.approx(0.0235, abs=1e-4)
     assert all(r["ttft_p50"] <= r["ttft_p99"] and r["itl_p50"] <= r["itl_p99"] for r in rows)
     rows = [dict(r, method="ar") for r in rows]  # (run_suite adds each server's method)
     serve_bench._ratios(rows)  # guidellm's one stream is the one-at-a-time reference
