@@ -32,9 +32,9 @@ serving, the engine keeps tau from the acceptance of its recent drafted calls an
 steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
 time from one step call's results being turned into events to the next one's, in rounds that admitted nothing; all
 decayed): the ratio of the two rates is the cost ratio as served (rows that end early in a call, the host's share
-included), and the engine drafts while tau reaches it, with one call of the other kind every `PROBE_EVERY` calls to
-keep the figures current. A ``spec_cost`` given is kept as it is (no
-timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
+included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the figures
+current (`probe_interval`: every 8 calls when such a probe costs little, up to every 256 when it costs much).
+A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
 but equally distributed path when the mix changes).
 
@@ -73,7 +73,9 @@ SPECULATION = ("always", "auto")
 MIN_SPAN = 128  # the shortest attention span a step program is compiled for by default (`default_spans`)
 PAGE_SIZE = 16  # positions per page of a paged KV cache (`Engine(kv_pages=...)`)
 MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`Engine(prefix_cache=...)`)
-PROBE_EVERY = 8  # speculation="auto": one call of the kind not chosen in this many (tau, timings current)
+PROBE_EVERY = 8  # speculation="auto": at most one call of the kind not chosen in this many (tau, timings current)
+PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, at most this share of the throughput
+PROBE_MAX = 256  # ... but one in this many at least
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
 
@@ -247,6 +249,7 @@ class Engine:
         # per row bucket: decayed row steps per second per live row of step calls, drafted and plain (auto, timed)
         self.rate: dict[int, dict[bool, float | None]] = {}
         self._calls = 0
+        self._since_probe = 0  # step calls since the last call of the kind not chosen (auto)
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
         self._t_round = 0.0  # when this round began
@@ -1037,17 +1040,20 @@ class Engine:
     def _speculate(self, rows: int) -> bool:
         """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio — the
         ratio of the two kinds' timed row-step rates once both were timed in the row bucket, else the warm-up's for
-        the bucket, or the given one; the other kind now and then: drafted probes keep tau and the drafted rate
-        current, plain ones the plain rate)."""
+        the bucket, or the given one; the other kind now and then (`probe_interval`): drafted probes keep tau and the
+        drafted rate current, plain ones the plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
         if self.tau is None:
             return True
         c = self.rate.get(rows)
-        best = self.tau >= (c[False] / c[True] if c and None not in c.values()
-                            else self.spec_costs.get(rows, self.spec_cost))
-        probe = self._calls % PROBE_EVERY == 0 and (self.timed or not best)
+        ratio = c[False] / c[True] if c and None not in c.values() else self.spec_costs.get(rows, self.spec_cost)
+        best = self.tau >= ratio
+        self._since_probe += 1
+        probe = (self.timed or not best) and self._since_probe >= probe_interval(self.tau, ratio)
+        if probe:
+            self._since_probe = 0
         return best != probe
 
     def _note_tau(self, tokens: int, row_steps: int):
@@ -1190,6 +1196,18 @@ class Engine:
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
                       forwards=r.forwards)
                 for r in reqs]
+
+
+def probe_interval(tau: float, ratio: float) -> int:
+    """Step calls per call of the kind the cost model did not choose (speculation="auto"), from tau and the cost
+    ratio (a drafted call takes ``ratio`` plain calls' time and gives ``tau`` tokens a row step to a plain one's 1).
+    A drafted probe while plain calls win gives ``ratio - tau`` plain calls' tokens fewer than a plain call in its
+    time; a plain probe while drafted calls win, ``1 / ratio - 1 / tau`` drafted calls' tokens. The interval keeps
+    that loss at `PROBE_SHARE` of the throughput at most, within [`PROBE_EVERY`, `PROBE_MAX`] calls: a probe that
+    costs little runs often, one that costs much (a drafted call at a full batch, where it costs several plain ones)
+    rarely."""
+    lost = ratio - tau if tau < ratio else 1.0 / ratio - 1.0 / tau
+    return int(min(PROBE_MAX, max(PROBE_EVERY, math.ceil(lost / PROBE_SHARE))))
 
 
 def default_row_buckets(slots: int) -> list[int]:

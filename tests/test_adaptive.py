@@ -11,7 +11,7 @@ import pytest
 
 import pdecode
 from pdecode.decode import speculative
-from pdecode.engine import PROBE_EVERY, Engine
+from pdecode.engine import PROBE_EVERY, Engine, probe_interval
 from pdecode.errors import InputError
 from tests.test_controls import MIN_P, PEN, PROMPT, _min_pvalue, _processed_marginals, sharp  # noqa: F401
 from tests.test_engine import BUDGETS, COUNTER
@@ -69,7 +69,7 @@ def _run(eng, prompts, budgets):
 
 def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
     """A cost ratio no drafter can beat: after its first (drafted) call the engine runs plain steps, with a drafted
-    probe every PROBE_EVERY calls; greedy output stays generate's token for token, nothing compiles after warm-up.
+    probe now and then (at most every PROBE_EVERY calls); greedy output stays generate's token for token, nothing compiles after warm-up.
     (sd: the drafter with a state to follow; lookup's and Medusa's `follow` keep nothing.)"""
     t, method = models["target"], "sd"
     opts = dict(draft=models["small"], gamma=3)
@@ -96,19 +96,66 @@ def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
         assert sum(r.accepted) < r.forwards
 
 
+def test_probes_run_less_often_as_they_cost_more(models):  # noqa: F811
+    """The kind not chosen runs once in `probe_interval(tau, ratio)` calls: a probe's tokens lost against the chosen
+    kind kept at 3% of the throughput (8 calls at the least, 256 at the most). A drafted probe at tau 3.2 where a
+    drafted call costs 4.8 plain ones loses 1.6 plain calls' tokens: one in 54 calls; a plain probe while drafting
+    wins costs little: one in 8. The engine's decisions follow it (a given ratio: no plain probes, nothing timed)."""
+    assert probe_interval(3.2, 4.8) == 54  # ceil(1.6 / 0.03)
+    assert probe_interval(1.0, 100.0) == 256 and probe_interval(4.7, 4.8) == PROBE_EVERY
+    assert probe_interval(3.2, 1.85) == PROBE_EVERY  # 1 / 1.85 - 1 / 3.2 = 0.23: 7.6 calls
+    assert probe_interval(8.0, 1.1) == 27  # 1 / 1.1 - 1 / 8 = 0.784
+    t = models["target"]
+    for ratio, tau, want in ((4.8, 3.2, 54), (2.0, 1.2, 27)):
+        eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, speculation="auto",
+                     spec_cost=ratio, gamma=3)
+        eng.tau = tau
+        drafted = [eng._speculate(2) for _ in range(3 * want)]
+        assert [i for i, d in enumerate(drafted) if d] == [want - 1, 2 * want - 1, 3 * want - 1]
+    eng.tau = 3.0  # drafting wins: a given ratio has no plain probes
+    assert all(eng._speculate(2) for _ in range(100))
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
     """The draft is the target itself: every drafted step accepts all gamma tokens, also those after runs of plain
     steps (the draft's cache caught up after each plain call's steps, `Drafter.follow_late`: one pass for 1 or 3
-    plain steps). A draft that did not follow would draft from a stale cache."""
+    plain steps). A draft that did not follow would draft from a stale cache. (A ratio just above tau = 4: plain
+    calls win by little, so a drafted probe runs once in 8 calls.)"""
     t = models["target"]
     eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=steps, speculation="auto",
-                 spec_cost=100.0, gamma=3)
+                 spec_cost=4.2, gamma=3)
     reqs = _run(eng, PROMPTS[:2], [60, 60])
     assert eng.stats["plain_steps"] > eng.stats["drafted_steps"] >= 3
     for r in reqs:
         h = r.accepted  # verify steps that accepted 0..3 drafted tokens
         assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer
+
+
+def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
+    """`follow_late` after plain steps feeds every committed token the draft lacks but the last (the root its next
+    proposal feeds), in forwards as wide as the call's steps: two rows lagging 9 and 2 tokens behind after calls of 2
+    steps (a drafted step before them left its verify's tokens unfed) reach seq_len - 1, and the draft's next-token
+    logits at the root equal a full forward over the sequence."""
+    import jax.numpy as jnp
+
+    from pdecode.decode import draft_model
+
+    t, d = models["target"], models["small"]
+    eng = Engine(t, method="sd", draft=d, slots=2, max_len=64, chunk=32, speculation="auto", spec_cost=4.0, gamma=4)
+    drafter = eng.drafter
+    _, dp = eng._layout(eng.params)
+    rng = np.random.default_rng(0)
+    seq = rng.integers(3, d.cfg.vocab_size, (2, 64)).astype(np.int32)
+    plen, seq_len = np.array([5, 9], np.int32), np.array([15, 12], np.int32)  # the draft has the prompts alone
+    cache = draft_model._draft_init(dp, drafter.dcfg, jnp.asarray(seq[:, :9]), jnp.asarray(plen), 64, jnp.float32)
+    st = drafter.follow_late(dp, draft_model.ChainState(cache=cache, gamma=jnp.full((2,), 4, jnp.int32)),
+                             jnp.asarray(seq), jnp.asarray(seq_len), 2)
+    assert np.asarray(st.cache.lengths).tolist() == [14, 11]
+    _, logits, _ = draft_model.catch_up(dp, drafter.dcfg, st.cache, jnp.asarray(seq), jnp.asarray(seq_len), 1)
+    for b in range(2):
+        ref = np.asarray(pdecode.forward_logits(d, [seq[b, : seq_len[b]].tolist()]))[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[b]), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
@@ -133,7 +180,7 @@ def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
 
 def test_measured_cost_and_options(models):  # noqa: F811
     """Without spec_cost a ratio is timed at warm-up (its value is this machine's: not asserted), then from the
-    serving loop's own calls of both kinds (the other kind runs every PROBE_EVERY calls); bad values are one-line
+    serving loop's own calls of both kinds (the other kind runs now and then); bad values are one-line
     errors; a drafter that cannot follow keeps drafting."""
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, steps_per_call=1,

@@ -186,3 +186,19 @@ def test_guidellm_rows_from_its_benchmarks_json(tmp_path, monkeypatch):
     monkeypatch.setattr(serve_bench, "Server", lambda *a: started.append(a))
     assert bench_main(["--suite", "serve", "--driver", "guidellm", "--out", str(tmp_path)]) == 2
     assert not started
+
+
+def test_closed_loop_fill_is_the_tail_alone():
+    """The serve bench's ceiling for a closed-loop row: the share of slot-steps a gapless engine keeps busy when each
+    of ``clients`` sends its next request as its last one ends; said above the table for the row."""
+    from infer import serve_bench
+
+    assert serve_bench.closed_loop_fill([10] * 16, 16) == 1.0  # one request per client: all end together
+    assert serve_bench.closed_loop_fill([10] * 17, 16) == pytest.approx(170 / (16 * 20))  # one runs alone after
+    assert serve_bench.closed_loop_fill([1, 1, 1, 9], 2) == pytest.approx(12 / 20)  # the 9 starts at step 1
+    rows = [{"row": "16 concurrent", "method": "ar", "mode": "closed", "failed": 0, "tokens_per_s": 1.0,
+             "ttft_p50": None, "ttft_p99": None, "itl_p50": None, "itl_p99": None, "tpot_p50": None, "tpot_p99": None,
+             "compiles_after_warmup": 0, "ideal_fill": 0.8}]
+    md = serve_bench.to_markdown(rows, {"requests": 48, "prompt_tokens": [16, 64], "budgets": [32, 96], "slots": 16,
+                                        "date": "-"})
+    assert "16 concurrent: a closed loop over these requests fills at most 80% of its slots" in md

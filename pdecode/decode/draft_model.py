@@ -88,10 +88,17 @@ class _DraftModelDrafter(Drafter):
     follows_late = True
 
     def follow_late(self, dparams, dstate, seq_BL, seq_len_B, steps: int):
-        """After ``steps`` plain steps: the committed tokens the draft lacks (at most ``steps`` + what the last verify
-        step left, ``max_depth + 1``) in one forward, all but the last (the next `propose` feeds the root itself)."""
+        """After ``steps`` plain steps: the committed tokens the draft lacks, all but the last (the next `propose`
+        feeds the root itself), in forwards of ``steps`` tokens until every row has them: one after plain steps that
+        followed plain steps (``steps`` tokens lacking), two when a drafted step came before them (what its verify
+        left, up to ``max_depth``, lacking too). One forward as wide as the worst case cost a plain call of 4 steps
+        18% more than an AR call on this CPU, mostly padding."""
         upto = jnp.maximum(seq_len_B - 1, dstate.cache.lengths)  # (an empty slot: nothing to feed)
-        cache, _, _ = catch_up(dparams, self.dcfg, dstate.cache, seq_BL, upto, steps + self.max_depth + 1)
+
+        def feed(cache):
+            return catch_up(dparams, self.dcfg, cache, seq_BL, upto, steps)[0]
+
+        cache = jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto), feed, dstate.cache)
         return dstate.replace(cache=cache)
 
 
