@@ -249,6 +249,7 @@ class Engine:
         # per row bucket: decayed row steps per second per live row of step calls, drafted and plain (auto, timed)
         self.rate: dict[int, dict[bool, float | None]] = {}
         self._calls = 0
+        self._ran_each = False  # every program run once (warm-up)
         self._since_probe = 0  # step calls since the last call of the kind not chosen (auto)
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
@@ -662,6 +663,8 @@ class Engine:
                         self._step_exe(samp, plain, span, rows)
         self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
         self.warm_compiles = self.compiles
+        if not self._ran_each:
+            self._run_each_once()
         if self.adaptive and self.spec_cost is None:
             self.spec_costs = self._measure_spec_cost()
             self.spec_cost = self.spec_costs[self.slots]
@@ -693,17 +696,47 @@ class Engine:
         self.state = self._empty_exe(self.params)
         return ratios
 
-    def _fill_for_timing(self, n: int, budget: int):
-        """The first ``n`` slots admitted with one-token prompts and ``budget`` (the timed calls decode them)."""
-        a, c = self.admit_rows, self._chunk_sizes()[0]
+    def _run_each_once(self):
+        """Run every admission, prefill and step program once with a live row, then empty the slots. XLA:CPU pays
+        40-80 ms more at a program's first run with work in its loop (a step call on empty slots, which runs no
+        step, does not pay it): it would land on the first requests' latency and on the cost model's timings (a
+        plain probe's first run timed at 59 ms against 21, which kept the engine drafting at 16 busy slots)."""
+        budget = self.max_len - self.extra - 3
+        for c in self._chunk_sizes():
+            for rows in sorted({1, self.admit_rows}):
+                self._fill_for_timing(rows, budget, c)
+        pre = self._exe[("prefill", ())](self.params, self._blank_prefill(), np.ones((1, self.chunk), np.int32),
+                                         np.ones((1,), np.int32))
+        for c in self._chunk_sizes():
+            args = self._admit_args(np.ones((1, c), np.int32), [None]) + (
+                pre, np.ones((1, self.max_len), np.int32), np.ones((1,), np.int32))
+            if self.kv_pages is not None:
+                args = args[:9] + (self._timing_table(),) + args[10:]
+            self.state, _ = self._exe[(("admit", c, 1, True), ())](*args)
+        for key, exe in list(self._exe.items()):
+            if key[0][0] == "step":
+                self._fill_for_timing(1, budget)
+                self.state, outs = exe(self.params, self.state)
+        jax.block_until_ready(self.state)
+        self.state = self._empty_exe(self.params)
+        self._ran_each = True
+
+    def _timing_table(self):
+        """A page table for warm-up rows (pages shared if too few: their contents are not used)."""
+        m = self._table.shape[1]
+        return (np.arange(self.slots * m, dtype=np.int32) % self.kv_pages).reshape(self.slots, m)
+
+    def _fill_for_timing(self, n: int, budget: int, chunk: int | None = None):
+        """The first ``n`` slots admitted with one-token prompts and ``budget`` (the timed calls decode them), by
+        admission calls of ``chunk`` positions (the shortest by default)."""
+        a, c = self.admit_rows, chunk or self._chunk_sizes()[0]
         whole = n - n % a
         for j, rows in [(j, a) for j in range(0, whole, a)] + [(j, 1) for j in range(whole, n)]:
             args = list(self._admit_args(np.ones((rows, c), np.int32), [None] * rows))
             args[4] = np.arange(j, j + rows, dtype=np.int32)  # their slots
             args[7] = np.full((rows,), budget, np.int32)
-            if self.kv_pages is not None:  # pages for the timing only (shared if too few: contents unused)
-                m = self._table.shape[1]
-                args[9] = (np.arange(self.slots * m, dtype=np.int32) % self.kv_pages).reshape(self.slots, m)
+            if self.kv_pages is not None:
+                args[9] = self._timing_table()
             self.state, _ = self._admit_exe(c, rows)(*args)
 
     def _chunk_sizes(self):
