@@ -28,11 +28,11 @@ Speculation by cost (``speculation="auto"``): a step call costs the same whateve
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
 two step programs' costs. Warm-up times both for each row bucket, each kind at its own span (``spec_costs``; the
 full bucket's is ``spec_cost``: first guesses); while
-serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket, each kind's row
-steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
+serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket and span, each
+kind's row steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
 time from one step call's results being turned into events to the next one's, in rounds that admitted nothing; all
-decayed): the ratio of the two rates is the cost ratio as served (rows that end early in a call, the host's share
-included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the figures
+decayed): the ratio of the two rates, each kind's at the span it would get, is the cost ratio as served (rows that
+end early in a call, the host's share included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the figures
 current (`probe_interval`: every 8 calls when such a probe costs little, up to every 256 when it costs much).
 A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
 sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
@@ -246,8 +246,9 @@ class Engine:
         self.spec_costs: dict[int, float] = {}  # per row bucket: the warm-up's ratio (auto, timed)
         self.tau = None  # tokens per row per drafted step, decayed over recent drafted calls (auto; span estimates)
         self._tau_sums = [0.0, 0.0]  # decayed (tokens, row steps)
-        # per row bucket: decayed row steps per second per live row of step calls, drafted and plain (auto, timed)
-        self.rate: dict[int, dict[bool, float | None]] = {}
+        # per (row bucket, span): decayed row steps per second per live row of step calls, drafted and plain (auto,
+        # timed): a call's cost moves with its span as much as with its rows, and the kinds' ratio differs by span
+        self.rate: dict[tuple[int, int], dict[bool, float | None]] = {}
         self._calls = 0
         self._ran_each = False  # every program run once (warm-up)
         self._since_probe = 0  # step calls since the last call of the kind not chosen (auto)
@@ -781,6 +782,8 @@ class Engine:
     def _admit_exe(self, size: int, rows: int = 1, pre=None):
         args = self._admit_args(np.zeros((rows, size), np.int32), [None] * rows)
         if pre is not None:
+            if self.mesh is not None:  # as the prefill chunks leave it (replicated), not as the compiler would pick
+                pre = jax.device_put(pre, self._replicated_sharding())
             args += (pre, np.zeros((1, self.max_len), np.int32), np.ones((1,), np.int32))
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
@@ -1059,7 +1062,7 @@ class Engine:
                     for r in live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
-        drafted = self._speculate(rows)
+        drafted = self._speculate(rows, {d: self._span_for(live, d) for d in (False, True)} if self.adaptive else None)
         span = self._span_for(live, drafted)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
@@ -1068,20 +1071,23 @@ class Engine:
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits, rows))
+        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits, rows, span))
 
-    def _speculate(self, rows: int) -> bool:
-        """Whether the next step call (of ``rows`` rows) drafts (the cost model: tau against the cost ratio — the
-        ratio of the two kinds' timed row-step rates once both were timed in the row bucket, else the warm-up's for
-        the bucket, or the given one; the other kind now and then (`probe_interval`): drafted probes keep tau and the
-        drafted rate current, plain ones the plain rate)."""
+    def _speculate(self, rows: int, spans: dict[bool, int] | None = None) -> bool:
+        """Whether the next step call (of ``rows`` rows; ``spans``: the span each kind would get) drafts (the cost
+        model: tau against the cost ratio — the ratio of the two kinds' timed row-step rates in the row bucket, each
+        at its own span, once both were timed there, else the warm-up's for the bucket, or the given one; the other
+        kind now and then (`probe_interval`): drafted probes keep tau and the drafted rate current, plain ones the
+        plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
         if self.tau is None:
             return True
-        c = self.rate.get(rows)
-        ratio = c[False] / c[True] if c and None not in c.values() else self.spec_costs.get(rows, self.spec_cost)
+        d, p = ((self.rate.get((rows, spans[k])) or {}).get(k) if spans else None for k in (True, False))
+        ratio = p / d if d and p else self.spec_costs.get(rows, self.spec_cost)
+        if d and p and rows == self.slots:
+            self.spec_cost = ratio  # (the full bucket's, as last judged)
         best = self.tau >= ratio
         self._since_probe += 1
         probe = (self.timed or not best) and self._since_probe >= probe_interval(self.tau, ratio)
@@ -1095,22 +1101,20 @@ class Engine:
             self._tau_sums = [TAU_DECAY * a + tokens, TAU_DECAY * b + row_steps]
             self.tau = self._tau_sums[0] / self._tau_sums[1]
 
-    def _note_time(self, drafted: bool, rows: int, t_round: float, clean: bool, row_steps: int, live: int):
+    def _note_time(self, drafted: bool, rows: int, span: int, t_round: float, clean: bool, row_steps: int,
+                   live: int):
         """A step call's results are read and turned into events: the ``row_steps`` its ``live`` rows took (the
         steps each row decoded before it ended, summed) over its seconds — since the previous step call's results
         were read (or since the start of the round that dispatched it, if later: an idle engine's wait is not
         counted): the loop's period per call, the host's work and the device's — go into its kind's decayed rate for
-        its row bucket when neither the round that dispatched it nor this one admitted anything. A drafted row step
-        gives tau tokens, a plain one 1: with both rates of the full bucket, ``spec_cost`` is their ratio (plain /
-        drafted), the tau at which drafting breaks even; tau itself stays current from every drafted call."""
+        its row bucket and span when neither the round that dispatched it nor this one admitted anything. A drafted
+        row step gives tau tokens, a plain one 1: the ratio of the two rates (plain / drafted) is the tau at which
+        drafting breaks even; tau itself stays current from every drafted call."""
         now = time.perf_counter()
         if self.timed and clean and self._last_ready is not None and live:
             rate = row_steps / max(now - max(self._last_ready, t_round), 1e-9) / live
-            c = self.rate.setdefault(rows, {True: None, False: None})
+            c = self.rate.setdefault((rows, span), {True: None, False: None})
             c[drafted] = rate if c[drafted] is None else TAU_DECAY * c[drafted] + (1 - TAU_DECAY) * rate
-        c = self.rate.get(self.slots)
-        if self.timed and c and None not in c.values() and c[True] > 0:
-            self.spec_cost = c[False] / c[True]
         self._last_ready = now
 
     def _collect(self, item) -> list[Event]:
@@ -1154,7 +1158,7 @@ class Engine:
             self._note_tau(tau_tok, tau_steps)
         if self.adaptive:
             steps = tau_steps if drafted and self.drafter is not None else made  # (a plain step: one token)
-            self._note_time(drafted, item[6], item[4], item[5] and not self._round_admits, steps, rows_made)
+            self._note_time(drafted, item[6], item[7], item[4], item[5] and not self._round_admits, steps, rows_made)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

@@ -59,8 +59,8 @@ def main(argv=None) -> None:
         return
     st = auto.stats
     print(f"auto: {st['drafted_steps']} drafted and {st['plain_steps']} plain step calls; tau {auto.tau:.2f}; "
-          f"tokens per second per live row by row bucket (drafted, plain): "
-          f"{ {r: (round(c[True] or 0, 1), round(c[False] or 0, 1)) for r, c in auto.rate.items()} }; "
+          f"row steps per second per live row by (row bucket, span) (drafted, plain): "
+          f"{ {r: (round(c[True] or 0, 1), round(c[False] or 0, 1)) for r, c in sorted(auto.rate.items())} }; "
           f"break-even tau (all slots) {auto.spec_cost:.2f}")
 
 

@@ -116,6 +116,26 @@ def test_probes_run_less_often_as_they_cost_more(models):  # noqa: F811
     assert all(eng._speculate(2) for _ in range(100))
 
 
+def test_each_kind_is_judged_at_its_own_span(models):  # noqa: F811
+    """The served rates are kept per row bucket and span, and a call compares tau with the ratio of the plain rate at
+    the span a plain call would get to the drafted rate at the (longer) span a drafted call would get; without both,
+    the warm-up's ratio for the bucket."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, speculation="auto",
+                 spans=[32, 64, 128], gamma=3)
+    eng.spec_costs, eng.spec_cost, eng.tau = {2: 2.0}, 2.0, 2.4
+    eng._since_probe = -10**6  # no probes here
+    eng.rate = {(2, 32): {True: 150.0, False: 300.0}, (2, 64): {True: 100.0, False: 200.0}}
+    # at either span alone drafting wins (300 / 150 = 200 / 100 = 2 < tau 2.4); a drafted call needing 64 where a
+    # plain one takes 32 does not (300 / 100 = 3)
+    assert eng._speculate(2, {False: 32, True: 32}) and eng._speculate(2, {False: 64, True: 64})
+    assert not eng._speculate(2, {False: 32, True: 64})
+    assert eng.spec_cost == 3.0
+    assert eng._speculate(2, {False: 32, True: 128})  # no drafted rate at 128: the warm-up's 2.0
+    eng.spec_costs = {2: 2.5}
+    assert not eng._speculate(2, {False: 128, True: 128})
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
     """The draft is the target itself: every drafted step accepts all gamma tokens, also those after runs of plain
@@ -191,9 +211,11 @@ def test_measured_cost_and_options(models):  # noqa: F811
     assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:2], max_new_tokens=40).tokens
     st = eng.stats
     assert st["drafted_steps"] >= 1 and st["plain_steps"] >= 1, dict(st)
-    c = eng.rate[2]  # row steps per second per live row (2 slots: one row bucket)
+    assert eng.spans == [96]  # one row bucket (2 slots), one span: one pair of rates
+    c = eng.rate[(2, 96)]  # row steps per second per live row
     assert c[True] > 0 and c[False] > 0
-    assert eng.spec_cost == pytest.approx(c[False] / c[True])  # the break-even tau
+    eng._speculate(2, {True: 96, False: 96})
+    assert eng.spec_cost == pytest.approx(c[False] / c[True])  # the break-even tau, as last judged
     with pytest.raises(InputError, match="speculation must be one of"):
         Engine(t, method="lookup", speculation="sometimes")
     with pytest.raises(InputError, match="spec_cost must be a number > 0"):
