@@ -27,16 +27,16 @@ call takes the whole table, so a page freed by a finished row is remapped in the
 Speculation by cost (``speculation="auto"``): a step call costs the same whatever the number of live slots (the
 shapes are static), so speculating pays exactly when a drafted step's tokens per row, tau, exceed the ratio of the
 two step programs' costs. Warm-up times both for each row bucket, each kind at its own span (``spec_costs``; the
-full bucket's is ``spec_cost``: first guesses); while
-serving, the engine keeps tau from the acceptance of its recent drafted calls and, per row bucket and span, each
-kind's row steps per second per live row from the calls themselves (the steps a call's rows took before they ended, over the
-time from one step call's results being turned into events to the next one's, in rounds that admitted nothing; all
-decayed): the ratio of the two rates, each kind's at the span it would get, is the cost ratio as served (rows that
-end early in a call, the host's share included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the figures
-current (`probe_interval`: every 8 calls when such a probe costs little, up to every 256 when it costs much).
-A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose alike). Each kind of step is lossless given the
-sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may take a different
-but equally distributed path when the mix changes).
+full bucket's is ``spec_cost``: first guesses); while serving, the engine keeps tau from the acceptance of its
+recent drafted calls and, per row bucket and span, each kind's row steps per second per live row from the calls
+themselves (the steps a call's rows took before they ended, over the time from one step call's results being turned
+into events to the next one's, in rounds that admitted nothing; all decayed): the ratio of the two rates, each
+kind's at the span it would get, is the cost ratio as served (rows that end early in a call, the host's share
+included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the
+figures current (`probe_interval`: every 8 calls when such a probe costs little, up to every 256 when it costs
+much). A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose
+alike). Each kind of step is lossless given the sequence so far, so any mix of them is (greedy output is unchanged;
+a seeded sampled request may take a different but equally distributed path when the mix changes).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
@@ -709,10 +709,10 @@ class Engine:
         pre = self._exe[("prefill", ())](self.params, self._blank_prefill(), np.ones((1, self.chunk), np.int32),
                                          np.ones((1,), np.int32))
         for c in self._chunk_sizes():
-            args = self._admit_args(np.ones((1, c), np.int32), [None]) + (
-                pre, np.ones((1, self.max_len), np.int32), np.ones((1,), np.int32))
+            args = list(self._admit_args(np.ones((1, c), np.int32), [None])) + [
+                pre, np.ones((1, self.max_len), np.int32), np.ones((1,), np.int32)]
             if self.kv_pages is not None:
-                args = args[:9] + (self._timing_table(),) + args[10:]
+                args[9] = self._timing_table()
             self.state, _ = self._exe[(("admit", c, 1, True), ())](*args)
         for key, exe in list(self._exe.items()):
             if key[0][0] == "step":
@@ -1062,8 +1062,9 @@ class Engine:
                     for r in live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
-        drafted = self._speculate(rows, {d: self._span_for(live, d) for d in (False, True)} if self.adaptive else None)
-        span = self._span_for(live, drafted)
+        spans = {d: self._span_for(live, d) for d in (False, True)} if self.adaptive else None
+        drafted = self._speculate(rows, spans)
+        span = spans[drafted] if spans else self._span_for(live, drafted)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1

@@ -69,7 +69,8 @@ def _run(eng, prompts, budgets):
 
 def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
     """A cost ratio no drafter can beat: after its first (drafted) call the engine runs plain steps, with a drafted
-    probe now and then (at most every PROBE_EVERY calls); greedy output stays generate's token for token, nothing compiles after warm-up.
+    probe now and then (at most every PROBE_EVERY calls); greedy output stays generate's token for token, nothing
+    compiles after warm-up.
     (sd: the drafter with a state to follow; lookup's and Medusa's `follow` keep nothing.)"""
     t, method = models["target"], "sd"
     opts = dict(draft=models["small"], gamma=3)
