@@ -76,6 +76,7 @@ MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`E
 PROBE_EVERY = 8  # speculation="auto": at most one call of the kind not chosen in this many (tau, timings current)
 PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, at most this share of the throughput
 PROBE_MAX = 256  # ... but one in this many at least
+LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forwards this many calls' tokens wide
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
 
@@ -484,11 +485,19 @@ class Engine:
         n_rows = rows or self.slots
         gather = self.kv_pages is None or n_rows * span <= self.kv_pages * self.page_size
         is_cache = lambda x: isinstance(x, (kvc.KVCache, kvc.PagedKVCache))  # noqa: E731
-        st = st.replace(loop=jax.tree.map(lambda c: kvc.head(c, span, gather) if is_cache(c) else c, full,
-                                          is_leaf=is_cache))
+        cut = lambda tree: jax.tree.map(lambda c: kvc.head(c, span, gather) if is_cache(c) else c, tree,  # noqa: E731
+                                        is_leaf=is_cache)
+        put = lambda win: lambda c, p: kvc.put_head(c, p, win) if is_cache(c) else p  # noqa: E731
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
-        # plain steps of a drafter that can catch up late: no draft pass a step, one after the call's steps
+        # plain steps of a drafter that can catch up late: no draft pass a step; with speculation="auto" the draft is
+        # left to lag through plain calls up to `_late_width` - k tokens (its state not even cut to the span), fed in
+        # forwards that wide, and caught up before a drafted call
+        late = self.drafter is not None and self.drafter.follows_late and self.adaptive
         lazy = plain and self.drafter is not None and self.drafter.follows_late
+        if lazy and late:
+            st = st.replace(loop=cut(full.replace(dstate=None)).replace(dstate=full.dstate))
+        else:
+            st = st.replace(loop=cut(full))
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         warp = self._with_tables(st.warp, st.grammar)
@@ -498,6 +507,9 @@ class Engine:
             one = speculative.make_step(tp, dp, warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
                                         eos_ids=(), samp=samp, plain=plain, follow=not lazy)
         c0 = st.loop.out.count
+        if late and not plain:  # what the plain calls before left unfed, beyond what a proposal feeds itself
+            st = st.replace(loop=st.loop.replace(dstate=self.drafter.follow_late(
+                dp, st.loop.dstate, st.loop.seq, st.loop.seq_len, self._late_width, self.drafter.max_depth)))
 
         def cond(c):
             i, s = c
@@ -505,14 +517,25 @@ class Engine:
             return (i < k) & ~jnp.all(s.out.done) & room
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
-        if lazy:
-            loop = loop.replace(dstate=self.drafter.follow_late(dp, loop.dstate, loop.seq, loop.seq_len, k))
         w = k * (1 if plain else self._per_step())  # the most tokens a row commits in this call
-        # a draft model's cache may trail the target's by one step's tokens (on a mesh the whole head goes back: a
-        # slice update the partitioner keeps local to each device's rows)
+        # a draft model's cache may trail the target's by one step's tokens, and by up to `_late_width` more where
+        # it lags through plain calls (on a mesh the whole head goes back: a slice update the partitioner keeps local
+        # to each device's rows)
         window = None if self.mesh is not None else w + self._per_step()
-        loop = jax.tree.map(lambda c, p: kvc.put_head(c, p, window) if is_cache(c) else p, full, loop,
-                            is_leaf=is_cache)
+        dwindow = None if window is None else window + (self._late_width if late else 0)
+        if lazy and late:  # fed (on its head) only once some row lags more than the slack
+            width = self._late_width
+
+            def feed(ds):
+                fed = self.drafter.follow_late(dp, cut(ds), loop.seq, loop.seq_len, width, width - k)
+                return jax.tree.map(put(dwindow), ds, fed, is_leaf=is_cache)
+
+            lagging = jnp.any(self.drafter.lag(loop.dstate, loop.seq_len) > width - k)
+            loop = loop.replace(dstate=jax.lax.cond(lagging, feed, lambda ds: ds, loop.dstate))
+        elif lazy:
+            loop = loop.replace(dstate=self.drafter.follow_late(dp, loop.dstate, loop.seq, loop.seq_len, k))
+        loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
+                            is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
         out = loop.out
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
@@ -554,6 +577,11 @@ class Engine:
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
+
+    @property
+    def _late_width(self) -> int:
+        """The width of the forwards that feed a draft lagging through plain calls (`LATE_CALLS` calls' tokens)."""
+        return LATE_CALLS * self.k
 
     @staticmethod
     def _prefix_get_fn(store: Prefill, entry, length) -> Prefill:

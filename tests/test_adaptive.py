@@ -11,7 +11,7 @@ import pytest
 
 import pdecode
 from pdecode.decode import speculative
-from pdecode.engine import PROBE_EVERY, Engine, probe_interval
+from pdecode.engine import LATE_CALLS, PROBE_EVERY, Engine, probe_interval
 from pdecode.errors import InputError
 from tests.test_controls import MIN_P, PEN, PROMPT, _min_pvalue, _processed_marginals, sharp  # noqa: F401
 from tests.test_engine import BUDGETS, COUNTER
@@ -153,11 +153,42 @@ def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
         assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer
 
 
+def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models):  # noqa: F811
+    """Through plain calls the draft lags, fed in forwards of `LATE_CALLS` calls' tokens once a row lags more than
+    that less one call's (16 - 2 at 2 steps a call); a drafted call catches it up whole first. The draft is the target
+    itself: every drafted step after 10 plain calls (20 tokens unfed) or 7 accepts all 3 drafted tokens, and the
+    tokens are generate's."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=2, speculation="auto",
+                 spec_cost=4.2, gamma=3)
+    assert eng._late_width == LATE_CALLS * 2 == 16
+    plan = iter([True] + [False] * 10 + [True] * 3 + [False] * 7 + [True] * 100)  # the calls' kinds, in order
+    eng._speculate = lambda rows, spans=None: next(plan)
+    lags = []
+    orig = eng._dispatch_step
+
+    def dispatch(live):  # after each step call: how far each live row's draft lags behind its sequence's last token
+        orig(live)
+        loop = eng.state.loop
+        lag = np.asarray(loop.seq_len) - 1 - np.asarray(loop.dstate.cache.lengths)
+        lags.append((eng._inflight[-1][3], [int(lag[r.slot]) for r in live]))
+
+    eng._dispatch_step = dispatch
+    reqs = _run(eng, PROMPTS[:2], [80, 80])
+    ref = pdecode.generate(t, PROMPTS[:2], method="sd", draft=t, gamma=3, max_new_tokens=[80, 80])
+    assert [r.tokens for r in reqs] == ref.tokens
+    for r in reqs:  # 8 + 20 + 24 + 14 tokens, then drafted calls to 80: none short of full acceptance but the last
+        assert r.accepted[3] >= 10 and sum(r.accepted[:3]) <= 1, r.accepted
+    plain_lags = [x for d, lag in lags for x in lag if d is False]
+    assert max(plain_lags) <= 16 - 2 and max(plain_lags) > 3 + 1 + 2  # it lagged beyond one call and was fed
+
+
 def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
     """`follow_late` after plain steps feeds every committed token the draft lacks but the last (the root its next
-    proposal feeds), in forwards as wide as the call's steps: two rows lagging 9 and 2 tokens behind after calls of 2
-    steps (a drafted step before them left its verify's tokens unfed) reach seq_len - 1, and the draft's next-token
-    logits at the root equal a full forward over the sequence."""
+    proposal feeds), in forwards of the given width: two rows lagging 9 and 2 tokens behind (plain calls left them
+    unfed) reach seq_len - 1 in forwards of 2, and the draft's next-token logits at the root equal a full forward over
+    the sequence. With a slack the rows may lag that much: one forward of 8 feeds both rows (the one lagging 9 keeps 1,
+    within a slack of 5), none while no row lags more than the slack."""
     import jax.numpy as jnp
 
     from pdecode.decode import draft_model
@@ -173,10 +204,18 @@ def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
     st = drafter.follow_late(dp, draft_model.ChainState(cache=cache, gamma=jnp.full((2,), 4, jnp.int32)),
                              jnp.asarray(seq), jnp.asarray(seq_len), 2)
     assert np.asarray(st.cache.lengths).tolist() == [14, 11]
-    _, logits, _ = draft_model.catch_up(dp, drafter.dcfg, st.cache, jnp.asarray(seq), jnp.asarray(seq_len), 1)
-    for b in range(2):
-        ref = np.asarray(pdecode.forward_logits(d, [seq[b, : seq_len[b]].tolist()]))[0, -1]
-        np.testing.assert_allclose(np.asarray(logits[b]), ref, atol=2e-4, rtol=1e-4)
+    state = draft_model.ChainState(cache=cache, gamma=jnp.full((2,), 4, jnp.int32))
+    lagging = drafter.follow_late(dp, state, jnp.asarray(seq), jnp.asarray(seq_len), 8, 5)
+    assert np.asarray(lagging.cache.lengths).tolist() == [13, 11]
+    assert np.asarray(drafter.follow_late(dp, state, jnp.asarray(seq), jnp.asarray(seq_len), 8, 9).cache.lengths
+                      ).tolist() == [5, 9]
+    whole = drafter.follow_late(dp, lagging, jnp.asarray(seq), jnp.asarray(seq_len), 8)
+    assert np.asarray(whole.cache.lengths).tolist() == [14, 11]
+    for fed in (st, whole):
+        _, logits, _ = draft_model.catch_up(dp, drafter.dcfg, fed.cache, jnp.asarray(seq), jnp.asarray(seq_len), 1)
+        for b in range(2):
+            ref = np.asarray(pdecode.forward_logits(d, [seq[b, : seq_len[b]].tolist()]))[0, -1]
+            np.testing.assert_allclose(np.asarray(logits[b]), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811

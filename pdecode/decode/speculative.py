@@ -107,10 +107,16 @@ class Drafter:
         drafted), for drafters that set ``follows``; ``ctx`` holds the sequence with that token appended."""
         raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps")
 
-    def follow_late(self, dparams, dstate, seq_BL, seq_len_B, steps: int):
-        """The state after up to ``steps`` plain steps made with ``make_step(follow=False)`` (``seq`` / ``seq_len``:
-        the sequence after them), for drafters that set ``follows_late``: one catch-up pass instead of a `follow`
-        per step."""
+    def follow_late(self, dparams, dstate, seq_BL, seq_len_B, width: int, slack: int = 0):
+        """The state after plain steps made with ``make_step(follow=False)`` (``seq`` / ``seq_len``: the sequence
+        after them), for drafters that set ``follows_late``: catch-up passes of ``width`` tokens instead of a
+        `follow` per step, while a row lacks more than ``slack`` committed tokens besides the last (``slack`` = the
+        drafter's ``max_depth``: what its next `propose` feeds itself; more: the lag is left to later calls)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps late")
+
+    def lag(self, dstate, seq_len_B):
+        """[B]: the committed tokens each row's state lacks besides the last (what `follow_late` would feed), for
+        drafters that set ``follows_late``."""
         raise NotImplementedError(f"{type(self).__name__} cannot follow plain steps late")
 
 
