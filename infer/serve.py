@@ -959,10 +959,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="the server's log (stderr): info has one line per request; debug adds passing health checks")
     ap.add_argument("-o", "--option", action="append", help="method option key=value (repeatable)")
-    ap.add_argument("--speculation", default="always", choices=["auto", "always"],
-                    help="draft-and-verify methods: always (default) drafts at every step; auto drafts only while the "
-                         "tokens a drafted step gives pay for its cost over a plain step (timed at warm-up, or "
-                         "--spec-cost; docs/serving.md)")
+    ap.add_argument("--speculation", default=None, choices=["auto", "always"],
+                    help="draft-and-verify methods: auto (the default on one process, or with --spec-cost) drafts only "
+                         "while the tokens a drafted step gives pay for its cost over a plain step (timed at warm-up "
+                         "and while serving, or --spec-cost; docs/serving.md); always drafts at every step (the "
+                         "default on several processes without --spec-cost)")
     ap.add_argument("--spec-cost", type=float, default=None,
                     help="with --speculation auto: a drafted step call's cost over a plain one's (default: measured "
                          "at warm-up; the log says the figure; several processes need it given, to decide alike)")
@@ -988,6 +989,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--control-port", type=int, default=None, help="several processes: the port process 0 sends "
                     "each engine round on to the others (default: the coordinator's port + 1; on a Cloud TPU slice "
                     "with no flags, 8477 on worker 0)")
+
+
+def speculation_mode(given: str | None, multi: bool, spec_cost: float | None) -> str:
+    """The engine's ``speculation`` for ``--speculation`` (None: not given): auto by default, where every process
+    decides alike (one process, or a ratio given); always on several processes without ``--spec-cost``."""
+    if given is None:
+        return "always" if multi and spec_cost is None else "auto"
+    if multi and given == "auto" and spec_cost is None:
+        from pdecode.errors import InputError
+
+        raise InputError("--speculation auto on several processes needs --spec-cost (every process must make the "
+                         "same choice at every step): take the figure one process logs at warm-up, or use "
+                         "--speculation always")
+    return given
 
 
 def run_from_args(args) -> int:
@@ -1022,11 +1037,7 @@ def run_from_args(args) -> int:
 
     model = load(args.model)
     draft = load(args.draft, "replicate") if args.draft else None
-    speculation = args.speculation
-    if multi and speculation == "auto" and args.spec_cost is None:
-        raise InputError("--speculation auto on several processes needs --spec-cost (every process must make the "
-                         "same choice at every step): take the figure one process logs at warm-up, or use "
-                         "--speculation always")
+    speculation = speculation_mode(args.speculation, multi, args.spec_cost)
     kv_pages = args.kv_pages
     if kv_pages is None and mesh is None and args.page_size > 0 and args.max_len % args.page_size == 0:
         kv_pages = args.slots * args.max_len // args.page_size  # the memory of --slots contiguous rows

@@ -489,12 +489,12 @@ class Engine:
                                         is_leaf=is_cache)
         put = lambda win: lambda c, p: kvc.put_head(c, p, win) if is_cache(c) else p  # noqa: E731
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
-        # plain steps of a drafter that can catch up late: no draft pass a step; with speculation="auto" the draft is
-        # left to lag through plain calls up to `_late_width` - k tokens (its state not even cut to the span), fed in
-        # forwards that wide, and caught up before a drafted call
+        # plain steps (speculation="auto" alone has them) of a drafter that can catch up late: no draft pass a step;
+        # the draft is left to lag through plain calls up to `_late_width` - k tokens (its state not even cut to the
+        # span), fed in forwards that wide, and caught up before a drafted call
         late = self.drafter is not None and self.drafter.follows_late and self.adaptive
-        lazy = plain and self.drafter is not None and self.drafter.follows_late
-        if lazy and late:
+        lazy = plain and late
+        if lazy:
             st = st.replace(loop=cut(full.replace(dstate=None)).replace(dstate=full.dstate))
         else:
             st = st.replace(loop=cut(full))
@@ -523,7 +523,7 @@ class Engine:
         # to each device's rows)
         window = None if self.mesh is not None else w + self._per_step()
         dwindow = None if window is None else window + (self._late_width if late else 0)
-        if lazy and late:  # fed (on its head) only once some row lags more than the slack
+        if lazy:  # fed (on its head) only once some row lags more than the slack
             width = self._late_width
 
             def feed(ds):
@@ -532,8 +532,6 @@ class Engine:
 
             lagging = jnp.any(self.drafter.lag(loop.dstate, loop.seq_len) > width - k)
             loop = loop.replace(dstate=jax.lax.cond(lagging, feed, lambda ds: ds, loop.dstate))
-        elif lazy:
-            loop = loop.replace(dstate=self.drafter.follow_late(dp, loop.dstate, loop.seq, loop.seq_len, k))
         loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
         out = loop.out

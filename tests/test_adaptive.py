@@ -153,14 +153,22 @@ def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
         assert h[3] >= 3 and sum(h[:3]) <= 1, h  # at most the last step, cut by the budget, accepts fewer
 
 
-def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models):  # noqa: F811
+@pytest.mark.parametrize("layout", ["one device", "mesh", "paged, a row bucket"])
+def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models, layout):  # noqa: F811
     """Through plain calls the draft lags, fed in forwards of `LATE_CALLS` calls' tokens once a row lags more than
     that less one call's (16 - 2 at 2 steps a call); a drafted call catches it up whole first. The draft is the target
     itself: every drafted step after 10 plain calls (20 tokens unfed) or 7 accepts all 3 drafted tokens, and the
-    tokens are generate's."""
-    t = models["target"]
-    eng = Engine(t, method="sd", draft=t, slots=2, max_len=128, chunk=32, steps_per_call=2, speculation="auto",
-                 spec_cost=4.2, gamma=3)
+    tokens are generate's. On a 2x4 mesh too (the caches' heads written back whole there), and on a paged cache with
+    the two rows decoded as the first 2 of 4 slots (a row bucket: the state's rows cut and put back)."""
+    t, opts = models["target"], {}
+    if layout == "mesh":
+        from pdecode.sharding import make_mesh
+
+        t = t.on_mesh(make_mesh(2, 4), indivisible="replicate")
+    elif layout != "one device":
+        opts = dict(slots=4, row_buckets=[2, 4], kv_pages=32)
+    eng = Engine(t, method="sd", draft=t, **{"slots": 2, **opts}, max_len=128, chunk=32, steps_per_call=2,
+                 speculation="auto", spec_cost=4.2, gamma=3)
     assert eng._late_width == LATE_CALLS * 2 == 16
     plan = iter([True] + [False] * 10 + [True] * 3 + [False] * 7 + [True] * 100)  # the calls' kinds, in order
     eng._speculate = lambda rows, spans=None: next(plan)

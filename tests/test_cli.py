@@ -277,6 +277,20 @@ def test_truncated_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and str(f) in err and "copy or download it again" in err
 
 
+def test_serve_speculates_by_cost_by_default():
+    """`pdecode serve` runs draft-and-verify methods with speculation auto unless told: on one process, or on several
+    with a cost ratio given (every process then decides alike); on several without one, always; auto asked for on
+    several without --spec-cost is refused."""
+    from infer.serve import speculation_mode
+    from pdecode.errors import InputError
+
+    assert speculation_mode(None, False, None) == "auto" and speculation_mode(None, True, 3.0) == "auto"
+    assert speculation_mode(None, True, None) == "always" and speculation_mode("always", False, None) == "always"
+    assert speculation_mode("auto", True, 2.5) == "auto"
+    with pytest.raises(InputError, match="needs --spec-cost"):
+        speculation_mode("auto", True, None)
+
+
 def test_cli_errors_speak_in_flags(capsys):
     """The library's advice in Python terms (draft=pdecode.load(...)) becomes flags on the command line."""
     rc = main(["serve", "--model", "code-target", "--method", "sd"])
