@@ -476,6 +476,15 @@ class Engine:
         would write past it is not taken). ``rows``: the steps decode the first ``rows`` slots alone (every live
         slot among them; `row_buckets`), written back after."""
         span = span or self.max_len
+        # plain steps (speculation="auto" alone has them) of a drafter that can catch up late: no draft pass a step;
+        # the draft is left to lag through plain calls up to `_late_width` - k tokens, its state left whole (not cut
+        # to the rows or the span: a copy that cost a plain call of 4 rows 20% more than an AR call), fed in forwards
+        # that wide, and caught up before a drafted call
+        late = self.drafter is not None and self.drafter.follows_late and self.adaptive
+        lazy = plain and late
+        dstate = st.loop.dstate if lazy else None
+        if lazy:
+            st = st.replace(loop=st.loop.replace(dstate=None))
         whole = st
         st = self._first_rows(st, rows)
         # every KV cache of the state (the target's, a draft model's) cut to the span: a contiguous copy of its head
@@ -489,15 +498,7 @@ class Engine:
                                         is_leaf=is_cache)
         put = lambda win: lambda c, p: kvc.put_head(c, p, win) if is_cache(c) else p  # noqa: E731
         fresh = 1 if (plain or self.drafter is None) else self.drafter.tree_size
-        # plain steps (speculation="auto" alone has them) of a drafter that can catch up late: no draft pass a step;
-        # the draft is left to lag through plain calls up to `_late_width` - k tokens (its state not even cut to the
-        # span), fed in forwards that wide, and caught up before a drafted call
-        late = self.drafter is not None and self.drafter.follows_late and self.adaptive
-        lazy = plain and late
-        if lazy:
-            st = st.replace(loop=cut(full.replace(dstate=None)).replace(dstate=full.dstate))
-        else:
-            st = st.replace(loop=cut(full))
+        st = st.replace(loop=cut(full))
         tp, dp = self._layout(params)
         cfg = self.model.cfg
         warp = self._with_tables(st.warp, st.grammar)
@@ -523,23 +524,27 @@ class Engine:
         # to each device's rows)
         window = None if self.mesh is not None else w + self._per_step()
         dwindow = None if window is None else window + (self._late_width if late else 0)
-        if lazy:  # fed (on its head) only once some row lags more than the slack
-            width = self._late_width
-
-            def feed(ds):
-                fed = self.drafter.follow_late(dp, cut(ds), loop.seq, loop.seq_len, width, width - k)
-                return jax.tree.map(put(dwindow), ds, fed, is_leaf=is_cache)
-
-            lagging = jnp.any(self.drafter.lag(loop.dstate, loop.seq_len) > width - k)
-            loop = loop.replace(dstate=jax.lax.cond(lagging, feed, lambda ds: ds, loop.dstate))
         loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
+        if lazy:  # every slot's, fed (on its head) only once some row lags more than the slack
+            width, n = self._late_width, loop.seq.shape[0]
+            seq = whole.loop.seq.at[:n].set(loop.seq)
+            seq_len = whole.loop.seq_len.at[:n].set(loop.seq_len)
+
+            def feed(ds):
+                fed = self.drafter.follow_late(dp, cut(ds), seq, seq_len, width, width - k)
+                return jax.tree.map(put(dwindow), ds, fed, is_leaf=is_cache)
+
+            dstate = jax.lax.cond(jnp.any(self.drafter.lag(dstate, seq_len) > width - k), feed, lambda ds: ds,
+                                  dstate)
         out = loop.out
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
         lps = jnp.take_along_axis(out.logprobs, idx, axis=1)
         acc = loop.row_acc if self.drafter is not None else jnp.zeros((out.done.shape[0], 1), jnp.int32)
         st = self._put_first_rows(whole, EngineState(loop=loop, warp=st.warp, grammar=st.grammar))
+        if lazy:
+            st = st.replace(loop=st.loop.replace(dstate=dstate))
         return self._pin(st), self._replicated((c0, out.count, out.done, new, lps, out.row_forwards, acc))
 
     def _first_rows(self, st: EngineState, rows: int | None) -> EngineState:
@@ -547,7 +552,7 @@ class Engine:
         if not rows or rows >= self.slots:
             return st
         cut = lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, rows, axis=ax)  # noqa: E731
-        cache, axes = st.loop.cache, self._axes
+        cache, axes = st.loop.cache, self._loop_axes(st.loop)
         if isinstance(cache, kvc.PagedKVCache):
             cache = cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
         else:
@@ -563,7 +568,7 @@ class Engine:
         # a leaf with no row axis (shared by the batch: a lookahead pool's clock, counters) is the part's, updated
         put = lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
             x, y.astype(x.dtype), 0, ax)
-        cache, sub, axes = whole.loop.cache, part.loop.cache, self._axes
+        cache, sub, axes = whole.loop.cache, part.loop.cache, self._loop_axes(whole.loop)
         if isinstance(cache, kvc.PagedKVCache):  # the pool was written in place; the table did not change
             cache = cache.replace(k=sub.k, v=sub.v, lengths=cache.lengths.at[:rows].set(sub.lengths))
         else:
@@ -572,6 +577,10 @@ class Engine:
                             axes.replace(cache=None)).replace(cache=cache)
         warp = jax.tree.map(lambda x, y: x.at[:rows].set(y), whole.warp, part.warp)
         return whole.replace(loop=loop, warp=warp, grammar=part.grammar)
+
+    def _loop_axes(self, loop):
+        """The batch axes of the loop state ``loop`` (a plain call's lacks its drafter state: set aside whole)."""
+        return self._axes if getattr(loop, "dstate", ()) is not None else self._axes.replace(dstate=None)
 
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1

@@ -3,7 +3,8 @@ paged, default row buckets and spans) with 4 steps per call (the engine's defaul
 against `pdecode.generate` at batch 1, on 12 of the serve bench's requests one after another; engines interleaved,
 medians of passes 2-3.
 
-    python scripts/one_client_bench.py ar|sd ["4 steps per call" | "8 steps per call" | "auto, 4 steps per call"]
+    python scripts/one_client_bench.py ar|sd ["4 steps per call" | "8 steps per call" | "auto, 4 steps per call" |
+                                              "auto, 8 steps per call"]
 """
 import statistics, sys, time
 import pdecode
@@ -14,8 +15,9 @@ pdecode.enable_disk_cache()  # (the programs `pdecode serve` compiled for the sa
 m = pdecode.load("code-target", dtype="bfloat16", activation_dtype="float32")
 kw = {"draft": pdecode.load("code-draft", dtype="bfloat16", activation_dtype="float32")} if method == "sd" else {}
 work = _workload(m, 48, (16, 64), (32, 96))[:12]
-V = {"4 steps per call": {}, "8 steps per call": {"steps_per_call": 8},
-     "auto, 4 steps per call": {"speculation": "auto"}}  # (auto: sd's plain steps when drafting does not pay)
+V = {"4 steps per call": {}, "8 steps per call": {"steps_per_call": 8},  # auto: sd's plain steps where drafting loses
+     "auto, 4 steps per call": {"speculation": "auto"},
+     "auto, 8 steps per call": {"speculation": "auto", "steps_per_call": 8}}
 if len(sys.argv) > 2:  # e.g. one engine of sd: two warmed sd engines use most of Linux's 65530 memory maps per process
     V = {k: V[k] for k in sys.argv[2:]}
 engs = {}
