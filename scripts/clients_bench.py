@@ -1,0 +1,72 @@
+"""N closed-loop clients on the serving engine in one process, side by side: ar against one sd engine with
+speculation="auto", its choice per pass as the cost model makes it, forced plain, and forced drafted (the serve bench's
+48 requests, greedy; 16 slots, paged, 8 steps a call, as the serve bench's servers). Prints tokens/s per pass, the
+medians and the median of per-pass ratios to ar, what auto chose, and its rates.
+
+    python scripts/clients_bench.py --clients 4 [--passes 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+
+def closed_loop(engine, work, clients: int) -> float:
+    """Tokens/s of ``clients`` closed-loop clients over ``work`` [(prompt ids, budget)]: a client sends its next
+    request once its last one ended."""
+    queue, reqs, live = list(work), [], []
+    t = time.perf_counter()
+    while queue or not engine.idle:
+        while queue and len(live) < clients:
+            ids, budget = queue.pop(0)
+            r = engine.submit(ids, engine.check(ids, max_tokens=budget, temperature=0.0))
+            reqs.append(r)
+            live.append(r)
+        engine.run_once()
+        live = [r for r in live if r.finish_reason is None]
+    return sum(len(r.tokens) for r in reqs) / (time.perf_counter() - t)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=3)
+    args = ap.parse_args(argv)
+    import pdecode
+    from infer.serve_bench import _workload
+    from pdecode.engine import Engine
+
+    pdecode.enable_disk_cache()
+    m = pdecode.load("code-target", dtype="bfloat16", activation_dtype="float32")
+    d = pdecode.load("code-draft", dtype="bfloat16", activation_dtype="float32")
+    work = [(m.tokenizer.encode(p) if isinstance(p, str) else p, b) for p, b in _workload(m, 48, (16, 64), (32, 96))]
+    kw = dict(slots=16, max_len=1024, chunk=128, kv_pages=1024, steps_per_call=8)
+    ar, sd = Engine(m, method="ar", **kw), Engine(m, method="sd", draft=d, speculation="auto", **kw)
+    for e in (ar, sd):
+        e.warmup()
+    judge = sd._speculate
+    tps = collections.defaultdict(list)
+    for i in range(args.passes):
+        tps["ar"].append(closed_loop(ar, work, args.clients))
+        for mode in ("auto", "plain", "drafted"):
+            sd._speculate = judge if mode == "auto" else (lambda rows, spans=None, v=mode == "drafted": v)
+            before = dict(sd.stats)
+            tps[f"sd {mode}"].append(closed_loop(sd, work, args.clients))
+            if mode == "auto":
+                n = {k: sd.stats[k] - before.get(k, 0) for k in ("drafted_steps", "plain_steps")}
+                print(f"  auto: {n['drafted_steps']} drafted and {n['plain_steps']} plain calls, tau {sd.tau:.2f}")
+        print(f"pass {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tps.items()), flush=True)
+    base = np.array(tps["ar"])
+    print(f"| {args.clients} clients | tok/s (median) | x ar (median of per-pass ratios) |\n|---|---|---|")
+    for k, v in tps.items():
+        print(f"| {k} | {np.median(v):.1f} | {np.median(np.array(v) / base):.3f} |")
+    print("auto's rates (row bucket, span): (drafted, plain) row steps per second per row",
+          {k: (round(v[True] or 0), round(v[False] or 0)) for k, v in sorted(sd.rate.items())})
+
+
+if __name__ == "__main__":
+    main()
