@@ -77,6 +77,7 @@ PROBE_EVERY = 8  # speculation="auto": at most one call of the kind not chosen i
 PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, at most this share of the throughput
 PROBE_MAX = 256  # ... but one in this many at least
 LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forwards this many calls' tokens wide
+LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
 
@@ -157,7 +158,8 @@ class Engine:
     tree, eagle, medusa, mtp, lookahead, jacobi, layerskip, with their ``method_options``); ``draft``: its draft
     model; ``slots``: rows decoded together; ``max_len``: cache positions per slot (prompt + output + the method's
     draft slots); ``chunk``: the largest prefill chunk; ``steps_per_call``: decode steps per compiled call (more:
-    less host overhead, coarser streaming); ``top_k_max``: the largest top_k a request may ask for;
+    less overhead a call, coarser streaming; a call of one row alone, one client on a server of several slots,
+    runs `LONE_STEPS` times as many: `steps_for`); ``top_k_max``: the largest top_k a request may ask for;
     ``admit_rows``: requests admitted by one call when several wait; ``speculation``: "always" (every step drafts)
     or "auto" (drafted or plain steps by the cost model, module docstring; drafters that cannot follow a plain step
     keep drafting, `speculation_note` says why); ``spec_cost``: the cost ratio of a drafted step call to a plain one
@@ -585,9 +587,19 @@ class Engine:
     def _per_step(self) -> int:
         return 1 if self.drafter is None else self.drafter.max_depth + 1
 
+    def steps_for(self, rows: int) -> int:
+        """The decode steps of a step call of row bucket ``rows``: ``steps_per_call``, `LONE_STEPS` times that when
+        the call decodes one row of several slots. A call's cost has a part that does not grow with its steps (its
+        dispatch, the weights' conversion to the activations' dtype, the state's cut and write-back: a one-row sd call
+        of the code models on a 2-core CPU takes 4.6 ms for 1 step, 1.7-2 ms more per step); at one row it is a
+        fifth of a call of 4 steps. One client's tokens then stream in bursts 4 times longer, and a request that
+        arrives meanwhile waits for the call in flight (about 30 ms there) before its admission."""
+        return self.k * (LONE_STEPS if rows == 1 < self.slots else 1)
+
     @property
     def _late_width(self) -> int:
-        """The width of the forwards that feed a draft lagging through plain calls (`LATE_CALLS` calls' tokens)."""
+        """The width of the forwards that feed a draft lagging through plain calls (`LATE_CALLS` full calls' tokens;
+        more than a one-row call's, `LONE_STEPS`)."""
         return LATE_CALLS * self.k
 
     @staticmethod
@@ -717,7 +729,7 @@ class Engine:
             for plain in (False, True):
                 self._fill_for_timing(bucket, budget)
                 per, fresh = (1, 1) if plain else (self._per_step(), self.drafter.tree_size)
-                need = 3 + (repeats + 1) * self.k * per + fresh  # room for every timed call's tokens
+                need = 3 + (repeats + 1) * self.steps_for(bucket) * per + fresh  # room for every timed call's tokens
                 exe = self._step_exe(self.fast, plain, next((x for x in self.spans if x >= need), self.max_len),
                                      bucket)
                 ts = []
@@ -826,19 +838,22 @@ class Engine:
     def _step_exe(self, samp, plain: bool = False, span: int | None = None, rows: int | None = None):
         span, rows = span or self.max_len, rows or self.slots
         return self._compile(("step", samp.greedy, plain, span, rows), self._step_fn, self.params, self.state,
-                             static={"samp": samp, "k": self.k, "plain": plain, "span": span, "rows": rows},
+                             static={"samp": samp, "k": self.steps_for(rows), "plain": plain, "span": span,
+                                     "rows": rows},
                              donate=(1,))
 
-    def _span_for(self, live, drafted: bool) -> int:
-        """The smallest span holding every live row after the next step call (``drafted``: of drafted steps): its
-        prompt, the tokens reported, each step call in flight's worth and this one's, this call's last tree."""
+    def _span_for(self, live, drafted: bool, rows: int) -> int:
+        """The smallest span holding every live row after the next step call (``drafted``: of drafted steps, of row
+        bucket ``rows``): its prompt, the tokens reported, each step call in flight's worth and this one's, this
+        call's last tree."""
         # a drafted step's tokens per row: tau (measured), with one token of margin, else the whole tree's depth; a
         # plain step's: one. A call whose rows outrun the estimate stops its steps at the span (the loop's room test)
         # and the next call takes a longer span
         draft = self.drafter is not None
         guess = self._per_step() if self.tau is None else min(self._per_step(), math.ceil(self.tau) + 1)
         per = lambda d: guess if d and draft else 1  # noqa: E731
-        ahead = self.k * (per(drafted) + sum(per(x[3]) for x in self._inflight if x[0] == "step"))
+        ahead = self.steps_for(rows) * per(drafted) + sum(self.steps_for(x[6]) * per(x[3]) for x in self._inflight
+                                                          if x[0] == "step")
         fresh = self.drafter.tree_size if drafted and draft else 1  # the slots the call's last step writes
         need = max(len(r.prompt) + len(r.tokens) + 1 for r in live) + ahead + fresh + 1
         return next((x for x in self.spans if x >= need), self.max_len)
@@ -951,9 +966,10 @@ class Engine:
             return False
         if self.queue and len(self.running) < self.slots:  # a waiting request kept out by pages or grammar tables
             return True
-        most = self.k * self._per_step()  # the most tokens a row commits in one call
         return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most
-                   for x in self._inflight if x[0] == "step" for r in x[1])
+                   for x in self._inflight if x[0] == "step"
+                   for most in [self.steps_for(x[6]) * self._per_step()]  # the most tokens a row commits in it
+                   for r in x[1])
 
     def _drop_cancelled(self, events):
         for slot, r in list(self.running.items()):
@@ -1097,9 +1113,9 @@ class Engine:
                     for r in live)
         top = max(r.slot for r in live) + 1
         rows = next(x for x in self.row_buckets if x >= top)
-        spans = {d: self._span_for(live, d) for d in (False, True)} if self.adaptive else None
+        spans = {d: self._span_for(live, d, rows) for d in (False, True)} if self.adaptive else None
         drafted = self._speculate(rows, spans)
-        span = spans[drafted] if spans else self._span_for(live, drafted)
+        span = spans[drafted] if spans else self._span_for(live, drafted, rows)
         exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1

@@ -228,22 +228,24 @@ def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
 
 def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
     """The span of a step call holds its live rows after the call: a plain call reserves one token a step and one slot
-    for its last step, a drafted call tau + 1 tokens a step (the tree's depth before tau is known) and the tree, and
-    a call in flight counts with its own kind's reserve."""
+    for its last step, a drafted call tau + 1 tokens a step (the tree's depth before tau is known) and the tree, a
+    call of one row alone `LONE_STEPS` times the steps, and a call in flight counts with its own kind's reserve."""
     from pdecode.engine import Request
 
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, steps_per_call=4,
                  speculation="auto", spec_cost=2.0, spans=[32, 64, 128], gamma=4)
     live = [Request(prompt=list(range(20)), controls=None, seed=0)]  # 21 positions after its first token
-    assert eng._span_for(live, False) == 32  # 21 + 4 x 1 + 1 + 1 = 27
-    assert eng._span_for(live, True) == 64  # 21 + 4 x 5 + 5 + 1 = 47
+    assert eng._span_for(live, False, 2) == 32  # 21 + 4 x 1 + 1 + 1 = 27
+    assert eng._span_for(live, True, 2) == 64  # 21 + 4 x 5 + 5 + 1 = 47
+    assert eng._span_for(live, False, 1) == 64  # a call of one row alone: 21 + 16 x 1 + 1 + 1 = 39
     eng.tau = 1.5
-    assert eng._span_for(live, True) == 64  # 21 + 4 x 3 + 5 + 1 = 39
-    eng._inflight.append(("step", live, None, False))  # a plain call in flight: 4 more
-    assert eng._span_for(live, False) == 32  # 27 + 4 = 31
-    eng._inflight[0] = ("step", live, None, True)  # a drafted one: 12 more
-    assert eng._span_for(live, False) == 64  # 27 + 12 = 39
+    assert eng._span_for(live, True, 2) == 64  # 21 + 4 x 3 + 5 + 1 = 39
+    call = ("step", live, None, False, 0.0, True, 2, 32)
+    eng._inflight.append(call)  # a plain call in flight: 4 more
+    assert eng._span_for(live, False, 2) == 32  # 27 + 4 = 31
+    eng._inflight[0] = call[:3] + (True,) + call[4:]  # a drafted one: 12 more
+    assert eng._span_for(live, False, 2) == 64  # 27 + 12 = 39
 
 
 def test_measured_cost_and_options(models):  # noqa: F811

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pdecode
-from pdecode.engine import Engine, default_row_buckets
+from pdecode.engine import LONE_STEPS, Engine, default_row_buckets
 from pdecode.errors import InputError
 from pdecode.model import heads as H
 from tests.test_heads import _with_heads
@@ -262,6 +262,23 @@ def test_a_slot_freed_by_the_call_in_flight_is_refilled_in_the_next_round(models
     reqs = _serve_greedy(eng, PROMPTS[:3], [4, 4, 4])
     assert [r.tokens for r in reqs] == pdecode.generate(t, PROMPTS[:3], max_new_tokens=4).tokens
     assert eng.stats["steps"] == 3, dict(eng.stats)
+
+
+def test_a_row_alone_runs_longer_calls(models):  # noqa: F811
+    """3 slots, 2 steps a call, a one-row bucket: a request alone in slot 0 runs calls of `LONE_STEPS` * 2 = 8 steps
+    (a budget of 17: its first token from the admission, 16 from two such calls), two requests at once calls of 2
+    steps; tokens = `pdecode.generate`'s."""
+    t = models["target"]
+    eng = Engine(t, slots=3, max_len=128, chunk=32, steps_per_call=2, row_buckets=[1])
+    assert LONE_STEPS == 4 and eng.steps_for(1) == 8 and eng.steps_for(3) == 2
+    eng.warmup()
+    alone = _serve_greedy(eng, PROMPTS[:1], [17])
+    assert eng.stats["steps_rows_1"] == eng.stats["steps"] == 2, dict(eng.stats)
+    both = _serve_greedy(eng, PROMPTS[1:3], [9, 9])  # slots 0 and 1: 8 tokens each from 4 calls of 2 steps
+    assert eng.stats["steps_rows_3"] == 4, dict(eng.stats)
+    want = pdecode.generate(t, PROMPTS[:3], max_new_tokens=[17, 9, 9])
+    assert [r.tokens for r in alone + both] == want.tokens
+    assert Engine(t, slots=1, max_len=64, chunk=32, steps_per_call=2).steps_for(1) == 2  # one slot: no lone calls
 
 
 @pytest.mark.parametrize("method", ["ar", "sd"])
