@@ -33,8 +33,8 @@ themselves (the steps a call's rows took before they ended, over the time from o
 into events to the next one's, in rounds that admitted nothing; all decayed): the ratio of the two rates, each
 kind's at the span it would get, is the cost ratio as served (rows that end early in a call, the host's share
 included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the
-figures current (`probe_interval`: every 8 calls when such a probe costs little, up to every 256 when it costs
-much). A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose
+figures current (`probe_interval`: every 8 calls when such a probe costs little and the choice is close, up to
+every 256 when it costs much or one kind leads far). A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose
 alike). Each kind of step is lossless given the sequence so far, so any mix of them is (greedy output is unchanged;
 a seeded sampled request may take a different but equally distributed path when the mix changes).
 
@@ -76,6 +76,7 @@ MIN_PREFIX = 32  # prompt tokens a kept prefix must cover to be used or kept (`E
 PROBE_EVERY = 8  # speculation="auto": at most one call of the kind not chosen in this many (tau, timings current)
 PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, at most this share of the throughput
 PROBE_MAX = 256  # ... but one in this many at least
+PROBE_LEAD = 0.1  # ... and fewer while the chosen kind leads by more: PROBE_EVERY calls more per lead of this share
 LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forwards this many calls' tokens wide
 LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
@@ -1294,9 +1295,13 @@ def probe_interval(tau: float, ratio: float) -> int:
     time; a plain probe while drafted calls win, ``1 / ratio - 1 / tau`` drafted calls' tokens. The interval keeps
     that loss at `PROBE_SHARE` of the throughput at most, within [`PROBE_EVERY`, `PROBE_MAX`] calls: a probe that
     costs little runs often, one that costs much (a drafted call at a full batch, where it costs several plain ones)
-    rarely."""
+    rarely. A probe is there to notice the choice turning: the further the chosen kind leads (``|tau - ratio|`` over
+    the smaller), the less often it runs, `PROBE_EVERY` calls more per `PROBE_LEAD` of lead (one client: tau 3 against
+    a ratio near 2, a plain probe once in 30 calls, not 8; on this CPU one in 8 cost that client 6% of its tokens)."""
     lost = ratio - tau if tau < ratio else 1.0 / ratio - 1.0 / tau
-    return int(min(PROBE_MAX, max(PROBE_EVERY, math.ceil(lost / PROBE_SHARE))))
+    lead = abs(tau - ratio) / min(tau, ratio)
+    return int(min(PROBE_MAX, max(PROBE_EVERY, math.ceil(lost / PROBE_SHARE),
+                                  math.ceil(PROBE_EVERY * lead / PROBE_LEAD - 1e-9))))
 
 
 def default_row_buckets(slots: int) -> list[int]:

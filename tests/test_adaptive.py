@@ -11,7 +11,7 @@ import pytest
 
 import pdecode
 from pdecode.decode import speculative
-from pdecode.engine import LATE_CALLS, PROBE_EVERY, Engine, probe_interval
+from pdecode.engine import LATE_CALLS, PROBE_EVERY, PROBE_MAX, Engine, probe_interval
 from pdecode.errors import InputError
 from tests.test_controls import MIN_P, PEN, PROMPT, _min_pvalue, _processed_marginals, sharp  # noqa: F401
 from tests.test_engine import BUDGETS, COUNTER
@@ -99,15 +99,18 @@ def test_auto_engine_mixes_steps_and_equals_generate(models):  # noqa: F811
 
 def test_probes_run_less_often_as_they_cost_more(models):  # noqa: F811
     """The kind not chosen runs once in `probe_interval(tau, ratio)` calls: a probe's tokens lost against the chosen
-    kind kept at 3% of the throughput (8 calls at the least, 256 at the most). A drafted probe at tau 3.2 where a
-    drafted call costs 4.8 plain ones loses 1.6 plain calls' tokens: one in 54 calls; a plain probe while drafting
-    wins costs little: one in 8. The engine's decisions follow it (a given ratio: no plain probes, nothing timed)."""
-    assert probe_interval(3.2, 4.8) == 54  # ceil(1.6 / 0.03)
+    kind kept at 3% of the throughput (8 calls at the least, 256 at the most), and 8 calls more per 10% of the chosen
+    kind's lead. A drafted probe at tau 3.2 where a drafted call costs 4.8 plain ones loses 1.6 plain calls' tokens:
+    one in 54 calls; a plain probe while drafting wins costs little: one in 8 when the choice is close, fewer as
+    drafting leads further. The engine's decisions follow it (a given ratio: no plain probes, nothing timed)."""
+    assert probe_interval(3.2, 4.8) == 54  # ceil(1.6 / 0.03); the lead, 1.6 / 3.2: 40
     assert probe_interval(1.0, 100.0) == 256 and probe_interval(4.7, 4.8) == PROBE_EVERY
-    assert probe_interval(3.2, 1.85) == PROBE_EVERY  # 1 / 1.85 - 1 / 3.2 = 0.23: 7.6 calls
-    assert probe_interval(8.0, 1.1) == 27  # 1 / 1.1 - 1 / 8 = 0.784
+    assert probe_interval(3.2, 3.0) == PROBE_EVERY  # 1 / 3 - 1 / 3.2 = 0.02: 1 call; lead 0.067: 6 calls
+    assert probe_interval(3.2, 1.85) == 59  # 1 / 1.85 - 1 / 3.2 = 0.23: 7.6 calls; lead 1.35 / 1.85 = 0.73: 58.4
+    assert probe_interval(3.0, 2.0) == 40  # one client on this CPU: lead 0.5
+    assert probe_interval(8.0, 1.1) == PROBE_MAX  # 1 / 1.1 - 1 / 8 = 0.784: 27 calls; lead 6.3
     t = models["target"]
-    for ratio, tau, want in ((4.8, 3.2, 54), (2.0, 1.2, 27)):
+    for ratio, tau, want in ((4.8, 3.2, 54), (2.0, 1.6, 20)):  # by the cost; by the lead (0.4 / 0.03: 14)
         eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, speculation="auto",
                      spec_cost=ratio, gamma=3)
         eng.tau = tau
