@@ -34,9 +34,10 @@ into events to the next one's, in rounds that admitted nothing; all decayed): th
 kind's at the span it would get, is the cost ratio as served (rows that end early in a call, the host's share
 included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the
 figures current (`probe_interval`: every 8 calls when such a probe costs little and the choice is close, up to
-every 256 when it costs much or one kind leads far). A ``spec_cost`` given is kept as it is (no timing: every process of a multi-process server must choose
-alike). Each kind of step is lossless given the sequence so far, so any mix of them is (greedy output is unchanged;
-a seeded sampled request may take a different but equally distributed path when the mix changes).
+every 256 when it costs much or one kind leads far). A ``spec_cost`` given is kept as it is (no timing: every
+process of a multi-process server must choose alike). Each kind of step is lossless given the sequence so far, so
+any mix of them is (greedy output is unchanged; a seeded sampled request may take a different but equally
+distributed path when the mix changes).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
