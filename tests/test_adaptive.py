@@ -4,6 +4,7 @@ marginals of the processed distribution; greedy: AR token for token), a draft mo
 drafts from the whole sequence, and the engine picks plain steps when drafting does not pay."""
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -192,6 +193,26 @@ def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models, layout):  # noqa:
         assert r.accepted[3] >= 10 and sum(r.accepted[:3]) <= 1, r.accepted
     plain_lags = [x for d, lag in lags for x in lag if d is False]
     assert max(plain_lags) <= 16 - 2 and max(plain_lags) > 3 + 1 + 2  # it lagged beyond one call and was fed
+
+
+def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811
+    """A row alone runs calls of `LONE_STEPS` times the steps (8 at 2 a call), so a plain call there leaves the draft
+    8 tokens behind, half the feed's width (16): two such calls and it is fed. The draft is the target itself: with
+    a forced cycle of 1 drafted and 3 plain calls, through calls of both rows (4-row bucket) and then of the longer
+    request alone, every drafted step accepts all 3 tokens (but a last one cut by the budget), tokens = generate's."""
+    t = models["target"]
+    eng = Engine(t, method="sd", draft=t, slots=4, row_buckets=[1, 4], kv_pages=64, max_len=256, chunk=32,
+                 spans=[128], steps_per_call=2, speculation="auto", spec_cost=4.2, gamma=3)
+    assert eng.steps_for(1) == 8 and eng._late_width == 16
+    plan = itertools.cycle([True, False, False, False])
+    eng._speculate = lambda rows, spans=None: next(plan)
+    reqs = _run(eng, PROMPTS[:2], [90, 12])
+    assert eng.stats["steps_rows_1"] >= 4 and eng.stats["steps_rows_4"] >= 2, dict(eng.stats)
+    assert eng.stats["steps_span_128"] == eng.stats["steps"]  # the caches cut to 128 of 256: windows written back
+    ref = pdecode.generate(t, PROMPTS[:2], method="sd", draft=t, gamma=3, max_new_tokens=[90, 12])
+    assert [r.tokens for r in reqs] == ref.tokens
+    for r in reqs:
+        assert r.accepted[3] >= 2 and sum(r.accepted[:3]) <= 1, r.accepted
 
 
 def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
