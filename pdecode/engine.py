@@ -970,7 +970,7 @@ class Engine:
             return True
         return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most
                    for x in self._inflight if x[0] == "step"
-                   for most in [self.steps_for(x[6]) * (self._per_step() if x[3] else 1)]  # a row's most in it
+                   for most in [self.steps_for(x[6]) * self._per_step()]  # the most tokens a row commits in it
                    for r in x[1])
 
     def _drop_cancelled(self, events):

@@ -253,8 +253,7 @@ def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
 def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
     """The span of a step call holds its live rows after the call: a plain call reserves one token a step and one slot
     for its last step, a drafted call tau + 1 tokens a step (the tree's depth before tau is known) and the tree, a
-    call of one row alone `LONE_STEPS` times the steps, and a call in flight counts with its own kind's reserve (and
-    its own kind's most tokens a row when the round decides whether to read its results first)."""
+    call of one row alone `LONE_STEPS` times the steps, and a call in flight counts with its own kind's reserve."""
     from pdecode.engine import Request
 
     t = models["target"]
@@ -271,14 +270,6 @@ def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
     assert eng._span_for(live, False, 2) == 32  # 27 + 4 = 31
     eng._inflight[0] = call[:3] + (True,) + call[4:]  # a drafted one: 12 more
     assert eng._span_for(live, False, 2) == 64  # 27 + 12 = 39
-    # the round reads a call's results first when a row may reach its budget in it: 8 tokens left is more than a
-    # plain call of 4 steps commits (4), not more than a drafted one's (4 x 5)
-    r = Request(prompt=list(range(20)), controls=eng.check(list(range(20)), max_tokens=12), seed=0)
-    r.tokens = [3] * 4
-    eng._inflight[0] = ("step", [r]) + call[2:]
-    assert not eng._read_first()
-    eng._inflight[0] = ("step", [r]) + call[2:3] + (True,) + call[4:]
-    assert eng._read_first()
 
 
 def test_measured_cost_and_options(models):  # noqa: F811
