@@ -968,10 +968,9 @@ class Engine:
             return False
         if self.queue and len(self.running) < self.slots:  # a waiting request kept out by pages or grammar tables
             return True
-        return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most
-                   for x in self._inflight if x[0] == "step"
-                   for most in [self.steps_for(x[6]) * self._per_step()]  # the most tokens a row commits in it
-                   for r in x[1])
+        most = lambda call: self.steps_for(call[6]) * self._per_step()  # noqa: E731 (the most tokens a row commits)
+        return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most(x)
+                   for x in self._inflight if x[0] == "step" for r in x[1])
 
     def _drop_cancelled(self, events):
         for slot, r in list(self.running.items()):
