@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pdecode
+from pdecode import engine as engine_mod
 from pdecode.decode import speculative
 from pdecode.engine import LATE_CALLS, PROBE_EVERY, PROBE_MAX, Engine, probe_interval
 from pdecode.errors import InputError
@@ -272,10 +273,12 @@ def test_a_plain_call_reserves_one_token_a_step(models):  # noqa: F811
     assert eng._span_for(live, False, 2) == 64  # 27 + 12 = 39
 
 
-def test_measured_cost_and_options(models):  # noqa: F811
+def test_measured_cost_and_options(models, monkeypatch):  # noqa: F811
     """Without spec_cost a ratio is timed at warm-up (its value is this machine's: not asserted), then from the
-    serving loop's own calls of both kinds (the other kind runs now and then); bad values are one-line
-    errors; a drafter that cannot follow keeps drafting."""
+    serving loop's own calls of both kinds (the other kind runs now and then: here every 3 calls, since how often
+    depends on the timed ratio's lead, which is this machine's); bad values are one-line errors; a drafter that cannot
+    follow keeps drafting."""
+    monkeypatch.setattr(engine_mod, "probe_interval", lambda tau, ratio: 3)
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=96, chunk=32, steps_per_call=1,
                  speculation="auto", gamma=3)

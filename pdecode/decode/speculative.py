@@ -263,7 +263,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
     def step(s: SpecState) -> SpecState:
         b = s.seq.shape[0]
         rows = jnp.arange(b)
-        key, k_draft, k_ver = sampling.split(s.key, 3)
+        # (a greedy plain step draws nothing: its key is left as it is, as AR's greedy step leaves it)
+        key, k_draft, k_ver = (s.key,) * 3 if plain and samp.greedy else sampling.split(s.key, 3)
         active = ~s.out.done
         if plain:
             root = jnp.take_along_axis(s.seq, (s.seq_len - 1)[:, None], axis=1)
@@ -294,7 +295,8 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
         if prop.positions is not None:
             depth = jnp.broadcast_to(jnp.asarray(prop.positions, jnp.int32), (b, n))
         positions = s.cache.lengths[:, None] + depth
-        mask = common.step_mask(cfg, s.cache, intra, positions, prop.valid if prop.visible is None else prop.visible)
+        visible = None if plain else prop.valid if prop.visible is None else prop.visible  # (a root: always valid)
+        mask = common.step_mask(cfg, s.cache, intra, positions, visible)
 
         def verify_forward():
             if prop.from_layer:
@@ -314,9 +316,14 @@ def make_step(tparams, dparams, warp, *, cfg: ModelConfig, drafter: Drafter, max
                 side = prop.side()
         logits = penalize_nodes(logits, s.seen, prop.tokens, parents_BN, d_max, samp, warp, s.counts, s.out,
                                 eos_ids, node_g)
-        ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, warp,
-                     rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
-                     typical=drafter.typical)
+        if plain:  # the root alone: its next token drawn as AR draws it (no tree to walk: fewer ops a step)
+            bonus = sampling.sample(k_ver, logits[:, 0], samp, warp).astype(jnp.int32)
+            zero = jnp.zeros((b, 1), jnp.int32)
+            ver = Verified(path=zero, n_accepted=zero[:, 0], bonus=bonus, tokens=bonus[:, None])
+        else:
+            ver = verify(logits, prop.tokens, parents_BN, prop.valid, k_ver, samp, warp,
+                         rule=prop.rule, max_depth=d_max, max_children=drafter.max_children, draft_q_BNV=prop.q,
+                         typical=drafter.typical)
         n_new = jnp.where(active, ver.n_accepted + 1, 0)
         if isinstance(prop.parents, StaticTree) and prop.parents.max_children <= 1:
             cache = kvc.advance(fo.cache, n_new)  # a chain's accepted path is its prefix: already in place
