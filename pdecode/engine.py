@@ -32,12 +32,12 @@ recent drafted calls and, per row bucket and span, each kind's row steps per sec
 themselves (the steps a call's rows took before they ended, over the time from one step call's results being turned
 into events to the next one's, in rounds that admitted nothing; all decayed): the ratio of the two rates, each
 kind's at the span it would get, is the cost ratio as served (rows that end early in a call, the host's share
-included), and the engine drafts while tau reaches it, with a call of the other kind now and then to keep the
-figures current (`probe_interval`: every 8 calls when such a probe costs little and the choice is close, up to
-every 256 when it costs much or one kind leads far). A ``spec_cost`` given is kept as it is (no timing: every
-process of a multi-process server must choose alike). Each kind of step is lossless given the sequence so far, so
-any mix of them is (greedy output is unchanged; a seeded sampled request may take a different but equally
-distributed path when the mix changes).
+included), and the engine drafts while tau reaches it times `SPEC_MARGIN` (1.2: what the rates leave out), with a
+call of the other kind now and then to keep the figures current (`probe_interval`: every 8 calls when such a probe
+costs little and the choice is close, up to every 256 when it costs much or one kind leads far). A ``spec_cost``
+given is kept as it is (no timing: every process of a multi-process server must choose alike). Each kind of step is
+lossless given the sequence so far, so any mix of them is (greedy output is unchanged; a seeded sampled request may
+take a different but equally distributed path when the mix changes).
 
 The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes incrementally, holds back text that
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
@@ -79,6 +79,9 @@ PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, a
 PROBE_MAX = 256  # ... but one in this many at least
 PROBE_LEAD = 0.1  # ... and fewer while the chosen kind leads by more: PROBE_EVERY calls more per lead of this share
 LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forwards this many calls' tokens wide
+SPEC_MARGIN = 1.2  # speculation="auto", timed: a call drafts while tau reaches the timed cost ratio times this
+# (the served rates leave out what a kind costs around admissions; at 4 clients on the CPU they put drafting at
+# break-even where whole passes of drafted calls gave 0.84x plain ones' tokens/s)
 LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
@@ -1129,9 +1132,9 @@ class Engine:
     def _speculate(self, rows: int, spans: dict[bool, int] | None = None) -> bool:
         """Whether the next step call (of ``rows`` rows; ``spans``: the span each kind would get) drafts (the cost
         model: tau against the cost ratio — the ratio of the two kinds' timed row-step rates in the row bucket, each
-        at its own span, once both were timed there, else the warm-up's for the bucket, or the given one; the other
-        kind now and then (`probe_interval`): drafted probes keep tau and the drafted rate current, plain ones the
-        plain rate)."""
+        at its own span, once both were timed there, else the warm-up's for the bucket, times `SPEC_MARGIN`; or the
+        given one; the other kind now and then (`probe_interval`): drafted probes keep tau and the drafted rate
+        current, plain ones the plain rate)."""
         if not self.adaptive:
             return self.drafter is not None
         self._calls += 1
@@ -1141,6 +1144,8 @@ class Engine:
         ratio = p / d if d and p else self.spec_costs.get(rows, self.spec_cost)
         if d and p and rows == self.slots:
             self.spec_cost = ratio  # (the full bucket's, as last judged)
+        if self.timed:  # what the timings leave out (`SPEC_MARGIN`)
+            ratio *= SPEC_MARGIN
         best = self.tau >= ratio
         self._since_probe += 1
         probe = (self.timed or not best) and self._since_probe >= probe_interval(self.tau, ratio)

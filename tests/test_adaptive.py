@@ -125,21 +125,27 @@ def test_probes_run_less_often_as_they_cost_more(models):  # noqa: F811
 def test_each_kind_is_judged_at_its_own_span(models):  # noqa: F811
     """The served rates are kept per row bucket and span, and a call compares tau with the ratio of the plain rate at
     the span a plain call would get to the drafted rate at the (longer) span a drafted call would get; without both,
-    the warm-up's ratio for the bucket."""
+    the warm-up's ratio for the bucket; either timed ratio times `SPEC_MARGIN` (1.2), a given one as it is."""
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, speculation="auto",
                  spans=[32, 64, 128], gamma=3)
-    eng.spec_costs, eng.spec_cost, eng.tau = {2: 2.0}, 2.0, 2.4
+    eng.spec_costs, eng.spec_cost, eng.tau = {2: 2.0}, 2.0, 2.5
     eng._since_probe = -10**6  # no probes here
     eng.rate = {(2, 32): {True: 150.0, False: 300.0}, (2, 64): {True: 100.0, False: 200.0}}
-    # at either span alone drafting wins (300 / 150 = 200 / 100 = 2 < tau 2.4); a drafted call needing 64 where a
-    # plain one takes 32 does not (300 / 100 = 3)
+    # at either span alone drafting wins (300 / 150 = 200 / 100 = 2, times 1.2 < tau 2.5); a drafted call needing 64
+    # where a plain one takes 32 does not (300 / 100 = 3)
     assert eng._speculate(2, {False: 32, True: 32}) and eng._speculate(2, {False: 64, True: 64})
     assert not eng._speculate(2, {False: 32, True: 64})
     assert eng.spec_cost == 3.0
-    assert eng._speculate(2, {False: 32, True: 128})  # no drafted rate at 128: the warm-up's 2.0
-    eng.spec_costs = {2: 2.5}
+    assert eng._speculate(2, {False: 32, True: 128})  # no drafted rate at 128: the warm-up's 2.0 (2.4)
+    eng.tau = 2.3  # above the timed ratio, short of it times the margin: plain
+    assert not eng._speculate(2, {False: 32, True: 32}) and not eng._speculate(2, {False: 32, True: 128})
+    eng.spec_costs, eng.tau = {2: 2.5}, 2.9
     assert not eng._speculate(2, {False: 128, True: 128})
+    given = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, speculation="auto",
+                   spans=[32, 64, 128], gamma=3, spec_cost=2.0)
+    given.tau, given._since_probe = 2.3, -10**6  # a given ratio is the break-even as it is
+    assert given._speculate(2, {False: 32, True: 32})
 
 
 @pytest.mark.parametrize("steps", [1, 3])
