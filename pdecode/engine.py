@@ -533,17 +533,22 @@ class Engine:
         dwindow = None if window is None else window + (self._late_width if late else 0)
         loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
-        if lazy:  # every slot's, fed (on its head) only once some row lags more than the slack
+        if lazy:  # the call's rows' (the rest are not live), fed (on its head) once one lags more than the slack
             width, n = self._late_width, loop.seq.shape[0]
-            seq = whole.loop.seq.at[:n].set(loop.seq)
-            seq_len = whole.loop.seq_len.at[:n].set(loop.seq_len)
+            axes = self._axes.dstate
+            part_of = lambda ds: ds if n >= self.slots else jax.tree.map(  # noqa: E731
+                lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, n, axis=ax), ds, axes)
 
             def feed(ds):
-                fed = self.drafter.follow_late(dp, cut(ds), seq, seq_len, width, width - k)
-                return jax.tree.map(put(dwindow), ds, fed, is_leaf=is_cache)
+                part = part_of(ds)
+                fed = self.drafter.follow_late(dp, cut(part), loop.seq, loop.seq_len, width, width - k)
+                part = jax.tree.map(put(dwindow), part, fed, is_leaf=is_cache)
+                return part if n >= self.slots else jax.tree.map(
+                    lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(x, y, 0, ax), ds, part,
+                    axes)
 
-            dstate = jax.lax.cond(jnp.any(self.drafter.lag(dstate, seq_len) > width - k), feed, lambda ds: ds,
-                                  dstate)
+            lags = self.drafter.lag(part_of(dstate), loop.seq_len)
+            dstate = jax.lax.cond(jnp.any(lags > width - k), feed, lambda ds: ds, dstate)
         out = loop.out
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
