@@ -158,6 +158,18 @@ def to_host(x):
     return gather(x)
 
 
+def _rows_head(tree, axes, rows: int):
+    """The first ``rows`` of every leaf of ``tree`` whose row axis ``axes`` names (a leaf with None: shared, kept)."""
+    return jax.tree.map(lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, rows, axis=ax), tree, axes)
+
+
+def _put_rows_head(whole, part, axes):
+    """``whole`` with each leaf's first rows replaced by ``part``'s (`_rows_head`'s cut, after work on it); a leaf with
+    no row axis (shared by the batch: a lookahead pool's clock, counters) is the part's, updated."""
+    return jax.tree.map(lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(
+        x, y.astype(x.dtype), 0, ax), whole, part, axes)
+
+
 class Engine:
     """Decode slots over one model (module docstring). ``method``: ar, or a draft-and-verify method (sd, lookup,
     tree, eagle, medusa, mtp, lookahead, jacobi, layerskip, with their ``method_options``); ``draft``: its draft
@@ -534,18 +546,14 @@ class Engine:
         loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
         if lazy:  # the call's rows' (the rest are not live), fed (on its head) once one lags more than the slack
-            width, n = self._late_width, loop.seq.shape[0]
-            axes = self._axes.dstate
-            part_of = lambda ds: ds if n >= self.slots else jax.tree.map(  # noqa: E731
-                lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, n, axis=ax), ds, axes)
+            width, n, axes = self._late_width, loop.seq.shape[0], self._axes.dstate
+            part_of = lambda ds: ds if n >= self.slots else _rows_head(ds, axes, n)  # noqa: E731
 
             def feed(ds):
                 part = part_of(ds)
                 fed = self.drafter.follow_late(dp, cut(part), loop.seq, loop.seq_len, width, width - k)
                 part = jax.tree.map(put(dwindow), part, fed, is_leaf=is_cache)
-                return part if n >= self.slots else jax.tree.map(
-                    lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(x, y, 0, ax), ds, part,
-                    axes)
+                return part if n >= self.slots else _put_rows_head(ds, part, axes)
 
             lags = self.drafter.lag(part_of(dstate), loop.seq_len)
             dstate = jax.lax.cond(jnp.any(lags > width - k), feed, lambda ds: ds, dstate)
@@ -563,13 +571,12 @@ class Engine:
         """The state of the first ``rows`` slots (a copy; a paged cache keeps its pool and cuts its page table)."""
         if not rows or rows >= self.slots:
             return st
-        cut = lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, rows, axis=ax)  # noqa: E731
         cache, axes = st.loop.cache, self._loop_axes(st.loop)
         if isinstance(cache, kvc.PagedKVCache):
             cache = cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
         else:
-            cache = jax.tree.map(cut, cache, axes.cache)
-        loop = jax.tree.map(cut, st.loop.replace(cache=None), axes.replace(cache=None)).replace(cache=cache)
+            cache = _rows_head(cache, axes.cache, rows)
+        loop = _rows_head(st.loop.replace(cache=None), axes.replace(cache=None), rows).replace(cache=cache)
         return st.replace(loop=loop, warp=jax.tree.map(lambda x: x[:rows], st.warp))
 
     def _put_first_rows(self, whole: EngineState, part: EngineState) -> EngineState:
@@ -577,16 +584,13 @@ class Engine:
         rows = part.warp.temperature.shape[0]
         if rows >= self.slots:
             return part
-        # a leaf with no row axis (shared by the batch: a lookahead pool's clock, counters) is the part's, updated
-        put = lambda x, y, ax: y if ax is None else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-            x, y.astype(x.dtype), 0, ax)
         cache, sub, axes = whole.loop.cache, part.loop.cache, self._loop_axes(whole.loop)
         if isinstance(cache, kvc.PagedKVCache):  # the pool was written in place; the table did not change
             cache = cache.replace(k=sub.k, v=sub.v, lengths=cache.lengths.at[:rows].set(sub.lengths))
         else:
-            cache = jax.tree.map(put, cache, sub, axes.cache)
-        loop = jax.tree.map(put, whole.loop.replace(cache=None), part.loop.replace(cache=None),
-                            axes.replace(cache=None)).replace(cache=cache)
+            cache = _put_rows_head(cache, sub, axes.cache)
+        loop = _put_rows_head(whole.loop.replace(cache=None), part.loop.replace(cache=None),
+                              axes.replace(cache=None)).replace(cache=cache)
         warp = jax.tree.map(lambda x, y: x.at[:rows].set(y), whole.warp, part.warp)
         return whole.replace(loop=loop, warp=warp, grammar=part.grammar)
 
