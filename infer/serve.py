@@ -783,7 +783,8 @@ class Server:
         status = "draining" if ok and self.draining else "ok" if ok else "failed"
         return _json({"status": status, "method": self.engine.method,
                       "slots": self.engine.slots, "in_flight": self.worker.in_flight() if self.worker else 0,
-                      "compiles_since_warmup": XLA_COMPILES["n"]}, status={"ok": 200, "draining": 503}.get(status, 500))
+                      "compiles_since_warmup": XLA_COMPILES["n"],
+                      "programs_pending": self.engine.pending_programs}, status={"ok": 200, "draining": 503}.get(status, 500))
 
     async def metrics_page(self, request):
         from aiohttp import web
@@ -911,11 +912,26 @@ class Server:
 XLA_COMPILES = {"n": 0, "on": False}  # XLA compiles in this process after warm-up (there should be none)
 
 
+WARMUP_MULTI = ("--warmup background serves from the programs ready so far, which differ between processes: on "
+                "several processes use --warmup full (the default there)")
+
+
+def _log_warm(engine):
+    try:
+        engine.wait_warm()
+        logger.info("every program is ready: %d, %.1fs after warm-up began", engine.compiles, engine.warm_all_s)
+    except Exception as e:  # noqa: BLE001 (the engine serves on with the programs it has)
+        logger.warning("the warm-up thread stopped: %s: %s; calls keep to the programs ready", type(e).__name__, e)
+
+
 def _count_compiles():
     import jax
 
+    from pdecode.engine import WARM_THREAD
+
     def listener(name, secs, **kw):
-        if XLA_COMPILES["on"] and name == "/jax/core/compile/backend_compile_duration":
+        if (XLA_COMPILES["on"] and name == "/jax/core/compile/backend_compile_duration"
+                and threading.current_thread().name != WARM_THREAD):  # (a background warm-up's are warm-up's)
             XLA_COMPILES["n"] += 1
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -967,6 +983,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--spec-cost", type=float, default=None,
                     help="with --speculation auto: a drafted step call's cost over a plain one's (default: measured "
                          "at warm-up; the log says the figure; several processes need it given, to decide alike)")
+    ap.add_argument("--warmup", default=None, choices=["background", "full"],
+                    help="background (the default on one process): serve once the programs nothing can stand in for "
+                         "are compiled (seconds on a restart, the compilation cache warm) and compile the rest "
+                         "meanwhile, calls going to ready programs that cover them; full: compile every program "
+                         "before serving (the only mode on several processes, which must run the same programs)")
     ap.add_argument("--prefix-cache", type=int, default=0,
                     help="prompt prefixes kept on the device (0: off): a request starting with a kept prefix (a shared "
                          "system prompt longer than --chunk) prefills only the rest")
@@ -1018,6 +1039,8 @@ def run_from_args(args) -> int:
         return 2
     _setup_logging(args.log_level)
     options = parse_options(args.option)
+    if args.warmup == "background" and (args.num_processes or 1) > 1:  # (before joining: one line, no hang)
+        raise InputError(WARMUP_MULTI)
     multi = pdecode.init_distributed(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
     # compiled programs kept on disk (PDECODE_COMPILE_CACHE_DIR; "off" to skip): a restart loads them
     cache = pdecode.enable_disk_cache()
@@ -1038,6 +1061,9 @@ def run_from_args(args) -> int:
     model = load(args.model)
     draft = load(args.draft, "replicate") if args.draft else None
     speculation = speculation_mode(args.speculation, multi, args.spec_cost)
+    if multi and args.warmup == "background":
+        raise InputError(WARMUP_MULTI)
+    background = args.warmup == "background" or (args.warmup is None and not multi)
     kv_pages = args.kv_pages
     if kv_pages is None and mesh is None and args.page_size > 0 and args.max_len % args.page_size == 0:
         kv_pages = args.slots * args.max_len // args.page_size  # the memory of --slots contiguous rows
@@ -1048,10 +1074,14 @@ def run_from_args(args) -> int:
     logger.info("%s (%s, %d slots x %d) warming up ...", args.model, args.method, args.slots, args.max_len)
     if engine.kv_pages:
         logger.info("paged KV cache: %d pages of %d positions shared by the slots", engine.kv_pages, engine.page_size)
-    secs = engine.warmup()
     _count_compiles()
+    secs = engine.warmup(background=background)
     XLA_COMPILES["on"] = True
     logger.info("%d programs compiled in %.1fs (compilation cache: %s)", engine.compiles, secs, cache or "off")
+    if engine.pending_programs:
+        logger.info("%d more compile while serving (--warmup background); calls take ready programs that cover "
+                    "them meanwhile", engine.pending_programs)
+        threading.Thread(target=_log_warm, args=(engine,), daemon=True).start()
     if engine.adaptive:
         logger.info("speculation auto: a drafted step call costs %.2fx a plain one; steps draft while the tokens per "
                     "drafted step (measured as requests run) reach that", engine.spec_cost)

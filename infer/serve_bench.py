@@ -181,11 +181,13 @@ class Server:
         while time.time() < t_end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if _get(self.url + "/health")["status"] == "ok":
+            try:  # (measured once every program is compiled: --warmup background serves before)
+                h = _get(self.url + "/health")
+                if h["status"] == "ok" and not h.get("programs_pending"):
                     return
             except OSError:
-                time.sleep(1)
+                pass
+            time.sleep(1)
         self.stop()
         raise RuntimeError("the server did not come up in 15 minutes")
 

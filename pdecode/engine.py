@@ -48,12 +48,16 @@ single-threaded: a server drives it from one thread.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import functools
 import itertools
 import math
+import os
+import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -82,6 +86,7 @@ LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forw
 SPEC_MARGIN = 1.2  # speculation="auto", timed: a call drafts while tau reaches the timed cost ratio times this
 # (the served rates leave out what a kind costs around admissions; at 4 clients on the CPU they put drafting at
 # break-even where whole passes of drafted calls gave 0.84x plain ones' tokens/s)
+WARM_THREAD = "pdecode-warmup"  # the name of the thread that compiles the rest of warm-up (`Engine.warmup`)
 LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
@@ -216,6 +221,7 @@ class Engine:
         model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
         registry.check_models(meth, model, draft)
         opts = registry.resolve_options(meth, method_options)
+        self._opts = sorted(opts.items())
         if meth.needs_draft and draft is None:
             raise InputError(f"method {method!r} needs a draft model: pass draft=pdecode.load(...)",
                              cli=f"method {method!r} needs a draft model: add --draft (a zoo name such as "
@@ -293,6 +299,15 @@ class Engine:
         self.params = jax.jit(self._prepare)(plan.params)  # target params, or (target, drafter) params
         self.compiles = 0
         self._exe: dict = {}
+        self._named: dict = {}  # the same programs by name alone ("step", greedy, plain, span, rows), ...
+        self._lock = threading.Lock()
+        self._spec = None  # the state's shapes and shardings (what programs are compiled for)
+        self._rest: list = []  # warm-up with ``background``: the programs the warm-up thread has still to compile
+        self._warm_thread = None
+        self.warm_error: BaseException | None = None  # what stopped the warm-up thread, if anything did
+        self.warm_all_s: float | None = None  # seconds from warm-up's start to every program compiled
+        self._stopping = False  # the process is exiting: the warm-up thread stops after the program in hand
+        self._ran: set = set()  # the step programs run at least once (a first run is not timed: `_run_each_once`)
         self._hid = self.drafter.hidden_layers if self.drafter is not None else ()
         self._rng = np.random.default_rng()
         self._ids = itertools.count(1)
@@ -671,13 +686,18 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ compile
     def _compile(self, name, fn, *args, static=None, donate=()):
+        """The program ``name`` (compiled once; from the warm-up thread too: `warmup` with ``background``)."""
         static = static or {}
         key = (name, tuple(sorted(static.items(), key=lambda kv: kv[0])))
-        if key not in self._exe:
-            self.compiles += 1
-            self._exe[key] = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(
-                *args, **static).compile()
-        return self._exe[key]
+        exe = self._exe.get(key)
+        if exe is None:
+            exe = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
+            with self._lock:
+                if key not in self._exe:
+                    self.compiles += 1
+                    self._exe[key] = self._named[name] = exe
+                exe = self._exe[key]
+        return exe
 
     def _hidden_dtype(self):
         return jnp.dtype(self.model.cfg.activation_dtype or self.model.dtype)
@@ -693,9 +713,21 @@ class Engine:
         return Prefill(cache=cache, hidden=np.zeros((1, self.max_len, cfg.hidden_size), hd), layers=layers,
                        logits=np.zeros((1, self.vocab), np.float32))
 
-    def warmup(self) -> float:
-        """Compile every function the engine calls (admission per prompt bucket, the long-prompt chunk, both step
-        variants, release); returns the seconds it took. Called by the first `run_once` if not before."""
+    def warmup(self, background: bool = False) -> float:
+        """Compile every function the engine calls (admission per prompt bucket and row count, the long-prompt chunk,
+        the step programs of each sampler, kind, span and row bucket, release), run each once and time the cost
+        model's ratios (speculation="auto"; read back instead where an earlier process of the same engine on the same
+        devices saved them next to the persistent compilation cache: `_costs_path`); returns the seconds it took.
+        Called by the first `run_once` if not before.
+
+        ``background``: compile only the programs nothing else can stand in for (an admission of the longest chunk,
+        the long-prompt programs, release, a step of the full sampler at ``max_len`` over every slot: `_core`), return,
+        and compile the rest in a thread while the engine serves; until a program is ready its calls go to a ready
+        one that covers them (a longer span or chunk, more rows, the full sampler, the other kind of step: the same
+        tokens, `_pick_step`). A restart with the compilation cache warm then serves in seconds; programs run for the
+        first time while serving (XLA:CPU pays 40-80 ms more at a program's first run: `_run_each_once`), and the
+        cost model's ratios are timed before serving unless saved. `pending_programs` counts what is left,
+        `wait_warm` waits for it."""
         t0 = time.perf_counter()
         if self.state is None:
             self._axes = self._batch_axes()
@@ -705,32 +737,93 @@ class Engine:
             self._empty_exe = jax.jit(self._empty, **pinned)
             self.state = self._empty_exe(self.params)
             self.compiles += 1
+            on = {} if self.mesh is None else {"sharding": True}  # (one device: lowered as its arrays are)
+            self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **{k: x.sharding for k in on}),
+                                      self.state)
+        core, rest = self._programs()
+        for make in core + ([] if background else [m for _, m in rest]):
+            make()
+        if self.adaptive and self.spec_cost is None and not self.spec_costs:
+            saved = self._load_costs()
+            if saved is None:
+                self.spec_costs = self._measure_spec_cost()  # (compiles what it times if not yet compiled)
+                self._save_costs()
+            else:
+                self.spec_costs = saved
+            self.spec_cost = self.spec_costs[self.slots]
+        done = {k for k in self._exe}
+        self._rest = [make for key, make in rest if key not in done] if background else []
+        if not self._rest:
+            self.warm_compiles = self.compiles
+            if not self._ran_each:
+                self._run_each_once()
+            self.warm_all_s = time.perf_counter() - t0
+        elif self._warm_thread is None:
+            self._warm_thread = threading.Thread(target=self._compile_rest, args=(t0,), name=WARM_THREAD,
+                                                 daemon=True)
+            self._warm_thread.start()
+            atexit.register(_stop_warming, weakref.ref(self))  # (a process that exits meanwhile: see there)
+        return time.perf_counter() - t0
+
+    def _programs(self):
+        """Warm-up's programs: ``core`` (thunks: the ones the engine cannot serve without) and ``rest`` ((key,
+        thunk) pairs, the likeliest used first: admissions, then steps by span, row bucket, sampler, kind)."""
+        top = self._chunk_sizes()[-1]
+        blank = self._blank_prefill
+        core = [lambda: self._admit_exe(top, self.admit_rows), lambda: self._admit_exe(top, 1, blank()),
+                lambda: self._compile("prefill", self._prefill_fn, self.params, blank(),
+                                      np.zeros((1, self.chunk), np.int32), np.ones((1,), np.int32)),
+                lambda: self._compile("release", self._release_fn, self._spec, np.int32(0), donate=(0,)),
+                lambda: self._step_exe(self.full, self.adaptive)]
+        if self.prefix_entries:
+            core.append(self._prefix_programs)
+        key = lambda name, static: (name, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # noqa: E731
+        rest = []
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
-                self._admit_exe(c, rows)
-        for c in self._chunk_sizes():  # a long prompt's last chunk (after a kept prefix: often a short one)
-            self._admit_exe(c, 1, self._blank_prefill())
-        self._compile("prefill", self._prefill_fn, self.params, self._blank_prefill(),
-                      np.zeros((1, self.chunk), np.int32), np.ones((1,), np.int32))
-        if self.prefix_entries and self._store is None:
+                rest.append((key(("admit", c, rows, False), {}), functools.partial(self._admit_exe, c, rows)))
+            rest.append((key(("admit", c, 1, True), {}), lambda c=c: self._admit_exe(c, 1, blank())))
+        for span in self.spans:
+            for rows in self.row_buckets:
+                for samp in (self.full, self.fast):
+                    for plain in (True, False) if self.adaptive else (False,):
+                        static = self._step_static(samp, plain, span, rows)
+                        rest.append((key(("step", samp.greedy, plain, span, rows), static),
+                                     functools.partial(self._step_exe, samp, plain, span, rows)))
+        return core, rest
+
+    def _prefix_programs(self):
+        if self._store is None:
             blank = self._blank_prefill()
             store = jax.tree.map(lambda a: np.zeros((self.prefix_entries,) + a.shape, a.dtype), blank)
             self._store = jax.device_put(store, None if self.mesh is None else self._replicated_sharding())
-            self._compile("prefix_get", self._prefix_get_fn, self._store, np.int32(0), np.int32(1))
-            self._compile("prefix_put", self._prefix_put_fn, self._store, np.int32(0), blank, donate=(0,))
-        for samp in (self.fast, self.full):
-            for plain in (False, True) if self.adaptive else (False,):
-                for rows in self.row_buckets:
-                    for span in self.spans:
-                        self._step_exe(samp, plain, span, rows)
-        self._compile("release", self._release_fn, self.state, np.int32(0), donate=(0,))
+        self._compile("prefix_get", self._prefix_get_fn, self._store, np.int32(0), np.int32(1))
+        self._compile("prefix_put", self._prefix_put_fn, self._store, np.int32(0), self._blank_prefill(), donate=(0,))
+
+    def _compile_rest(self, t0: float):
+        """The warm-up thread: compile what `warmup` left (``background``), in order."""
+        try:
+            while self._rest and not self._stopping:
+                self._rest[0]()
+                self._rest.pop(0)
+        except BaseException as e:  # noqa: BLE001 (the engine serves on with the programs it has)
+            self.warm_error = e
+            self._rest = []
         self.warm_compiles = self.compiles
-        if not self._ran_each:
-            self._run_each_once()
-        if self.adaptive and self.spec_cost is None:
-            self.spec_costs = self._measure_spec_cost()
-            self.spec_cost = self.spec_costs[self.slots]
-        return time.perf_counter() - t0
+        self.warm_all_s = time.perf_counter() - t0
+
+    @property
+    def pending_programs(self) -> int:
+        """Programs the warm-up thread has still to compile (0: all ready, or warm-up not begun)."""
+        return len(self._rest)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the warm-up thread (``background``); True when every program is ready. Raises what stopped it."""
+        if self._warm_thread is not None:
+            self._warm_thread.join(timeout)
+        if self.warm_error is not None:
+            raise self.warm_error
+        return not self._rest
 
     def _measure_spec_cost(self, repeats: int = 3) -> dict[int, float]:
         """The cost model's first ratios, per row bucket: seconds per drafted step call over seconds per plain one,
@@ -758,6 +851,54 @@ class Engine:
         self.state = self._empty_exe(self.params)
         return ratios
 
+    def _costs_path(self):
+        """Where this engine's warm-up ratios are kept (speculation="auto"): a file next to JAX's persistent
+        compilation cache (None when that is off), named by a hash of what the ratios depend on: the pdecode and JAX
+        versions, the devices, the model's and drafter's configuration and weights' shapes, the method's options and
+        the engine's sizes. They are first guesses that the served calls' own timings replace (a stale one costs a
+        few calls' choices, never a token)."""
+        import hashlib
+        from pathlib import Path
+
+        import pdecode
+
+        d = costs_dir()
+        if not d:
+            return None
+        shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), self.params)
+        what = (pdecode.__version__, jax.__version__, [(x.platform, x.device_kind) for x in jax.devices()],
+                jax.process_count(), repr(self.model.cfg), self.method, repr(self._opts), repr(self.drafter),
+                repr(jax.tree.structure(shapes)), repr(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)
+                                                                       and len(x) == 2 and isinstance(x[1], str))),
+                self.slots, self.max_len, self.chunk, self.k, self.spans, self.row_buckets, self.admit_rows,
+                self.kv_pages, self.page_size, str(self.kv_dtype), self.top_k_max, repr(self.full),
+                None if self.pool is None else (self.pool.states, self.pool.transitions), LONE_STEPS, LATE_CALLS)
+        return Path(d) / "pdecode-costs" / (hashlib.sha256(repr(what).encode()).hexdigest()[:32] + ".json")
+
+    def _load_costs(self) -> dict[int, float] | None:
+        import json
+
+        path = self._costs_path()
+        try:
+            got = {int(k): float(v) for k, v in json.loads(path.read_text()).items()} if path else None
+        except (OSError, ValueError, AttributeError):
+            return None
+        return got if got and set(got) == set(self.row_buckets) and all(v > 0 for v in got.values()) else None
+
+    def _save_costs(self):
+        import json
+
+        path = self._costs_path()
+        if path is None:
+            return
+        try:  # (written whole, then renamed: a process reading it meanwhile sees the old file or the new one)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({str(k): v for k, v in self.spec_costs.items()}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # (an optimisation: the next process times them again)
+
     def _run_each_once(self):
         """Run every admission, prefill and step program once with a live row, then empty the slots. XLA:CPU pays
         40-80 ms more at a program's first run with work in its loop (a step call on empty slots, which runs no
@@ -779,6 +920,7 @@ class Engine:
             if key[0][0] == "step":
                 self._fill_for_timing(1, budget)
                 self.state, outs = exe(self.params, self.state)
+                self._ran.add(exe)
         jax.block_until_ready(self.state)
         self.state = self._empty_exe(self.params)
         self._ran_each = True
@@ -842,6 +984,7 @@ class Engine:
 
     def _admit_exe(self, size: int, rows: int = 1, pre=None):
         args = self._admit_args(np.zeros((rows, size), np.int32), [None] * rows)
+        args = args[:1] + (self._spec,) + args[2:]  # (the state's shapes: the warm-up thread must not read it)
         if pre is not None:
             if self.mesh is not None:  # as the prefill chunks leave it (replicated), not as the compiler would pick
                 pre = jax.device_put(pre, self._replicated_sharding())
@@ -849,12 +992,45 @@ class Engine:
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
+    def _step_static(self, samp, plain: bool, span: int, rows: int) -> dict:
+        return {"samp": samp, "k": self.steps_for(rows), "plain": plain, "span": span, "rows": rows}
+
     def _step_exe(self, samp, plain: bool = False, span: int | None = None, rows: int | None = None):
         span, rows = span or self.max_len, rows or self.slots
-        return self._compile(("step", samp.greedy, plain, span, rows), self._step_fn, self.params, self.state,
-                             static={"samp": samp, "k": self.steps_for(rows), "plain": plain, "span": span,
-                                     "rows": rows},
-                             donate=(1,))
+        return self._compile(("step", samp.greedy, plain, span, rows), self._step_fn, self.params, self._spec,
+                             static=self._step_static(samp, plain, span, rows), donate=(1,))
+
+    def _pick_step(self, samp, drafted: bool, rows: int, span_of: Callable[[bool], int]):
+        """The step program for a call of sampler ``samp``, kind ``drafted`` over row bucket ``rows`` (``span_of``:
+        the span a kind needs): (program, drafted, span, rows). While the warm-up thread compiles (`warmup` with
+        ``background``), a program not ready yet is stood in for by the cheapest ready one that covers the call:
+        the same kind first (a longer span, more rows, the full sampler for the greedy one: each gives the same
+        tokens), else the other kind (speculation="auto": either kind is lossless)."""
+        if not self._rest:
+            span = span_of(drafted)
+            return self._step_exe(samp, self.drafter is not None and not drafted, span, rows), drafted, span, rows
+        samps = [samp] + ([self.full] if samp is not self.full else [])
+        for d in [drafted] + ([not drafted] if self.adaptive else []):
+            need, plain = span_of(d), self.drafter is not None and not d
+            ready = [(sp * r, i, sp, r) for i, s in enumerate(samps) for sp in self.spans if sp >= need
+                     for r in self.row_buckets if r >= rows
+                     if ("step", s.greedy, plain, sp, r) in self._named]
+            if ready:
+                _, i, sp, r = min(ready)
+                self.stats["steps_stood_in"] += (sp, r, samps[i], d) != (need, rows, samp, drafted)
+                return self._named[("step", samps[i].greedy, plain, sp, r)], d, sp, r
+        raise RuntimeError("no step program is ready (warm-up compiles the full sampler's at max_len first)")
+
+    def _pick_admit(self, size: int, rows: int, pre: bool):
+        """The admission program for ``rows`` prompts of up to ``size`` tokens (``pre``: a long prompt's last chunk):
+        (program, rows it takes, chunk). While the warm-up thread compiles, a longer chunk stands in, and for one prompt the
+        ``admit_rows`` one (the prompt repeated over its rows, as a part group is)."""
+        counts = [rows] + ([self.admit_rows] if rows == 1 and not pre and self._rest else [])
+        for n in counts:
+            for c in self._chunk_sizes():
+                if c >= size and ("admit", c, n, pre) in self._named:
+                    return self._named[("admit", c, n, pre)], n, c
+        raise RuntimeError(f"no admission program is ready for {rows} row(s) of {size} tokens")
 
     def _span_for(self, live, drafted: bool, rows: int) -> int:
         """The smallest span holding every live row after the next step call (``drafted``: of drafted steps, of row
@@ -1041,11 +1217,11 @@ class Engine:
     def _admit_group(self, reqs: list):
         """One admission call for ``reqs`` (a list of 1 or ``admit_rows``, the last one repeated to fill it)."""
         rest = max(len(r.prompt) for r in reqs)
-        size = next(c for c in self._chunk_sizes() if c >= rest)
-        toks = np.zeros((len(reqs), size), np.int32)
+        exe, n, size = self._pick_admit(rest, len(reqs), False)
+        reqs = (reqs * n)[:n]  # (one prompt over the rows of a stand-in program)
+        toks = np.zeros((n, size), np.int32)
         for i, r in enumerate(reqs):
             toks[i, : len(r.prompt)] = r.prompt
-        exe = self._exe[(("admit", size, len(reqs), False), ())]
         self.state, outs = exe(*self._admit_args(toks, reqs))
         uniq = list({id(r): r for r in reqs}.values())
         for r in uniq:
@@ -1067,14 +1243,14 @@ class Engine:
             self.stats["prefill_chunks"] += 1
             self._round_admits += 1
             return
-        size = next(c for c in self._chunk_sizes() if c >= rest)
+        exe, _, size = self._pick_admit(rest, 1, True)
         toks = np.zeros((1, size), np.int32)
         toks[0, :rest] = r.prompt[r.fed:]
         prompt = np.zeros((1, self.max_len), np.int32)
         prompt[0, : len(r.prompt)] = r.prompt
         self._keep_prefix(r)
         args = self._admit_args(toks, [r]) + (r.pre, prompt, np.asarray([len(r.prompt)], np.int32))
-        self.state, outs = self._exe[(("admit", size, 1, True), ())](*args)
+        self.state, outs = exe(*args)
         r.fed, r.pre, r.inserted = len(r.prompt), None, True
         self.stats["prefill_chunks"] += 1
         self.stats["admit_calls"] += 1
@@ -1128,15 +1304,18 @@ class Engine:
         rows = next(x for x in self.row_buckets if x >= top)
         spans = {d: self._span_for(live, d, rows) for d in (False, True)} if self.adaptive else None
         drafted = self._speculate(rows, spans)
-        span = spans[drafted] if spans else self._span_for(live, drafted, rows)
-        exe = self._step_exe(self.fast if plain else self.full, self.drafter is not None and not drafted, span, rows)
+        span_of = (lambda d: spans[d]) if spans else (lambda d: self._span_for(live, d, rows))  # noqa: E731
+        exe, drafted, span, rows = self._pick_step(self.fast if plain else self.full, drafted, rows, span_of)
+        first = exe not in self._ran  # (its first run: not timed, `_run_each_once`)
+        self._ran.add(exe)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits, rows, span))
+        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits and not first,
+                               rows, span))
 
     def _speculate(self, rows: int, spans: dict[bool, int] | None = None) -> bool:
         """Whether the next step call (of ``rows`` rows; ``spans``: the span each kind would get) drafts (the cost
@@ -1300,6 +1479,20 @@ class Engine:
                       finish_reason=r.finish_reason, prompt_tokens=len(r.prompt), completion_tokens=len(r.tokens),
                       forwards=r.forwards)
                 for r in reqs]
+
+
+def costs_dir():
+    """Where engines keep their warm-up's cost ratios: JAX's persistent compilation cache's directory (None: off)."""
+    return jax.config.jax_compilation_cache_dir
+
+
+def _stop_warming(ref):
+    """At the process's exit: let an engine's warm-up thread finish the program in hand and stop (a daemon thread
+    killed inside XLA's compiler ends the process with a C++ exception)."""
+    eng = ref()
+    if eng is not None and eng._warm_thread is not None:
+        eng._stopping = True
+        eng._warm_thread.join()
 
 
 def probe_interval(tau: float, ratio: float) -> int:

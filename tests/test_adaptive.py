@@ -306,3 +306,61 @@ def test_measured_cost_and_options(models, monkeypatch):  # noqa: F811
     la = Engine(t, method="lookahead", slots=2, max_len=96, chunk=32, speculation="auto", window=3, ngram=3,
                 guesses=2)
     assert not la.adaptive and "cannot follow" in la.speculation_note
+
+
+def _gated(monkeypatch):
+    """Hold `Engine.warmup`'s thread (``background``) until the returned event is set."""
+    gate = __import__("threading").Event()
+    orig = Engine._compile_rest
+
+    def held(self, t0):
+        gate.wait(120)
+        orig(self, t0)
+
+    monkeypatch.setattr(Engine, "_compile_rest", held)
+    return gate
+
+
+@pytest.mark.parametrize("layout", ["sd auto", "ar on a mesh"])
+def test_background_warmup_serves_from_stand_ins(models, layout, monkeypatch, tmp_path):  # noqa: F811
+    """``warmup(background=True)`` returns with the programs nothing can stand in for; until the thread has compiled
+    the rest, calls go to ready programs that cover them (the full sampler at a longer span, the admission of several
+    rows for one prompt) and give generate's tokens; then every program is there and none stands in. sd auto times
+    its cost ratios once and keeps them next to the compilation cache: an engine of the same configuration reads
+    them instead of timing, one of another does not find them."""
+    monkeypatch.setattr(engine_mod, "costs_dir", lambda: tmp_path)
+    gate = _gated(monkeypatch)
+    t = models["target"]
+    if layout == "sd auto":
+        opts = dict(method="sd", draft=models["small"], speculation="auto", gamma=3, max_len=256)
+    else:
+        from pdecode.sharding import make_mesh
+
+        t, opts = t.on_mesh(make_mesh(2, 4), indivisible="replicate"), dict(method="ar", max_len=128)
+    eng = Engine(t, slots=2, chunk=32, steps_per_call=2, **opts)
+    eng.warmup(background=True)
+    assert eng.pending_programs > 0 and eng._warm_thread.is_alive()
+    ready = eng.compiles
+    prompts, ref = PROMPTS[:3], pdecode.generate(t, PROMPTS[:3], max_new_tokens=[30, 12, 20]).tokens
+    greedy = _run(eng, prompts, [30, 12, 20])
+    one = eng.submit(PROMPTS[0], eng.check(PROMPTS[0], max_tokens=30, temperature=0.0, logprobs=True))
+    while not eng.idle:
+        eng.run_once()
+    assert [r.tokens for r in greedy] == ref and one.tokens == ref[0]
+    assert eng.stats["steps_stood_in"] > 0 and eng.compiles == ready and eng.pending_programs > 0
+    gate.set()
+    assert eng.wait_warm(120) and eng.pending_programs == 0 and eng.warm_all_s > 0
+    before = eng.stats["steps_stood_in"]
+    assert [r.tokens for r in _run(eng, prompts, [30, 12, 20])] == ref
+    assert eng.stats["steps_stood_in"] == before and eng.compiles == eng.warm_compiles
+    steps = len(eng.spans) * len(eng.row_buckets) * 2 * (2 if eng.adaptive else 1)
+    assert sum(k[0][0] == "step" for k in eng._exe) == steps
+    if layout == "sd auto":
+        assert set(eng.spec_costs) == {2} and len(list(tmp_path.glob("*/*.json"))) == 1
+        again = Engine(t, slots=2, chunk=32, steps_per_call=2, **opts)
+        assert again._load_costs() == eng.spec_costs
+        assert Engine(t, slots=3, chunk=32, steps_per_call=2, **opts)._load_costs() is None
+        monkeypatch.setattr(Engine, "_measure_spec_cost", lambda self: pytest.fail("timed again"))
+        eng.spec_costs, eng.spec_cost = {}, None
+        eng.warmup()  # (its programs are there: the ratios read back)
+        assert eng.spec_costs == again._load_costs()

@@ -191,6 +191,15 @@ def test_bad_distributed_flags_are_one_line(argv, msg, capsys):
     assert msg in err and len(err.splitlines()) == 1
 
 
+def test_serve_background_warmup_on_several_processes_is_one_line(capsys):
+    from infer import cli
+
+    assert cli.main(["serve", "--warmup", "background", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                     "--process-id", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--warmup full" in err and len(err.splitlines()) == 1
+
+
 def test_a_missing_coordinator_fails_within_the_timeout():
     """Process 1 of 2 with no process 0 listening: one line and exit 2 after --dist-timeout, not a hang."""
     t0 = time.perf_counter()
