@@ -729,6 +729,8 @@ class Engine:
         cost model's ratios are timed before serving unless saved. `pending_programs` counts what is left,
         `wait_warm` waits for it."""
         t0 = time.perf_counter()
+        if self._warm_thread is not None:  # (a background warm-up's thread: let it finish first)
+            self._warm_thread.join()
         if self.state is None:
             self._axes = self._batch_axes()
             if self.mesh is not None:
