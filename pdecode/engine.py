@@ -43,7 +43,8 @@ The host side (`Engine.submit`, `Engine.run_once`) keeps the queue, detokenizes 
 may begin a stop string, and reports `Event`s. A round dispatches the next step before it reads the previous one's
 results, so host work overlaps device work — unless that call may free a slot (a row reaching its budget in it):
 then its results are read first, so the slot is refilled and the next span sized without it. It is
-single-threaded: a server drives it from one thread.
+single-threaded: a server drives it from one thread (a background warm-up's thread only compiles programs:
+`Engine.warmup`).
 """
 
 from __future__ import annotations
