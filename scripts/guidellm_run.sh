@@ -16,7 +16,8 @@ python3 -m infer.cli serve --model "$MODEL" --method "$METHOD" ${ARGS:-} --port 
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  # up, and every program compiled (the default warm-up goes on in the background while the server takes requests)
+  curl -sf "http://127.0.0.1:$PORT/health" 2>/dev/null | grep -q '"programs_pending": 0' && break
   kill -0 $SERVER 2>/dev/null || { echo "the server exited:" >&2; tail -5 "$OUT/serve.log" >&2; exit 1; }
   sleep 1
 done
