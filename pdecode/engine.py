@@ -770,7 +770,8 @@ class Engine:
 
     def _programs(self):
         """Warm-up's programs: ``core`` (thunks: the ones the engine cannot serve without) and ``rest`` ((key,
-        thunk) pairs, the likeliest used first: admissions, then steps by span, row bucket, sampler, kind)."""
+        thunk) pairs in the order a background warm-up compiles them: the steps of the shortest span, the admissions,
+        the other steps by span; each span's by row bucket, sampler, kind)."""
         top = self._chunk_sizes()[-1]
         blank = self._blank_prefill
         core = [lambda: self._admit_exe(top, self.admit_rows), lambda: self._admit_exe(top, 1, blank()),
@@ -781,19 +782,21 @@ class Engine:
         if self.prefix_entries:
             core.append(self._prefix_programs)
         key = lambda name, static: (name, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # noqa: E731
-        rest = []
-        for c in self._chunk_sizes():
-            for rows in sorted({1, self.admit_rows}):
-                rest.append((key(("admit", c, rows, False), {}), functools.partial(self._admit_exe, c, rows)))
-            rest.append((key(("admit", c, 1, True), {}), lambda c=c: self._admit_exe(c, 1, blank())))
+        steps, admits = [], []
         for span in self.spans:
             for rows in self.row_buckets:
                 for samp in (self.full, self.fast):
                     for plain in (True, False) if self.adaptive else (False,):
                         static = self._step_static(samp, plain, span, rows)
-                        rest.append((key(("step", samp.greedy, plain, span, rows), static),
-                                     functools.partial(self._step_exe, samp, plain, span, rows)))
-        return core, rest
+                        steps.append((key(("step", samp.greedy, plain, span, rows), static),
+                                      functools.partial(self._step_exe, samp, plain, span, rows)))
+        for c in self._chunk_sizes():
+            for rows in sorted({1, self.admit_rows}):
+                admits.append((key(("admit", c, rows, False), {}), functools.partial(self._admit_exe, c, rows)))
+            admits.append((key(("admit", c, 1, True), {}), lambda c=c: self._admit_exe(c, 1, blank())))
+        # the shortest span's steps first (a stand-in at max_len costs the most), then the admissions (fewer calls)
+        first = sum(k[0][3] == self.spans[0] for k, _ in steps)
+        return core, steps[:first] + admits + steps[first:]
 
     def _prefix_programs(self):
         if self._store is None:
