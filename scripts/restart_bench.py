@@ -8,7 +8,9 @@ requests), to every program compiled, the programs, the process's seconds from s
 requests of 64 greedy tokens take right after ready (the programs in the background still compiling) and again
 once every program is ready (the same tokens).
 
-    python scripts/restart_bench.py [--methods ar sd] [--modes background full]
+    python scripts/restart_bench.py [--methods ar sd] [--modes background full] [--serve]
+
+With ``--serve`` each run starts `pdecode serve` itself (`served`) and times it from the command.
 """
 
 from __future__ import annotations
@@ -45,11 +47,72 @@ print(json.dumps({"warmup_s": secs, "all_s": eng.warm_all_s, "programs": eng.com
 """
 
 
+def served(method: str, mode: str, cache: str) -> dict:
+    """`pdecode serve` started as a user would (code-target, 16 slots, max_len 1024; sd with code-draft), the
+    compilation cache in ``cache``: seconds from the command to /health answering 200, to one completion of 32 greedy
+    tokens answered (sent at once), and to every program compiled."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    draft = ["--draft", "code-draft"] if method == "sd" else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", "--model", "code-target", "--method", method,
+                             *draft, "--slots", "16", "--max-len", "1024", "--warmup", mode, "--port", str(port)],
+                            env={**os.environ, "PDECODE_COMPILE_CACHE_DIR": cache}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+    def health():
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+
+    try:
+        while (h := health()) is None:
+            if proc.poll() is not None:
+                sys.exit(proc.stderr.read()[-2000:])
+            time.sleep(0.05)
+        up = time.perf_counter() - t0
+        body = json.dumps({"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+        answered = time.perf_counter() - t0
+        while h is None or h.get("programs_pending"):
+            time.sleep(0.2)
+            h = health()
+        return {"up_s": up, "answered_s": answered, "all_s": time.perf_counter() - t0}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["ar", "sd"])
     ap.add_argument("--modes", nargs="+", default=["background", "full"], choices=["background", "full"])
+    ap.add_argument("--serve", action="store_true", help="start `pdecode serve` instead (seconds to /health up, to a "
+                    "first completion answered, to every program compiled)")
     args = ap.parse_args(argv)
+    if args.serve:
+        print("| method | --warmup | compilation cache | /health up s | first completion s | every program s |")
+        print("|---|---|---|---|---|---|")
+        for method in args.methods:
+            for mode in args.modes:
+                with tempfile.TemporaryDirectory() as d:
+                    for label in ("cold (empty)", "warm (a restart)"):
+                        r = served(method, mode, d)
+                        print(f"| {method} | {mode} | {label} | {r['up_s']:.1f} | {r['answered_s']:.1f} | "
+                              f"{r['all_s']:.1f} |", flush=True)
+        return
     print("| method | warm-up | compilation cache | ready s | every program s | programs | process start to ready s "
           "| 4 requests at ready s | 4 requests later s |")
     print("|---|---|---|---|---|---|---|---|---|")
