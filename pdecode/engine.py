@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -304,6 +305,8 @@ class Engine:
         self._lock = threading.Lock()
         self._spec = None  # the state's shapes and shardings (what programs are compiled for)
         self._rest: list = []  # warm-up with ``background``: the programs the warm-up thread has still to compile
+        self._standin = False  # ... and while some are missing, calls take ready programs that cover them
+        self.warm_compiles: int | None = None  # programs compiled by warm-up (once every one is)
         self._warm_thread = None
         self.warm_error: BaseException | None = None  # what stopped the warm-up thread, if anything did
         self.warm_all_s: float | None = None  # seconds from warm-up's start to every program compiled
@@ -757,15 +760,18 @@ class Engine:
         done = {k for k in self._exe}
         self._rest = [make for key, make in rest if key not in done] if background else []
         if not self._rest:
-            self.warm_compiles = self.compiles
+            self.warm_compiles, self._standin = self.compiles, False
             if not self._ran_each:
                 self._run_each_once()
             self.warm_all_s = time.perf_counter() - t0
-        elif self._warm_thread is None:
+        else:
+            # calls take stand-ins from now on; the programs are not run once before serving (the state is in use)
+            self._standin, self._ran_each, self.warm_error = True, True, None
+            if self._warm_thread is None:
+                atexit.register(_stop_warming, weakref.ref(self))  # (a process that exits meanwhile: see there)
             self._warm_thread = threading.Thread(target=self._compile_rest, args=(t0,), name=WARM_THREAD,
                                                  daemon=True)
             self._warm_thread.start()
-            atexit.register(_stop_warming, weakref.ref(self))  # (a process that exits meanwhile: see there)
         return time.perf_counter() - t0
 
     def _programs(self):
@@ -812,15 +818,19 @@ class Engine:
             while self._rest and not self._stopping:
                 self._rest[0]()
                 self._rest.pop(0)
-        except BaseException as e:  # noqa: BLE001 (the engine serves on with the programs it has)
+        except BaseException as e:  # noqa: BLE001 (calls keep taking stand-ins among the programs ready)
             self.warm_error = e
             self._rest = []
-        self.warm_compiles = self.compiles
-        self.warm_all_s = time.perf_counter() - t0
+            return
+        if not self._rest:
+            self.warm_compiles, self._standin = self.compiles, False
+            self.warm_all_s = time.perf_counter() - t0
 
     @property
     def pending_programs(self) -> int:
-        """Programs the warm-up thread has still to compile (0: all ready, or warm-up not begun)."""
+        """Programs the warm-up thread has still to compile (0: all ready, warm-up not begun, or the thread stopped
+        by an error, `warm_error`: calls then keep to stand-ins among the programs ready, and nothing compiles while
+        serving)."""
         return len(self._rest)
 
     def wait_warm(self, timeout: float | None = None) -> bool:
@@ -869,11 +879,12 @@ class Engine:
         import pdecode
 
         d = costs_dir()
-        if not d:
+        if not d or "://" in str(d):  # (off, or a remote cache JAX writes itself)
             return None
         shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), self.params)
         what = (pdecode.__version__, jax.__version__, [(x.platform, x.device_kind) for x in jax.devices()],
-                jax.process_count(), repr(self.model.cfg), self.method, repr(self._opts), repr(self.drafter),
+                jax.process_count(), None if self.mesh is None else dict(self.mesh.shape), os.cpu_count(),
+                os.environ.get("XLA_FLAGS", ""), repr(self.model.cfg), self.method, repr(self._opts), repr(self.drafter),
                 repr(jax.tree.structure(shapes)), repr(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)
                                                                        and len(x) == 2 and isinstance(x[1], str))),
                 self.slots, self.max_len, self.chunk, self.k, self.spans, self.row_buckets, self.admit_rows,
@@ -887,7 +898,7 @@ class Engine:
         path = self._costs_path()
         try:
             got = {int(k): float(v) for k, v in json.loads(path.read_text()).items()} if path else None
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
         return got if got and set(got) == set(self.row_buckets) and all(v > 0 for v in got.values()) else None
 
@@ -897,13 +908,14 @@ class Engine:
         path = self._costs_path()
         if path is None:
             return
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:  # (written whole, then renamed: a process reading it meanwhile sees the old file or the new one)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({str(k): v for k, v in self.spec_costs.items()}))
             os.replace(tmp, path)
-        except OSError:
-            pass  # (an optimisation: the next process times them again)
+        except OSError:  # (an optimisation: the next process times them again)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def _run_each_once(self):
         """Run every admission, prefill and step program once with a live row, then empty the slots. XLA:CPU pays
@@ -993,7 +1005,8 @@ class Engine:
         args = args[:1] + (self._spec,) + args[2:]  # (the state's shapes: the warm-up thread must not read it)
         if pre is not None:
             if self.mesh is not None:  # as the prefill chunks leave it (replicated), not as the compiler would pick
-                pre = jax.device_put(pre, self._replicated_sharding())
+                rep = self._replicated_sharding()
+                pre = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), pre)
             args += (pre, np.zeros((1, self.max_len), np.int32), np.ones((1,), np.int32))
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
@@ -1012,7 +1025,7 @@ class Engine:
         ``background``), a program not ready yet is stood in for by the cheapest ready one that covers the call:
         the same kind first (a longer span, more rows, the full sampler for the greedy one: each gives the same
         tokens), else the other kind (speculation="auto": either kind is lossless)."""
-        if not self._rest:
+        if not self._standin:
             span = span_of(drafted)
             return self._step_exe(samp, self.drafter is not None and not drafted, span, rows), drafted, span, rows
         samps = [samp] + ([self.full] if samp is not self.full else [])
@@ -1031,7 +1044,7 @@ class Engine:
         """The admission program for ``rows`` prompts of up to ``size`` tokens (``pre``: a long prompt's last chunk):
         (program, rows it takes, chunk). While the warm-up thread compiles, a longer chunk stands in, and for one prompt the
         ``admit_rows`` one (the prompt repeated over its rows, as a part group is)."""
-        counts = [rows] + ([self.admit_rows] if rows == 1 and not pre and self._rest else [])
+        counts = [rows] + ([self.admit_rows] if rows == 1 and not pre and self._standin else [])
         for n in counts:
             for c in self._chunk_sizes():
                 if c >= size and ("admit", c, n, pre) in self._named:
@@ -1498,7 +1511,7 @@ def _stop_warming(ref):
     eng = ref()
     if eng is not None and eng._warm_thread is not None:
         eng._stopping = True
-        eng._warm_thread.join()
+        eng._warm_thread.join(600)
 
 
 def probe_interval(tau: float, ratio: float) -> int:

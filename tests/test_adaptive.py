@@ -325,7 +325,8 @@ def _gated(monkeypatch):
 def test_background_warmup_serves_from_stand_ins(models, layout, monkeypatch, tmp_path):  # noqa: F811
     """``warmup(background=True)`` returns with the programs nothing can stand in for; until the thread has compiled
     the rest, calls go to ready programs that cover them (the full sampler at a longer span, the admission of several
-    rows for one prompt) and give generate's tokens; then every program is there and none stands in. sd auto times
+    rows for one prompt) and give generate's tokens, and keep to them when a compile in the thread fails; a second
+    warm-up compiles what is missing; then every program is there and none stands in. sd auto times
     its cost ratios once and keeps them next to the compilation cache: an engine of the same configuration reads
     them instead of timing, one of another does not find them."""
     monkeypatch.setattr(engine_mod, "costs_dir", lambda: tmp_path)
@@ -342,16 +343,28 @@ def test_background_warmup_serves_from_stand_ins(models, layout, monkeypatch, tm
     assert eng.pending_programs > 0 and eng._warm_thread.is_alive()
     ready = eng.compiles
     prompts, ref = PROMPTS[:3], pdecode.generate(t, PROMPTS[:3], max_new_tokens=[30, 12, 20]).tokens
-    greedy = _run(eng, prompts, [30, 12, 20])
-    one = eng.submit(PROMPTS[0], eng.check(PROMPTS[0], max_tokens=30, temperature=0.0, logprobs=True))
-    while not eng.idle:
-        eng.run_once()
-    assert [r.tokens for r in greedy] == ref and one.tokens == ref[0]
+
+    def serve():  # greedy requests, then one with logprobs (the full sampler): their tokens
+        greedy = _run(eng, prompts, [30, 12, 20])
+        one = eng.submit(PROMPTS[0], eng.check(PROMPTS[0], max_tokens=30, temperature=0.0, logprobs=True))
+        while not eng.idle:
+            eng.run_once()
+        return [r.tokens for r in greedy] + [one.tokens]
+
+    assert serve() == ref + ref[:1]
     assert eng.stats["steps_stood_in"] > 0 and eng.compiles == ready and eng.pending_programs > 0
+    # a compile that fails in the thread (say, out of memory): calls keep to stand-ins, nothing compiles while serving
+    eng._rest.insert(0, lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
     gate.set()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        eng.wait_warm(120)
+    stood = eng.stats["steps_stood_in"]
+    assert eng.pending_programs == 0 and serve() == ref + ref[:1]
+    assert eng.stats["steps_stood_in"] > stood and eng.compiles == ready
+    eng.warmup(background=True)  # a second try compiles what is missing
     assert eng.wait_warm(120) and eng.pending_programs == 0 and eng.warm_all_s > 0
     before = eng.stats["steps_stood_in"]
-    assert [r.tokens for r in _run(eng, prompts, [30, 12, 20])] == ref
+    assert serve() == ref + ref[:1]
     assert eng.stats["steps_stood_in"] == before and eng.compiles == eng.warm_compiles
     steps = len(eng.spans) * len(eng.row_buckets) * 2 * (2 if eng.adaptive else 1)
     assert sum(k[0][0] == "step" for k in eng._exe) == steps
