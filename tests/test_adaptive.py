@@ -170,7 +170,12 @@ def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models, layout):  # noqa:
     that less one call's (16 - 2 at 2 steps a call); a drafted call catches it up whole first. The draft is the target
     itself: every drafted step after 10 plain calls (20 tokens unfed) or 7 accepts all 3 drafted tokens, and the
     tokens are generate's. On a 2x4 mesh too (the caches' heads written back whole there), and on a paged cache with
-    the two rows decoded as the first 2 of 4 slots (a row bucket: the state's rows cut and put back)."""
+    the two rows decoded as the first 2 of 4 slots (a row bucket: the state's rows cut and put back).
+    On the mesh of 8 host devices each step call waits for the round's admission call: with both in flight, the
+    worker stalled inside the step call's dispatch about 1 run in 6 under xdist and XLA ended the process when the
+    collectives' rendezvous timed out (a CI run with that timeout at 600 s aborted there too, about 10 minutes late:
+    a stall, not slowness) — likeliest XLA:CPU's emulated devices, two sharded programs in flight waiting on each
+    other's collectives; not shown."""
     t, opts = models["target"], {}
     if layout == "mesh":
         from pdecode.sharding import make_mesh
@@ -187,6 +192,8 @@ def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models, layout):  # noqa:
     orig = eng._dispatch_step
 
     def dispatch(live):  # after each step call: how far each live row's draft lags behind its sequence's last token
+        if layout == "mesh":  # (the round's admission done first: see below)
+            jax.block_until_ready(eng.state)
         orig(live)
         loop = eng.state.loop
         lag = np.asarray(loop.seq_len) - 1 - np.asarray(loop.dstate.cache.lengths)
