@@ -757,8 +757,7 @@ class Engine:
             else:
                 self.spec_costs = saved
             self.spec_cost = self.spec_costs[self.slots]
-        done = {k for k in self._exe}
-        self._rest = [make for key, make in rest if key not in done] if background else []
+        self._rest = [make for name, make in rest if name not in self._named] if background else []
         if not self._rest:
             self.warm_compiles, self._standin = self.compiles, False
             if not self._ran_each:
@@ -775,7 +774,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def _programs(self):
-        """Warm-up's programs: ``core`` (thunks: the ones the engine cannot serve without) and ``rest`` ((key,
+        """Warm-up's programs: ``core`` (thunks: the ones the engine cannot serve without) and ``rest`` ((name,
         thunk) pairs in the order a background warm-up compiles them: the steps of the shortest span, the admissions,
         the other steps by span; each span's by row bucket, sampler, kind)."""
         top = self._chunk_sizes()[-1]
@@ -787,21 +786,19 @@ class Engine:
                 lambda: self._step_exe(self.full, self.adaptive)]
         if self.prefix_entries:
             core.append(self._prefix_programs)
-        key = lambda name, static: (name, tuple(sorted(static.items(), key=lambda kv: kv[0])))  # noqa: E731
         steps, admits = [], []
         for span in self.spans:
             for rows in self.row_buckets:
                 for samp in (self.full, self.fast):
                     for plain in (True, False) if self.adaptive else (False,):
-                        static = self._step_static(samp, plain, span, rows)
-                        steps.append((key(("step", samp.greedy, plain, span, rows), static),
+                        steps.append((("step", samp.greedy, plain, span, rows),
                                       functools.partial(self._step_exe, samp, plain, span, rows)))
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
-                admits.append((key(("admit", c, rows, False), {}), functools.partial(self._admit_exe, c, rows)))
-            admits.append((key(("admit", c, 1, True), {}), lambda c=c: self._admit_exe(c, 1, blank())))
+                admits.append((("admit", c, rows, False), functools.partial(self._admit_exe, c, rows)))
+            admits.append((("admit", c, 1, True), lambda c=c: self._admit_exe(c, 1, blank())))
         # the shortest span's steps first (a stand-in at max_len costs the most), then the admissions (fewer calls)
-        first = sum(k[0][3] == self.spans[0] for k, _ in steps)
+        first = sum(name[3] == self.spans[0] for name, _ in steps)
         return core, steps[:first] + admits + steps[first:]
 
     def _prefix_programs(self):
@@ -1011,13 +1008,12 @@ class Engine:
         return self._compile(("admit", size, rows, pre is not None),
                              functools.partial(self._admit_fn, axes=self._axes), *args, donate=(1,))
 
-    def _step_static(self, samp, plain: bool, span: int, rows: int) -> dict:
-        return {"samp": samp, "k": self.steps_for(rows), "plain": plain, "span": span, "rows": rows}
-
     def _step_exe(self, samp, plain: bool = False, span: int | None = None, rows: int | None = None):
         span, rows = span or self.max_len, rows or self.slots
         return self._compile(("step", samp.greedy, plain, span, rows), self._step_fn, self.params, self._spec,
-                             static=self._step_static(samp, plain, span, rows), donate=(1,))
+                             static={"samp": samp, "k": self.steps_for(rows), "plain": plain, "span": span,
+                                     "rows": rows},
+                             donate=(1,))
 
     def _pick_step(self, samp, drafted: bool, rows: int, span_of: Callable[[bool], int]):
         """The step program for a call of sampler ``samp``, kind ``drafted`` over row bucket ``rows`` (``span_of``:
