@@ -269,6 +269,9 @@ class Engine:
             self.adaptive = False
             self.speculation_note = (f"speculation stays on: {type(self.drafter).__name__} ({method}) cannot follow "
                                      f"a plain step")
+        if self.adaptive and self.drafter.follows_late and LONE_STEPS > LATE_CALLS:  # (tunables, module constants)
+            raise ValueError(f"LONE_STEPS ({LONE_STEPS}) > LATE_CALLS ({LATE_CALLS}): a one-row call's tokens would "
+                             f"outgrow the forward that feeds a lagging draft")
         self.spec_cost = None if spec_cost is None else float(spec_cost)
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.spec_costs: dict[int, float] = {}  # per row bucket: the warm-up's ratio (auto, timed)
@@ -300,8 +303,9 @@ class Engine:
         # the decode layout once (fused, unstacked, the embedding transposed), not at every step call
         self.params = jax.jit(self._prepare)(plan.params)  # target params, or (target, drafter) params
         self.compiles = 0
+        # compiled programs by name: "release", ("step", greedy, plain, span, rows), ("admit", chunk, rows, pre), ...
+        # (a name holds every static argument of its program)
         self._exe: dict = {}
-        self._named: dict = {}  # the same programs by name alone ("step", greedy, plain, span, rows), ...
         self._lock = threading.Lock()
         self._spec = None  # the state's shapes and shardings (what programs are compiled for)
         self._rest: list = []  # warm-up with ``background``: the programs the warm-up thread has still to compile
@@ -485,11 +489,9 @@ class Engine:
         stops = common.Stops(limit=limit_A, stop_ids=stop_ids_AS)
         rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A),
                            self._with_tables(warp_A, st.grammar), stops, self.full)
-        loop, warp = st.loop, st.warp
-        paged = table is not None
-        if paged:  # the pool has no row axis: the rows' caches go into their pages below
-            pool, fresh = loop.cache, rows.cache
-            loop, rows, axes = loop.replace(cache=None), rows.replace(cache=None), axes.replace(cache=None)
+        # the target's cache (of either kind: its own row operation), then every other leaf with a row axis
+        loop, warp = st.loop.replace(cache=None), st.warp
+        cache = kvc.put_slots(st.loop.cache, rows.cache, slot_A, table)
         for i in range(a):
             def put(big, small, ax, i=i):
                 if ax is None:
@@ -497,10 +499,9 @@ class Engine:
                 row = jax.lax.slice_in_dim(small, i, i + 1, axis=ax)
                 return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot_A[i], axis=ax)
 
-            loop = jax.tree.map(put, loop, rows, axes)
+            loop = jax.tree.map(put, loop, rows.replace(cache=None), axes.replace(cache=None))
             warp = jax.tree.map(lambda big, small, i=i: big.at[slot_A[i]].set(small[i]), warp, warp_A)
-        if paged:
-            loop = loop.replace(cache=kvc.put_rows(pool, fresh, slot_A, table))
+        loop = loop.replace(cache=cache)
         out = rows.out
         return self._pin(EngineState(loop=loop, warp=warp, grammar=st.grammar)), self._replicated(
             (out.tokens[:, 0], out.logprobs[:, 0], out.done, out.row_forwards))
@@ -590,11 +591,7 @@ class Engine:
         """The state of the first ``rows`` slots (a copy; a paged cache keeps its pool and cuts its page table)."""
         if not rows or rows >= self.slots:
             return st
-        cache, axes = st.loop.cache, self._loop_axes(st.loop)
-        if isinstance(cache, kvc.PagedKVCache):
-            cache = cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
-        else:
-            cache = _rows_head(cache, axes.cache, rows)
+        cache, axes = kvc.rows_head(st.loop.cache, rows), self._loop_axes(st.loop)
         loop = _rows_head(st.loop.replace(cache=None), axes.replace(cache=None), rows).replace(cache=cache)
         return st.replace(loop=loop, warp=jax.tree.map(lambda x: x[:rows], st.warp))
 
@@ -603,11 +600,7 @@ class Engine:
         rows = part.warp.temperature.shape[0]
         if rows >= self.slots:
             return part
-        cache, sub, axes = whole.loop.cache, part.loop.cache, self._loop_axes(whole.loop)
-        if isinstance(cache, kvc.PagedKVCache):  # the pool was written in place; the table did not change
-            cache = cache.replace(k=sub.k, v=sub.v, lengths=cache.lengths.at[:rows].set(sub.lengths))
-        else:
-            cache = _put_rows_head(cache, sub, axes.cache)
+        cache, axes = kvc.put_rows_head(whole.loop.cache, part.loop.cache), self._loop_axes(whole.loop)
         loop = _put_rows_head(whole.loop.replace(cache=None), part.loop.replace(cache=None),
                               axes.replace(cache=None)).replace(cache=cache)
         warp = jax.tree.map(lambda x, y: x.at[:rows].set(y), whole.warp, part.warp)
@@ -690,17 +683,17 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ compile
     def _compile(self, name, fn, *args, static=None, donate=()):
-        """The program ``name`` (compiled once; from the warm-up thread too: `warmup` with ``background``)."""
+        """The program ``name`` (compiled once; from the warm-up thread too: `warmup` with ``background``). ``name``
+        tells it from every other program: a name compiled once is returned whatever ``static`` is given after."""
         static = static or {}
-        key = (name, tuple(sorted(static.items(), key=lambda kv: kv[0])))
-        exe = self._exe.get(key)
+        exe = self._exe.get(name)
         if exe is None:
             exe = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
             with self._lock:
-                if key not in self._exe:
+                if name not in self._exe:
                     self.compiles += 1
-                    self._exe[key] = self._named[name] = exe
-                exe = self._exe[key]
+                    self._exe[name] = exe
+                exe = self._exe[name]
         return exe
 
     def _hidden_dtype(self):
@@ -736,16 +729,7 @@ class Engine:
         if self._warm_thread is not None:  # (a background warm-up's thread: let it finish first)
             self._warm_thread.join()
         if self.state is None:
-            self._axes = self._batch_axes()
-            if self.mesh is not None:
-                self._state_sh = self._state_shardings()
-            pinned = {} if self.mesh is None else {"out_shardings": self._state_sh}
-            self._empty_exe = jax.jit(self._empty, **pinned)
-            self.state = self._empty_exe(self.params)
-            self.compiles += 1
-            on = {} if self.mesh is None else {"sharding": True}  # (one device: lowered as its arrays are)
-            self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **{k: x.sharding for k in on}),
-                                      self.state)
+            self._init_state()
         core, rest = self._programs()
         for make in core + ([] if background else [m for _, m in rest]):
             make()
@@ -757,12 +741,11 @@ class Engine:
             else:
                 self.spec_costs = saved
             self.spec_cost = self.spec_costs[self.slots]
-        self._rest = [make for name, make in rest if name not in self._named] if background else []
+        self._rest = [make for name, make in rest if name not in self._exe] if background else []
         if not self._rest:
-            self.warm_compiles, self._standin = self.compiles, False
             if not self._ran_each:
                 self._run_each_once()
-            self.warm_all_s = time.perf_counter() - t0
+            self._all_ready(t0)
         else:
             # calls take stand-ins from now on; the programs are not run once before serving (the state is in use)
             self._standin, self._ran_each, self.warm_error = True, True, None
@@ -772,6 +755,19 @@ class Engine:
                                                  daemon=True)
             self._warm_thread.start()
         return time.perf_counter() - t0
+
+    def _init_state(self) -> None:
+        """The empty state (every slot free), its batch axes, shardings and shapes (what programs compile for)."""
+        self._axes = self._batch_axes()
+        if self.mesh is not None:
+            self._state_sh = self._state_shardings()
+        pinned = {} if self.mesh is None else {"out_shardings": self._state_sh}
+        self._empty_exe = jax.jit(self._empty, **pinned)
+        self.state = self._empty_exe(self.params)
+        self.compiles += 1
+        on = {} if self.mesh is None else {"sharding": True}  # (one device: lowered as its arrays are)
+        self._spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **{k: x.sharding for k in on}),
+                                  self.state)
 
     def _programs(self):
         """Warm-up's programs: ``core`` (thunks: the ones the engine cannot serve without) and ``rest`` ((name,
@@ -820,8 +816,12 @@ class Engine:
             self._rest = []
             return
         if not self._rest:
-            self.warm_compiles, self._standin = self.compiles, False
-            self.warm_all_s = time.perf_counter() - t0
+            self._all_ready(t0)
+
+    def _all_ready(self, t0: float):
+        """Every program compiled: calls take their own programs; later compiles count as compiles after warm-up."""
+        self.warm_compiles, self._standin = self.compiles, False
+        self.warm_all_s = time.perf_counter() - t0
 
     @property
     def pending_programs(self) -> int:
@@ -923,16 +923,16 @@ class Engine:
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
                 self._fill_for_timing(rows, budget, c)
-        pre = self._exe[("prefill", ())](self.params, self._blank_prefill(), np.ones((1, self.chunk), np.int32),
+        pre = self._exe["prefill"](self.params, self._blank_prefill(), np.ones((1, self.chunk), np.int32),
                                          np.ones((1,), np.int32))
         for c in self._chunk_sizes():
             args = list(self._admit_args(np.ones((1, c), np.int32), [None])) + [
                 pre, np.ones((1, self.max_len), np.int32), np.ones((1,), np.int32)]
             if self.kv_pages is not None:
                 args[9] = self._timing_table()
-            self.state, _ = self._exe[(("admit", c, 1, True), ())](*args)
-        for key, exe in list(self._exe.items()):
-            if key[0][0] == "step":
+            self.state, _ = self._exe[("admit", c, 1, True)](*args)
+        for name, exe in list(self._exe.items()):
+            if name[0] == "step":
                 self._fill_for_timing(1, budget)
                 self.state, outs = exe(self.params, self.state)
                 self._ran.add(exe)
@@ -1029,11 +1029,11 @@ class Engine:
             need, plain = span_of(d), self.drafter is not None and not d
             ready = [(sp * r, i, sp, r) for i, s in enumerate(samps) for sp in self.spans if sp >= need
                      for r in self.row_buckets if r >= rows
-                     if ("step", s.greedy, plain, sp, r) in self._named]
+                     if ("step", s.greedy, plain, sp, r) in self._exe]
             if ready:
                 _, i, sp, r = min(ready)
                 self.stats["steps_stood_in"] += (sp, r, samps[i], d) != (need, rows, samp, drafted)
-                return self._named[("step", samps[i].greedy, plain, sp, r)], d, sp, r
+                return self._exe[("step", samps[i].greedy, plain, sp, r)], d, sp, r
         raise RuntimeError("no step program is ready (warm-up compiles the full sampler's at max_len first)")
 
     def _pick_admit(self, size: int, rows: int, pre: bool):
@@ -1043,8 +1043,8 @@ class Engine:
         counts = [rows] + ([self.admit_rows] if rows == 1 and not pre and self._standin else [])
         for n in counts:
             for c in self._chunk_sizes():
-                if c >= size and ("admit", c, n, pre) in self._named:
-                    return self._named[("admit", c, n, pre)], n, c
+                if c >= size and ("admit", c, n, pre) in self._exe:
+                    return self._exe[("admit", c, n, pre)], n, c
         raise RuntimeError(f"no admission program is ready for {rows} row(s) of {size} tokens")
 
     def _span_for(self, live, drafted: bool, rows: int) -> int:
@@ -1253,7 +1253,7 @@ class Engine:
         rest = len(r.prompt) - r.fed
         if rest > self.chunk:
             toks = np.asarray([r.prompt[r.fed: r.fed + self.chunk]], np.int32)
-            r.pre = self._exe[("prefill", ())](self.params, r.pre, toks, np.asarray([self.chunk], np.int32))
+            r.pre = self._exe["prefill"](self.params, r.pre, toks, np.asarray([self.chunk], np.int32))
             r.fed += self.chunk
             self.stats["prefill_chunks"] += 1
             self._round_admits += 1
@@ -1290,7 +1290,7 @@ class Engine:
         r.fed = best_n
         self.stats["prefix_hits"] += 1
         self.stats["prefix_tokens_reused"] += best_n
-        return self._exe[("prefix_get", ())](self._store, np.int32(best), np.int32(best_n))
+        return self._exe["prefix_get"](self._store, np.int32(best), np.int32(best_n))
 
     def _keep_prefix(self, r: Request):
         """Before a long prompt's last chunk: keep what its prefill state holds (``r.fed`` tokens) unless a kept
@@ -1308,7 +1308,7 @@ class Engine:
         else:
             e = next(iter(self._prefixes))  # least recently used
         self._prefixes.pop(e, None)
-        self._store = self._exe[("prefix_put", ())](self._store, np.int32(e), r.pre)
+        self._store = self._exe["prefix_put"](self._store, np.int32(e), r.pre)
         self._prefixes[e] = list(head)
         self.stats["prefixes_kept"] += 1
 
@@ -1481,7 +1481,7 @@ class Engine:
             self._table[slot] = self.kv_pages
             r.pages = []
         if release and r is not None and r.inserted:
-            self.state = self._exe[("release", ())](self.state, np.int32(slot))
+            self.state = self._exe["release"](self.state, np.int32(slot))
 
     # ------------------------------------------------------------------------------------------ convenience
     def generate(self, prompts: list[list[int]], **controls) -> list[Event]:

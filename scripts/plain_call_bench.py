@@ -30,9 +30,7 @@ def main(argv=None) -> None:
     kw = dict(slots=16, max_len=1024, chunk=128, kv_pages=1024)
     engs = {"ar": Engine(m, method="ar", **kw), "sd plain": Engine(m, method="sd", draft=d, speculation="auto", **kw)}
     for e in engs.values():  # the empty state alone (the step program compiles at its first call below)
-        e._axes = e._batch_axes()
-        e._empty_exe = jax.jit(e._empty)
-        e.state = e._empty_exe(e.params)
+        e._init_state()
     ms = {k: [] for k in engs}
     for _ in range(args.repeats):
         for k, e in engs.items():

@@ -35,7 +35,9 @@ a pool page (the pool's size, an index past the pool, where the row owns none: w
 zeros). Each layer's keys and values are gathered into the contiguous ``[B, KV, hd, n*page]`` view attention reads
 (`PagedKVCache.layer`, one layer at a time: the view of all layers never exists at once); `write_layer`, `advance`,
 `commit`, `rollback`, `head` / `put_head` and `set_lengths` take either kind, so every decode loop runs on it
-unchanged. `init_paged` makes an empty one; `put_rows` writes contiguous rows (a prefill) into their pages.
+unchanged. `init_paged` makes an empty one; `put_rows` writes contiguous rows (a prefill) into their pages. The
+serving engine's row operations take either kind too: `put_slots` (prefilled rows over some rows), `rows_head` /
+`put_rows_head` (the first rows alone, and back).
 """
 
 from __future__ import annotations
@@ -173,6 +175,48 @@ def put_rows(cache: PagedKVCache, rows: KVCache, slot_A: jax.Array, pages_Bn: ja
     k = jax.tree.map(lambda p, x: put(p, x, -1), cache.k, rows.k)
     v = jax.tree.map(lambda p, x: put(p, x, -2), cache.v, rows.v)
     return PagedKVCache(k=k, v=v, lengths=cache.lengths.at[slot_A].set(rows.lengths), pages=pages_Bn.astype(jnp.int32))
+
+
+def put_slots(cache, rows: KVCache, slot_A: jax.Array, pages_Bn: jax.Array | None = None):
+    """``cache`` (either kind) with contiguous ``rows`` (A prefilled rows: a contiguous cache's of its own length, a
+    paged one's a whole number of pages) written over its rows ``slot_A``; a paged cache takes the page table
+    ``pages_Bn`` with them (`put_rows`)."""
+    if isinstance(cache, PagedKVCache):
+        return put_rows(cache, rows, slot_A, pages_Bn)
+    ax = _row_axis(cache)
+    for i in range(rows.batch):
+        def put(big, small, ax, i=i):
+            row = jax.lax.slice_in_dim(small, i, i + 1, axis=ax)
+            return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot_A[i], axis=ax)
+
+        cache = KVCache(k=jax.tree.map(lambda a, b: put(a, b, ax), cache.k, rows.k),
+                        v=jax.tree.map(lambda a, b: put(a, b, ax), cache.v, rows.v),
+                        lengths=put(cache.lengths, rows.lengths, 0))
+    return cache
+
+
+def rows_head(cache, rows: int):
+    """The cache's first ``rows`` rows (a copy; a paged cache's table and lengths cut, its pool shared)."""
+    if isinstance(cache, PagedKVCache):
+        return cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
+    ax = _row_axis(cache)
+    cut = lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=ax)  # noqa: E731
+    return KVCache(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), lengths=cache.lengths[:rows])
+
+
+def put_rows_head(cache, part):
+    """``cache`` with its first rows replaced by ``part``'s (a `rows_head` after steps ran on it; a paged cache's pool
+    was written in place, its table unchanged)."""
+    lengths = cache.lengths.at[: part.batch].set(part.lengths)
+    if isinstance(cache, PagedKVCache):
+        return cache.replace(k=part.k, v=part.v, lengths=lengths)
+    ax = _row_axis(cache)
+    put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, ax)  # noqa: E731
+    return KVCache(k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v), lengths=lengths)
+
+
+def _row_axis(cache: KVCache) -> int:
+    return 0 if cache.per_layer else 1
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
@@ -334,6 +378,16 @@ def put_head(cache: KVCache, part: KVCache, window: int | None = None) -> KVCach
     pos = _row_slots(start, window)  # [B, W]
     src = jnp.clip(pos, 0, n - 1)
     dst = jnp.where(pos < n, pos, cache.max_len)  # a window reaching past the head: dropped
+    if not part.per_layer and not cache.per_layer:  # stacked: every layer's window in one gather and one scatter
+        k_w = jnp.take_along_axis(part.k, src[None, :, None, None, :], axis=4)  # [L, B, KV, hd, W]
+        v_w = jnp.take_along_axis(part.v, src[None, :, None, :, None], axis=3)  # [L, B, KV, W, hd]
+        rows, slots = jnp.arange(dst.shape[0])[:, None], dst
+        if isinstance(cache, PagedKVCache):  # (page, offset) in place of (row, slot)
+            rows, slots = _page_of(cache, slots)
+        # advanced indices (rows, slots) around slices index [B, W, L, KV, hd] for both layouts
+        k = cache.k.at[:, rows, :, :, slots].set(k_w.transpose(1, 4, 0, 2, 3).astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, rows, :, slots].set(v_w.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
+        return cache.replace(k=k, v=v, lengths=part.lengths)
     out = cache
     for i in range(len(part.k) if part.per_layer else part.k.shape[0]):
         pk, pv = part.layer(i)
