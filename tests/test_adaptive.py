@@ -209,7 +209,7 @@ def test_a_draft_left_to_lag_is_fed_late_and_caught_up(models, layout):  # noqa:
     assert max(plain_lags) <= 16 - 2 and max(plain_lags) > 3 + 1 + 2  # it lagged beyond one call and was fed
 
 
-def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811
+def test_a_row_alone_lags_through_longer_plain_calls(models, monkeypatch):  # noqa: F811
     """A row alone runs calls of `LONE_STEPS` times the steps (8 at 2 a call), so a plain call there leaves the draft
     8 tokens behind, half the feed's width (16): two such calls and it is fed. The draft is the target itself: with
     a forced cycle of 1 drafted and 3 plain calls, through calls of both rows (4-row bucket) and then of the longer
@@ -227,6 +227,10 @@ def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811
     assert [r.tokens for r in reqs] == ref.tokens
     for r in reqs:
         assert r.accepted[3] >= 2 and sum(r.accepted[:3]) <= 1, r.accepted
+    # a lone call longer than the feed's width would leave a lag one feed cannot close: such tunables are refused
+    monkeypatch.setattr(engine_mod, "LONE_STEPS", engine_mod.LATE_CALLS + 1)
+    with pytest.raises(ValueError, match="LONE_STEPS"):
+        Engine(t, method="sd", draft=t, slots=4, max_len=64, chunk=32, speculation="auto", spec_cost=4.2, gamma=3)
 
 
 def test_a_lagging_draft_catches_up_whole(models):  # noqa: F811
