@@ -372,9 +372,8 @@ class Server:
         if self.lockstep is not None:
             raise BadRequest(f"{what} is not supported on a multi-process server", param)
 
-    def parse_completion(self, body: dict, grammar=None):
-        c = self._common(body, COMPLETION_FIELDS, "/v1/completions")
-        c["grammar"] = grammar
+    def parse_completion(self, body: dict, c: dict):
+        """A completion's prompts and their checked controls (``c``: its common fields, `_fields`)."""
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
@@ -410,12 +409,11 @@ class Server:
         checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
         return ids, checked, c, lp is not None
 
-    def parse_chat(self, body: dict, grammar=None):
+    def parse_chat(self, body: dict, c: dict):
+        """A chat request's rendered prompt and its checked controls (``c``: its common fields, `_fields`)."""
         from pdecode import chat
         from pdecode.errors import InputError
 
-        c = self._common(body, CHAT_FIELDS, "/v1/chat/completions")
-        c["grammar"] = grammar
         if "messages" not in body:
             raise BadRequest("messages is required", "messages")
         logprobs = body.get("logprobs", False)
@@ -440,11 +438,13 @@ class Server:
         return prompt, ctl, c, logprobs
 
     # -------------------------------------------------------------------------------------- handlers
-    async def _grammar_after_fields(self, body: dict, chat: bool):
-        """The request's compiled grammar, after its fields are checked (an unknown field is reported first)."""
-        self._common(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
-                     "/v1/chat/completions" if chat else "/v1/completions")
-        return await self.compile_grammar(body)
+    async def _fields(self, body: dict, chat: bool) -> dict:
+        """The request's common fields, checked once, with its compiled grammar (after them: an unknown field is
+        reported first)."""
+        c = self._common(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                         "/v1/chat/completions" if chat else "/v1/completions")
+        c["grammar"] = await self.compile_grammar(body)
+        return c
 
     async def _body(self, request, generates: bool = True) -> dict:
         request["pdecode"].generates = generates
@@ -526,7 +526,7 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
-        ids, checked, c, logprobs = self.parse_completion(body, await self._grammar_after_fields(body, False))
+        ids, checked, c, logprobs = self.parse_completion(body, await self._fields(body, False))
         request["pdecode"].prompt = sum(len(p) for p in ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if c["stream"]:
@@ -578,7 +578,7 @@ class Server:
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        prompt, ctl, c, logprobs = self.parse_chat(body, await self._grammar_after_fields(body, True))
+        prompt, ctl, c, logprobs = self.parse_chat(body, await self._fields(body, True))
         request["pdecode"].prompt = len(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if c["stream"]:
