@@ -90,6 +90,7 @@ SPEC_MARGIN = 1.2  # speculation="auto", timed: a call drafts while tau reaches 
 # break-even where whole passes of drafted calls gave 0.84x plain ones' tokens/s)
 WARM_THREAD = "pdecode-warmup"  # the name of the thread that compiles the rest of warm-up (`Engine.warmup`)
 LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
+MAPS_SHARE = 0.95  # warm-up refuses to compile what would take the process past this share of its memory maps (CPU)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
 
 
@@ -306,6 +307,8 @@ class Engine:
         # compiled programs by name: "release", ("step", greedy, plain, span, rows), ("admit", chunk, rows, pre), ...
         # (a name holds every static argument of its program)
         self._exe: dict = {}
+        # XLA:CPU on Linux: the most memory maps one compiled program took (`_check_maps`; None: not counted)
+        self._maps_each: int | None = 0 if jax.default_backend() == "cpu" and _maps_limit() is not None else None
         self._lock = threading.Lock()
         self._spec = None  # the state's shapes and shardings (what programs are compiled for)
         self._rest: list = []  # warm-up with ``background``: the programs the warm-up thread has still to compile
@@ -688,7 +691,11 @@ class Engine:
         static = static or {}
         exe = self._exe.get(name)
         if exe is None:
+            maps = _maps_in_use() if self._maps_each is not None else None
+            self._check_maps(1, maps)
             exe = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
+            if maps is not None:
+                self._maps_each = max(self._maps_each, _maps_in_use() - maps)
             with self._lock:
                 if name not in self._exe:
                     self.compiles += 1
@@ -731,7 +738,10 @@ class Engine:
         if self.state is None:
             self._init_state()
         core, rest = self._programs()
-        for make in core + ([] if background else [m for _, m in rest]):
+        for make in core:
+            make()
+        self._check_maps(sum(name not in self._exe for name, _ in rest))  # (at each compile too: `_compile`)
+        for make in [] if background else [m for _, m in rest]:
             make()
         if self.adaptive and self.spec_cost is None and not self.spec_costs:
             saved = self._load_costs()
@@ -755,6 +765,21 @@ class Engine:
                                                  daemon=True)
             self._warm_thread.start()
         return time.perf_counter() - t0
+
+    def _check_maps(self, n: int, maps: int | None = None):
+        """Refuse, in one line, to compile ``n`` more programs where XLA:CPU would run out of memory maps on the way:
+        each program it compiles holds a few hundred (an sd engine's steps at 16 slots about 700), and past Linux's
+        ``vm.max_map_count`` LLVM fails to allocate and the process dies of a segmentation fault. Judged by the most
+        one program took so far (``_maps_each``; ``maps``: the maps held now, if read)."""
+        limit = _maps_limit() if self._maps_each else None
+        now = (_maps_in_use() if maps is None else maps) if limit else None
+        if now is None or now + self._maps_each * n <= MAPS_SHARE * limit:
+            return
+        raise InputError(
+            f"{n} more programs would take this process to about {now + self._maps_each * n} memory maps on XLA:CPU "
+            f"(up to {self._maps_each} a program), past what it may hold (vm.max_map_count {limit}): raise the limit "
+            f"(sysctl -w vm.max_map_count=1048576, as current Linux distributions ship it) or compile fewer programs "
+            f"(fewer spans or row_buckets, or speculation always: one kind of step)")
 
     def _init_state(self) -> None:
         """The empty state (every slot free), its batch axes, shardings and shapes (what programs compile for)."""
@@ -1533,17 +1558,34 @@ def default_row_buckets(slots: int) -> list[int]:
     return sorted({1, slots // 4, slots} if slots >= 8 else {slots})
 
 
+def _maps_in_use() -> int | None:
+    """The memory maps this process holds (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def _maps_limit() -> int | None:
+    """The most memory maps a process may hold (Linux's ``vm.max_map_count``; None elsewhere)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def default_spans(max_len: int) -> list[int]:
-    """The attention spans an engine's step programs are compiled for by default: `MIN_SPAN` times 1, 1.5, 2, 3, 4,
-    6, 8, ... below ``max_len``, and ``max_len`` itself. A step call attends over the smallest that holds its live
-    rows: short requests on a long-context server do not pay for ``max_len`` slots each step, and a call attends
-    over at most 1.5 times the slots it needs (twice with spans a power of two apart: 1.165x the tokens/s of the
-    serve bench's 16 slots on the CPU with 192 between 128 and 256, `scripts/span_bench.py`)."""
-    out, x = [], MIN_SPAN
-    while x < max_len:
-        out += [x] + ([x * 3 // 2] if x * 3 // 2 < max_len else [])
-        x *= 2
-    return sorted(set(out) | {max_len})
+    """The attention spans an engine's step programs are compiled for by default: `MIN_SPAN`, 1.5 and 2 times it, a
+    quarter and a half of ``max_len`` (those at least `MIN_SPAN`) and ``max_len`` itself. A step call attends over the
+    smallest that holds its live rows: short requests on a long-context server do not pay for ``max_len`` slots each
+    step. (1.5 times `MIN_SPAN`: the serve bench's 16 slots at 1.165x the tokens/s on the CPU, its positions under 192
+    no longer attending over 256, `scripts/span_bench.py`. Not every step of 1.5 up to ``max_len``: each span is 6
+    programs of an ar engine, 12 of a speculative one with ``speculation="auto"``, and on XLA:CPU such an engine at
+    ``max_len`` 1024 with 7 spans ran out of the process's memory maps while compiling, Linux's default 65530.)"""
+    return sorted({x for x in (MIN_SPAN, MIN_SPAN * 3 // 2, 2 * MIN_SPAN, max_len // 4, max_len // 2)
+                   if MIN_SPAN <= x < max_len} | {max_len})
 
 
 # ------------------------------------------------------------------------------------------------ streaming

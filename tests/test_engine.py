@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pdecode
+from pdecode import engine as engine_mod
 from pdecode.engine import LONE_STEPS, Engine, default_row_buckets
 from pdecode.errors import InputError
 from pdecode.model import heads as H
@@ -191,6 +192,27 @@ def test_bad_requests_and_options(code_engine, models):  # noqa: F811
         Engine(models["target"], method="diffusion")
     with pytest.raises(InputError, match="chunk must be one of"):
         Engine(models["target"], chunk=100)
+
+
+@pytest.mark.skipif(engine_mod._maps_in_use() is None or engine_mod._maps_limit() is None, reason="Linux's /proc")
+def test_warmup_stops_short_of_the_memory_maps(models, monkeypatch):  # noqa: F811
+    """On XLA:CPU each compiled program holds hundreds of memory maps, and a process past Linux's
+    ``vm.max_map_count`` dies of a segmentation fault inside LLVM: warm-up judges the rest by what its first programs
+    took and refuses, in one line, what would not fit; with room, a second warm-up compiles the rest."""
+    eng = Engine(models["target"], slots=2, max_len=256, chunk=32, steps_per_call=2)
+    monkeypatch.setattr(engine_mod, "_maps_limit", lambda: engine_mod._maps_in_use() + 100)
+    with pytest.raises(InputError, match=r"memory maps on XLA:CPU .*vm.max_map_count") as e:
+        eng.warmup()
+    assert "\n" not in str(e.value) and eng.pending_programs == 0
+    core = eng.compiles
+    monkeypatch.setattr(engine_mod, "_maps_limit", lambda: 10**9)
+    eng.warmup()
+    assert eng.compiles > core and all(("step", g, False, s, r) in eng._exe for g in (True, False)
+                                       for s in eng.spans for r in eng.row_buckets)
+    reqs = [eng.submit(p, eng.check(p, max_tokens=8, temperature=0.0)) for p in PROMPTS[:2]]
+    while not eng.idle:
+        eng.run_once()
+    assert [r.tokens for r in reqs] == pdecode.generate(models["target"], PROMPTS[:2], max_new_tokens=8).tokens
 
 
 def test_stream(code_engine):
