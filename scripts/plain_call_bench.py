@@ -1,8 +1,9 @@
 """A plain step call of a `speculation="auto"` sd engine against an ar engine's step call, side by side: 16 live rows
-(one-token prompts, greedy), 4 steps a call, at one span; one call's ms as the mean of 16 consecutive calls (a draft
+(``--rows``: 1 or 4, a row bucket of that many; one-token prompts, greedy), 4 steps a call (`LONE_STEPS` times that
+for a row alone), at one span; one call's ms as the mean of 16 consecutive calls (a draft
 lagging through plain calls is fed once in several), medians of 9 repeats, the engines interleaved in one process.
 
-    python scripts/plain_call_bench.py [--span 128] [--repeats 9]
+    python scripts/plain_call_bench.py [--span 128] [--rows 16] [--repeats 9]
 
 Only the step program timed is compiled (no warm-up of the rest). Engines as `pdecode serve` makes them (paged).
 """
@@ -21,6 +22,7 @@ def main(argv=None) -> None:
     ap.add_argument("--span", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=16, help="live rows (a row bucket of that many: 1, 4 or 16)")
     args = ap.parse_args(argv)
     import pdecode
     from pdecode.engine import Engine
@@ -34,8 +36,8 @@ def main(argv=None) -> None:
     ms = {k: [] for k in engs}
     for _ in range(args.repeats):
         for k, e in engs.items():
-            e._fill_for_timing(16, 1000)
-            exe = e._step_exe(e.fast, k != "ar", args.span, 16)
+            e._fill_for_timing(args.rows, 1000)
+            exe = e._step_exe(e.fast, k != "ar", args.span, args.rows)
             e.state, o = exe(e.params, e.state)  # (a first run costs more on XLA:CPU)
             jax.block_until_ready(o)
             t = time.perf_counter()
@@ -45,7 +47,8 @@ def main(argv=None) -> None:
             ms[k].append((time.perf_counter() - t) / args.calls * 1e3)
             e.state = e._empty_exe(e.params)
     ar = np.array(ms["ar"])
-    print(f"span {args.span}, 16 rows, 4 steps a call; ms per call (median), x ar (median of per-repeat ratios)")
+    print(f"span {args.span}, {args.rows} rows, {engs['ar'].steps_for(args.rows)} steps a call; ms per call (median), "
+          f"x ar (median of per-repeat ratios)")
     for k, v in ms.items():
         print(f"{k}: {np.median(v):.2f} ms, {np.median(np.array(v) / ar):.3f}x")
 
