@@ -307,6 +307,7 @@ class Engine:
         # compiled programs by name: "release", ("step", greedy, plain, span, rows), ("admit", chunk, rows, pre), ...
         # (a name holds every static argument of its program)
         self._exe: dict = {}
+        self._statics: dict = {}  # ... and the static arguments each was compiled with
         # XLA:CPU on Linux: the most memory maps one compiled program took (`_check_maps`; None: not counted)
         self._maps_each: int | None = 0 if jax.default_backend() == "cpu" and _maps_limit() is not None else None
         self._lock = threading.Lock()
@@ -687,9 +688,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------ compile
     def _compile(self, name, fn, *args, static=None, donate=()):
         """The program ``name`` (compiled once; from the warm-up thread too: `warmup` with ``background``). ``name``
-        tells it from every other program: a name compiled once is returned whatever ``static`` is given after."""
+        tells it from every other program: a name compiled once is returned for the same ``static`` after, and a
+        different ``static`` under that name is an error."""
         static = static or {}
         exe = self._exe.get(name)
+        if exe is not None and self._statics.get(name, static) != static:
+            raise ValueError(f"program {name!r} was compiled with other static arguments: name it by them")
         if exe is None:
             maps = _maps_in_use() if self._maps_each is not None else None
             self._check_maps(1, maps)
@@ -699,7 +703,7 @@ class Engine:
             with self._lock:
                 if name not in self._exe:
                     self.compiles += 1
-                    self._exe[name] = exe
+                    self._exe[name], self._statics[name] = exe, static
                 exe = self._exe[name]
         return exe
 

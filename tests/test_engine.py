@@ -200,10 +200,21 @@ def test_warmup_stops_short_of_the_memory_maps(models, monkeypatch):  # noqa: F8
     ``vm.max_map_count`` dies of a segmentation fault inside LLVM: warm-up judges the rest by what its first programs
     took and refuses, in one line, what would not fit; with room, a second warm-up compiles the rest."""
     eng = Engine(models["target"], slots=2, max_len=256, chunk=32, steps_per_call=2)
-    monkeypatch.setattr(engine_mod, "_maps_limit", lambda: engine_mod._maps_in_use() + 100)
+    core, rest = eng._programs()
+    # room for the empty state and the core programs alone: the check after them refuses the rest, whole
+    monkeypatch.setattr(engine_mod, "_maps_limit", lambda: 10**9 if eng.compiles <= len(core) else
+                        engine_mod._maps_in_use() + 100)
     with pytest.raises(InputError, match=r"memory maps on XLA:CPU .*vm.max_map_count") as e:
         eng.warmup()
-    assert "\n" not in str(e.value) and eng.pending_programs == 0
+    todo = sum(name not in eng._exe for name, _ in rest)
+    assert str(e.value).startswith(f"{todo} more programs") and todo > 1 and "\n" not in str(e.value)
+    assert eng.compiles == len(core) + 1
+    # ... and at each compile: with room for less than the most one program took, the next one is refused
+    eng2 = Engine(models["target"], slots=2, max_len=256, chunk=32, steps_per_call=2)
+    monkeypatch.setattr(engine_mod, "_maps_limit", lambda: engine_mod._maps_in_use() + 100)
+    with pytest.raises(InputError, match=r"^1 more programs"):
+        eng2.warmup()
+    assert eng2.compiles == 2  # the empty state and a first program (its maps counted), nothing after
     core = eng.compiles
     monkeypatch.setattr(engine_mod, "_maps_limit", lambda: 10**9)
     eng.warmup()
