@@ -745,8 +745,9 @@ class Engine:
         for make in core:
             make()
         self._check_maps(sum(name not in self._exe for name, _ in rest))  # (at each compile too: `_compile`)
-        for make in [] if background else [m for _, m in rest]:
-            make()
+        if not background:
+            for _, make in rest:
+                make()
         if self.adaptive and self.spec_cost is None and not self.spec_costs:
             saved = self._load_costs()
             if saved is None:

@@ -215,10 +215,10 @@ def test_warmup_stops_short_of_the_memory_maps(models, monkeypatch):  # noqa: F8
     with pytest.raises(InputError, match=r"^1 more programs"):
         eng2.warmup()
     assert eng2.compiles == 2  # the empty state and a first program (its maps counted), nothing after
-    core = eng.compiles
+    before = eng.compiles
     monkeypatch.setattr(engine_mod, "_maps_limit", lambda: 10**9)
     eng.warmup()
-    assert eng.compiles > core and all(("step", g, False, s, r) in eng._exe for g in (True, False)
+    assert eng.compiles > before and all(("step", g, False, s, r) in eng._exe for g in (True, False)
                                        for s in eng.spans for r in eng.row_buckets)
     reqs = [eng.submit(p, eng.check(p, max_tokens=8, temperature=0.0)) for p in PROMPTS[:2]]
     while not eng.idle:

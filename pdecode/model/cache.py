@@ -252,12 +252,9 @@ def write_layer(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, off
 
 def _write_slots(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, slots_BT: jax.Array) -> KVCache:
     """`write_layer` at any slots [B, T] per row (past max_len: dropped)."""
-    b = k_BKTH.shape[0]
-    rows, slots = jnp.arange(b)[:, None], slots_BT
+    rows, slots = _slot_index(cache, slots_BT)
     # advanced indices (rows, slots) around slices: the indexed shape is [B, T, KV, hd] for both layouts
     k_new, v_new = jnp.swapaxes(k_BKTH, 1, 2), jnp.swapaxes(v_BKTH, 1, 2)
-    if isinstance(cache, PagedKVCache):  # (page, offset) in place of (row, slot)
-        rows, slots = _page_of(cache, slots)
     if cache.per_layer:
         k, v = list(cache.k), list(cache.v)
         k[layer] = k[layer].at[rows, :, :, slots].set(k_new.astype(k[layer].dtype), mode="drop")
@@ -266,6 +263,14 @@ def _write_slots(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, sl
     k = cache.k.at[layer, rows, :, :, slots].set(k_new.astype(cache.k.dtype), mode="drop")
     v = cache.v.at[layer, rows, :, slots].set(v_new.astype(cache.v.dtype), mode="drop")
     return cache.replace(k=k, v=v)
+
+
+def _slot_index(cache, slots_BT: jax.Array):
+    """The (row, slot) indices [B, T] of each row's slots ``slots_BT`` in the buffers: a paged cache's (pool page,
+    offset in it)."""
+    if isinstance(cache, PagedKVCache):
+        return _page_of(cache, slots_BT)
+    return jnp.arange(slots_BT.shape[0])[:, None], slots_BT
 
 
 def advance(cache: KVCache, n_B: jax.Array) -> KVCache:
@@ -381,9 +386,7 @@ def put_head(cache: KVCache, part: KVCache, window: int | None = None) -> KVCach
     if not part.per_layer and not cache.per_layer:  # stacked: every layer's window in one gather and one scatter
         k_w = jnp.take_along_axis(part.k, src[None, :, None, None, :], axis=4)  # [L, B, KV, hd, W]
         v_w = jnp.take_along_axis(part.v, src[None, :, None, :, None], axis=3)  # [L, B, KV, W, hd]
-        rows, slots = jnp.arange(dst.shape[0])[:, None], dst
-        if isinstance(cache, PagedKVCache):  # (page, offset) in place of (row, slot)
-            rows, slots = _page_of(cache, slots)
+        rows, slots = _slot_index(cache, dst)
         # advanced indices (rows, slots) around slices index [B, W, L, KV, hd] for both layouts
         k = cache.k.at[:, rows, :, :, slots].set(k_w.transpose(1, 4, 0, 2, 3).astype(cache.k.dtype), mode="drop")
         v = cache.v.at[:, rows, :, slots].set(v_w.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
