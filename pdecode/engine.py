@@ -10,7 +10,10 @@ The device side is a few compiled functions over one `EngineState` (the decode l
   chunk per round, so the other slots keep decoding, and its last chunk goes in with ``admit``;
 * ``step``: ``k`` decode steps for every live slot (the loop's own `make_step`), the state donated; with
   ``speculation="auto"`` a draft-and-verify engine also has a *plain* step (the target alone, one token per row, the
-  drafter's state kept by `Drafter.follow`) and picks one of the two per call by its cost model (below);
+  drafter's state kept by `Drafter.follow`, or left to lag and caught up by the next drafted call,
+  `Drafter.follow_late`) and picks one of the two per call by its cost model (below);
+* ``catch_up``: (``speculation="auto"`` with a draft model) the draft that plain calls left to lag, fed before the
+  next drafted call, per row bucket;
 * ``release``: a slot marked finished (a stop string seen on the host, a client gone).
 
 Shapes are fixed when the engine is built: prompts come in a few bucket sizes (`CHUNKS` up to ``chunk``), admissions
@@ -84,7 +87,8 @@ PROBE_EVERY = 8  # speculation="auto": at most one call of the kind not chosen i
 PROBE_SHARE = 0.03  # ... and fewer while a probe costs more: its tokens lost, at most this share of the throughput
 PROBE_MAX = 256  # ... but one in this many at least
 PROBE_LEAD = 0.1  # ... and fewer while the chosen kind leads by more: PROBE_EVERY calls more per lead of this share
-LATE_CALLS = 8  # speculation="auto": plain calls let the draft lag, fed in forwards this many calls' tokens wide
+LATE_CALLS = 8  # speculation="auto": a drafted call catches up a draft that lagged through plain calls in forwards
+# this many calls' tokens wide
 SPEC_MARGIN = 1.2  # speculation="auto", timed: a call drafts while tau reaches the timed cost ratio times this
 # (the served rates leave out what a kind costs around admissions; at 4 clients on the CPU they put drafting at
 # break-even where whole passes of drafted calls gave 0.84x plain ones' tokens/s)
@@ -270,9 +274,7 @@ class Engine:
             self.adaptive = False
             self.speculation_note = (f"speculation stays on: {type(self.drafter).__name__} ({method}) cannot follow "
                                      f"a plain step")
-        if self.adaptive and self.drafter.follows_late and LONE_STEPS > LATE_CALLS:  # (tunables, module constants)
-            raise ValueError(f"LONE_STEPS ({LONE_STEPS}) > LATE_CALLS ({LATE_CALLS}): a one-row call's tokens would "
-                             f"outgrow the forward that feeds a lagging draft")
+        self._late = self.adaptive and self.drafter.follows_late  # plain calls leave the draft to lag (`_step_fn`)
         self.spec_cost = None if spec_cost is None else float(spec_cost)
         self.timed = spec_cost is None  # the ratio from the serving loop's own calls (auto)
         self.spec_costs: dict[int, float] = {}  # per row bucket: the warm-up's ratio (auto, timed)
@@ -286,6 +288,7 @@ class Engine:
         self._since_probe = 0  # step calls since the last call of the kind not chosen (auto)
         self._last_ready = None  # when the last step call's results were read
         self._round_admits = 0  # admission / prefill calls dispatched in this round
+        self._lagging = False  # a plain step call ran since the last drafted one (the draft lags: auto, late drafters)
         self._t_round = 0.0  # when this round began
         self.extra = plan.extra_len
         if max_len > model.cfg.max_position_embeddings:
@@ -520,10 +523,12 @@ class Engine:
         slot among them; `row_buckets`), written back after."""
         span = span or self.max_len
         # plain steps (speculation="auto" alone has them) of a drafter that can catch up late: no draft pass a step;
-        # the draft is left to lag through plain calls up to `_late_width` - k tokens, its state left whole (not cut
-        # to the rows or the span: a copy that cost a plain call of 4 rows 20% more than an AR call), fed in forwards
-        # that wide, and caught up before a drafted call
-        late = self.drafter is not None and self.drafter.follows_late and self.adaptive
+        # the draft is left to lag through plain calls, its state set aside whole (not cut to the rows or the span: a
+        # copy that cost a plain call of 4 rows 20% more than an AR call) and not fed; before the next drafted call a
+        # program of its own catches it up (`_catch_up_fn`; the drafted call's own `follow_late` below finds nothing
+        # left, or does it itself while that program is not compiled yet). Feeding it through the plain calls cost
+        # them 10% on the CPU (the code draft's share of the target's FLOPs), spent for nothing while plain calls win.
+        late = self._late
         lazy = plain and late
         dstate = st.loop.dstate if lazy else None
         if lazy:
@@ -562,25 +567,13 @@ class Engine:
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
         w = k * (1 if plain else self._per_step())  # the most tokens a row commits in this call
-        # a draft model's cache may trail the target's by one step's tokens, and by up to `_late_width` more where
-        # it lags through plain calls (on a mesh the whole head goes back: a slice update the partitioner keeps local
-        # to each device's rows)
+        # a draft model's cache may trail the target's by one step's tokens; one caught up in this call (it lagged
+        # through plain calls, by as many tokens as they made) goes back whole (on a mesh every head goes back whole:
+        # a slice update the partitioner keeps local to each device's rows)
         window = None if self.mesh is not None else w + self._per_step()
-        dwindow = None if window is None else window + (self._late_width if late else 0)
+        dwindow = None if late else window
         loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
-        if lazy:  # the call's rows' (the rest are not live), fed (on its head) once one lags more than the slack
-            width, n, axes = self._late_width, loop.seq.shape[0], self._axes.dstate
-            part_of = lambda ds: ds if n >= self.slots else _rows_head(ds, axes, n)  # noqa: E731
-
-            def feed(ds):
-                part = part_of(ds)
-                fed = self.drafter.follow_late(dp, cut(part), loop.seq, loop.seq_len, width, width - k)
-                part = jax.tree.map(put(dwindow), part, fed, is_leaf=is_cache)
-                return part if n >= self.slots else _put_rows_head(ds, part, axes)
-
-            lags = self.drafter.lag(part_of(dstate), loop.seq_len)
-            dstate = jax.lax.cond(jnp.any(lags > width - k), feed, lambda ds: ds, dstate)
         out = loop.out
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
         new = jnp.take_along_axis(out.tokens, idx, axis=1)
@@ -590,6 +583,22 @@ class Engine:
         if lazy:
             st = st.replace(loop=st.loop.replace(dstate=dstate))
         return self._pin(st), self._replicated((c0, out.count, out.done, new, lps, out.row_forwards, acc))
+
+    def _catch_up_fn(self, params, st: EngineState, *, rows: int):
+        """The draft that plain calls left to lag, caught up on the first ``rows`` slots (`Drafter.follow_late`, in
+        forwards `_late_width` wide, to what the next proposal feeds itself): dispatched before a drafted call, and
+        waited for, so that call's time is its own (`_dispatch_step`). The draft's cache is not cut to a span here."""
+        _, dp = self._layout(params)
+        loop, axes = st.loop, self._axes.dstate
+        part = loop.dstate if rows >= self.slots else _rows_head(loop.dstate, axes, rows)
+        fed = self.drafter.follow_late(dp, part, loop.seq[:rows], loop.seq_len[:rows], self._late_width,
+                                       self.drafter.max_depth)
+        dstate = fed if rows >= self.slots else _put_rows_head(loop.dstate, fed, axes)
+        return self._pin(st.replace(loop=loop.replace(dstate=dstate)))
+
+    def _catch_up_exe(self, rows: int):
+        return self._compile(("catch_up", rows), self._catch_up_fn, self.params, self._spec, static={"rows": rows},
+                             donate=(1,))
 
     def _first_rows(self, st: EngineState, rows: int | None) -> EngineState:
         """The state of the first ``rows`` slots (a copy; a paged cache keeps its pool and cuts its page table)."""
@@ -628,8 +637,8 @@ class Engine:
 
     @property
     def _late_width(self) -> int:
-        """The width of the forwards that feed a draft lagging through plain calls (`LATE_CALLS` full calls' tokens;
-        more than a one-row call's, `LONE_STEPS`)."""
+        """The width of the forwards that catch up a draft that lagged through plain calls, at the start of the next
+        drafted call (`LATE_CALLS` full calls' tokens; rows that lag alike are caught up together)."""
         return LATE_CALLS * self.k
 
     @staticmethod
@@ -819,6 +828,8 @@ class Engine:
                     for plain in (True, False) if self.adaptive else (False,):
                         steps.append((("step", samp.greedy, plain, span, rows),
                                       functools.partial(self._step_exe, samp, plain, span, rows)))
+        if self._late:  # (after the first span's steps: a drafted call stands in for its catch-up meanwhile)
+            admits += [(("catch_up", rows), functools.partial(self._catch_up_exe, rows)) for rows in self.row_buckets]
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
                 admits.append((("admit", c, rows, False), functools.partial(self._admit_exe, c, rows)))
@@ -1201,7 +1212,9 @@ class Engine:
             return False
         if self.queue and len(self.running) < self.slots:  # a waiting request kept out by pages or grammar tables
             return True
-        most = lambda call: self.steps_for(call[6]) * self._per_step()  # noqa: E731 (the most tokens a row commits)
+        # the most tokens a row commits in a call: a plain call's one a step (counted as a drafted call's, every plain
+        # call of one client read its results before the next dispatch, the host's work not overlapped)
+        most = lambda call: self.steps_for(call[6]) * (self._per_step() if call[3] else 1)  # noqa: E731
         return any(r.finish_reason is None and r.controls.max_new_tokens - len(r.tokens) <= most(x)
                    for x in self._inflight if x[0] == "step" for r in x[1])
 
@@ -1355,12 +1368,30 @@ class Engine:
         self._ran.add(exe)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1
+        clean = not self._round_admits and not first
+        if drafted and self._lagging:  # plain calls left the draft to lag: caught up first, apart (`_catch_up_fn`)
+            clean = self._catch_up(rows) and clean
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
         if self.drafter is not None:
             self.stats["drafted_steps" if drafted else "plain_steps"] += 1
-        self._inflight.append(("step", live, outs, drafted, self._t_round, not self._round_admits and not first,
-                               rows, span))
+            self._lagging = self._late and not drafted
+        self._inflight.append(("step", live, outs, drafted, self._t_round, clean, rows, span))
+
+    def _catch_up(self, rows: int) -> bool:
+        """Before a drafted call of ``rows`` rows after plain ones: the draft they left to lag caught up, waited for
+        (the calls in flight with it, whose time is then not timed) and the drafted call's time counted from its
+        end. False while the program is not ready (a background warm-up): the drafted call catches up itself, its
+        time not a drafted call's cost (not timed)."""
+        exe = self._exe.get(("catch_up", rows))
+        if exe is None:
+            return False
+        self.state = exe(self.params, self.state)
+        jax.block_until_ready(self.state)
+        self.stats["catch_ups"] += 1
+        self._inflight = collections.deque(x if x[0] != "step" else x[:5] + (False,) + x[6:] for x in self._inflight)
+        self._t_round = time.perf_counter()
+        return True
 
     def _speculate(self, rows: int, spans: dict[bool, int] | None = None) -> bool:
         """Whether the next step call (of ``rows`` rows; ``spans``: the span each kind would get) drafts (the cost
@@ -1426,19 +1457,20 @@ class Engine:
             return events
         c0, c1, done, new, lps, fw, acc = (to_host(x) for x in outs)
         drafted = item[3]
-        tau_tok = tau_steps = made = rows_made = 0
+        tau_tok = tau_steps = made = rows_made = longest = 0
         for r in reqs:
             if r.finish_reason is not None:  # finished earlier (its slot's later tokens are not its own)
                 continue
             s = r.slot
             k = int(c1[s] - c0[s])
-            made, rows_made = made + k, rows_made + 1
+            made, rows_made, ran = made + k, rows_made + 1, k
             r.forwards = int(fw[s])
             if self.drafter is not None:
                 if drafted:
-                    tau_tok += k
-                    tau_steps += int(acc[s].sum()) - (sum(r.accepted) if r.accepted else 0)
+                    ran = int(acc[s].sum()) - (sum(r.accepted) if r.accepted else 0)
+                    tau_tok, tau_steps = tau_tok + k, tau_steps + ran
                 r.accepted = acc[s].tolist()
+            longest = max(longest, ran)
             r.tokens += new[s, :k].tolist()
             if r.controls.logprobs:
                 r.logprobs += lps[s, :k].tolist()
@@ -1449,7 +1481,12 @@ class Engine:
             self._note_tau(tau_tok, tau_steps)
         if self.adaptive:
             steps = tau_steps if drafted and self.drafter is not None else made  # (a plain step: one token)
-            self._note_time(drafted, item[6], item[7], item[4], item[5] and not self._round_admits, steps, rows_made)
+            # timed when it ran all its steps: a call that every row left early (a budget reached) paid its fixed
+            # part (dispatch, the weights' conversion) for fewer steps, and drafted calls end early more often (one
+            # client: most drafted calls are a request's last, and timing them kept the engine from drafting there)
+            full = longest >= self.steps_for(item[6])
+            self._note_time(drafted, item[6], item[7], item[4], item[5] and full and not self._round_admits, steps,
+                            rows_made)
         return events
 
     def _progress(self, r: Request, device_done: bool) -> Event | None:

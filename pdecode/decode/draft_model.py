@@ -91,8 +91,8 @@ class _DraftModelDrafter(Drafter):
         """The committed tokens the draft lacks, all but the last (the next `propose` feeds the root itself), in
         forwards of ``width`` tokens while some row lacks more than ``slack`` of them (each forward feeds every row
         up to ``width``: rows that lag alike are caught up together). The serving engine lets the draft lag through
-        its plain calls and feeds it in forwards several calls wide (one forward of 32 tokens costs the code draft
-        1.9x one of 4 on this CPU, for 8x the tokens), then catches it up whole before a drafted call."""
+        its plain calls, unfed, and catches it up whole at the start of the next drafted call, in forwards several
+        calls wide (one forward of 32 tokens costs the code draft 1.9x one of 4 on this CPU, for 8x the tokens)."""
         upto = dstate.cache.lengths + self.lag(dstate, seq_len_B)
 
         def feed(cache):
