@@ -359,6 +359,7 @@ class Pool:
         self.nexts = np.zeros((self.transitions,), np.int32)
         self.forced = np.full((self.states,), -1, np.int32)
         self.placed: dict[int, list] = {}  # id(grammar) -> [grammar, s0, t0, users, last use]
+        self.dirty: list[tuple[int, int, int, int]] = []  # (s0, states, t0, transitions) written since `take_dirty`
         self.version = 0
         self._clock = 0
 
@@ -414,7 +415,23 @@ class Pool:
         for k, x in enumerate(g.nexts):
             self.nexts[row_off[k]:row_off[k] + len(x)] = x + s0
         self.forced[s0:s0 + n] = _forced(g)
+        self.dirty.append((s0, n, t0, int(lens.sum())))
         self.version += 1
+
+    def take_dirty(self) -> list[tuple[int, int, int, int]]:
+        """The ranges written since the last call, (first state, states, first transition, transitions) each."""
+        out, self.dirty = self.dirty, []
+        return out
+
+    def windows(self, dirty, rows: int, width: int) -> list[tuple[int, int]]:
+        """Start (state, transition) pairs of windows of ``rows`` states and ``width`` transitions (within the
+        tables) that cover ``dirty`` (`take_dirty`): what an upload in fixed-size pieces writes."""
+        out = []
+        for s0, n, t0, m in dirty:
+            ss = [min(s0 + i, self.states - rows) for i in range(0, max(n, 1), rows)]
+            ts = [min(t0 + i, self.transitions - width) for i in range(0, max(m, 1), width)]
+            out += [(ss[min(i, len(ss) - 1)], ts[min(i, len(ts) - 1)]) for i in range(max(len(ss), len(ts)))]
+        return out
 
 
 def _forced(g: Grammar) -> np.ndarray:

@@ -247,5 +247,22 @@ def test_engine_serves_grammars_without_compiling(zoo):
     want = pdecode.generate(target, PROMPTS, method="sd", draft=draft, gamma=3, max_new_tokens=40, grammar=specs)
     assert [r.tokens for r in reqs] == want.tokens
     assert eng.compiles == eng.warm_compiles and eng.stats["grammar_waits"] >= 1
+    # each grammar's tables went up in windows (its ranges alone), and the device holds the host's tables
+    assert eng.stats["grammar_uploads"] == 2 and eng.stats["grammar_windows"] >= 2
+    for name in ("allow", "base", "nexts", "forced"):
+        np.testing.assert_array_equal(np.asarray(getattr(eng.state.grammar, name)), getattr(eng.pool, name))
     with pytest.raises(InputError, match="tables hold"):
         Engine(target, slots=1, max_len=128, chunk=32, grammar_states=4).compile_grammar({"json_schema": SCHEMA})
+
+
+def test_a_placed_grammar_goes_up_in_windows_that_cover_it():
+    """`Pool.windows`: fixed-size windows of states and transitions, within the tables, that cover every range a
+    placed grammar wrote (a window at the end shifted back to fit)."""
+    pool = grammar.Pool(64, 100, 1000)
+    dirty = [(1, 70, 0, 500), (90, 5, 990, 10)]
+    wins = pool.windows(dirty, 32, 256)
+    assert wins == [(1, 0), (33, 256), (65, 256), (68, 744)]
+    for s0, n, t0, m in dirty:
+        assert all(any(a <= s < a + 32 for a, _ in wins) for s in range(s0, s0 + n))
+        assert all(any(b <= t < b + 256 for _, b in wins) for t in range(t0, t0 + m))
+    assert all(0 <= a <= 100 - 32 and 0 <= b <= 1000 - 256 for a, b in wins)
