@@ -14,6 +14,7 @@ The device side is a few compiled functions over one `EngineState` (the decode l
   `Drafter.follow_late`) and picks one of the two per call by its cost model (below);
 * ``catch_up``: (``speculation="auto"`` with a draft model) the draft that plain calls left to lag, fed before the
   next drafted call, per row bucket;
+* ``grammar_put``: (structured output) one window of a newly placed grammar's tables written into the device's;
 * ``release``: a slot marked finished (a stop string seen on the host, a client gone).
 
 Shapes are fixed when the engine is built: prompts come in a few bucket sizes (`CHUNKS` up to ``chunk``), admissions
@@ -33,9 +34,10 @@ two step programs' costs. Warm-up times both for each row bucket, each kind at i
 full bucket's is ``spec_cost``: first guesses); while serving, the engine keeps tau from the acceptance of its
 recent drafted calls and, per row bucket and span, each kind's row steps per second per live row from the calls
 themselves (the steps a call's rows took before they ended, over the time from one step call's results being turned
-into events to the next one's, in rounds that admitted nothing; all decayed): the ratio of the two rates, each
-kind's at the span it would get, is the cost ratio as served (rows that end early in a call, the host's share
-included), and the engine drafts while tau reaches it times `SPEC_MARGIN` (1.2: what the rates leave out), with a
+into events to the next one's, in rounds that admitted nothing, of calls that some row ran to their last step; all
+decayed): the ratio of the two rates, each kind's at the span it would get, is the cost ratio as served (rows that end
+early in a call, the host's share included), and the engine drafts while tau reaches it times `SPEC_MARGIN` (1.2:
+what the rates leave out), or the warm-up's ratio as it is while a kind has no rate there, with a
 call of the other kind now and then to keep the figures current (`probe_interval`: every 8 calls when such a probe
 costs little and the choice is close, up to every 256 when it costs much or one kind leads far). A ``spec_cost``
 given is kept as it is (no timing: every process of a multi-process server must choose alike). Each kind of step is
@@ -89,15 +91,15 @@ PROBE_MAX = 256  # ... but one in this many at least
 PROBE_LEAD = 0.1  # ... and fewer while the chosen kind leads by more: PROBE_EVERY calls more per lead of this share
 LATE_CALLS = 8  # speculation="auto": a drafted call catches up a draft that lagged through plain calls in forwards
 # this many calls' tokens wide
-SPEC_MARGIN = 1.2  # speculation="auto", timed: a call drafts while tau reaches the timed cost ratio times this
+SPEC_MARGIN = 1.2  # speculation="auto": a call drafts while tau reaches the served rates' cost ratio times this
 # (the served rates leave out what a kind costs around admissions; at 4 clients on the CPU they put drafting at
 # break-even where whole passes of drafted calls gave 0.84x plain ones' tokens/s)
 WARM_THREAD = "pdecode-warmup"  # the name of the thread that compiles the rest of warm-up (`Engine.warmup`)
 LONE_STEPS = 4  # a step call that decodes one row alone (one client) runs this many times ``steps_per_call`` steps
 MAPS_SHARE = 0.95  # warm-up refuses to compile what would take the process past this share of its memory maps (CPU)
 TAU_DECAY = 0.8  # weight of older calls in tau and in each kind's seconds per call (per newer call)
-GRAMMAR_ROWS = 64  # structured output: a grammar placed in the tables goes up in windows of this many states
-GRAMMAR_WIDTH = 1 << 14  # ... and this many transitions (64 KiB each of allow, base and nexts at a 4096 vocabulary)
+GRAMMAR_ROWS = 64  # structured output: a grammar placed in the tables goes up in windows of this many states (32 KiB
+GRAMMAR_WIDTH = 1 << 14  # each of allow and base at a 4096 vocabulary) and this many transitions (64 KiB of nexts)
 GRAMMAR_WINDOWS = 16  # ... at most this many such calls, else the tables go up whole
 
 
@@ -528,11 +530,11 @@ class Engine:
         # plain steps (speculation="auto" alone has them) of a drafter that can catch up late: no draft pass a step;
         # the draft is left to lag through plain calls, its state set aside whole (not cut to the rows or the span: a
         # copy that cost a plain call of 4 rows 20% more than an AR call) and not fed; before the next drafted call a
-        # program of its own catches it up (`_catch_up_fn`; the drafted call's own `follow_late` below finds nothing
-        # left, or does it itself while that program is not compiled yet). Feeding it through the plain calls cost
-        # them 10% on the CPU (the code draft's share of the target's FLOPs), spent for nothing while plain calls win.
-        late = self._late
-        lazy = plain and late
+        # program of its own catches it up (`_catch_up_fn`; until it is compiled the calls stay plain). Feeding it
+        # through the plain calls cost them 10% on the CPU (the code draft's share of the target's FLOPs): now a
+        # request that ends before the engine drafts again never feeds its draft, and one that lives past a drafted
+        # call is fed once, in forwards several calls wide.
+        lazy = plain and self._late
         dstate = st.loop.dstate if lazy else None
         if lazy:
             st = st.replace(loop=st.loop.replace(dstate=None))
@@ -559,9 +561,6 @@ class Engine:
             one = speculative.make_step(tp, dp, warp, cfg=cfg, drafter=self.drafter, max_len=self.max_len,
                                         eos_ids=(), samp=samp, plain=plain, follow=not lazy)
         c0 = st.loop.out.count
-        if late and not plain:  # what the plain calls before left unfed, beyond what a proposal feeds itself
-            st = st.replace(loop=st.loop.replace(dstate=self.drafter.follow_late(
-                dp, st.loop.dstate, st.loop.seq, st.loop.seq_len, self._late_width, self.drafter.max_depth)))
 
         def cond(c):
             i, s = c
@@ -570,12 +569,11 @@ class Engine:
 
         _, loop = jax.lax.while_loop(cond, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(0), st.loop))
         w = k * (1 if plain else self._per_step())  # the most tokens a row commits in this call
-        # a draft model's cache may trail the target's by one step's tokens; one caught up in this call (it lagged
-        # through plain calls, by as many tokens as they made) goes back whole (on a mesh every head goes back whole:
-        # a slice update the partitioner keeps local to each device's rows)
+        # a draft model's cache may trail the target's by one step's tokens (one that lagged through plain calls was
+        # caught up to that before this call, `_catch_up_fn`) (on a mesh the whole head goes back: a slice update
+        # the partitioner keeps local to each device's rows)
         window = None if self.mesh is not None else w + self._per_step()
-        dwindow = None if late else window
-        loop = jax.tree.map(put(dwindow), full.replace(cache=None), loop.replace(cache=None),
+        loop = jax.tree.map(put(window), full.replace(cache=None), loop.replace(cache=None),
                             is_leaf=is_cache).replace(cache=put(window)(full.cache, loop.cache))
         out = loop.out
         idx = jnp.minimum(c0[:, None] + jnp.arange(w)[None, :], out.tokens.shape[1] - 1)
@@ -590,12 +588,13 @@ class Engine:
     def _catch_up_fn(self, params, st: EngineState, *, rows: int):
         """The draft that plain calls left to lag, caught up on the first ``rows`` slots (`Drafter.follow_late`, in
         forwards `_late_width` wide, to what the next proposal feeds itself): dispatched before a drafted call, and
-        waited for, so that call's time is its own (`_dispatch_step`). The draft's cache is not cut to a span here."""
+        waited for, so that call's time is its own (`_dispatch_step`). The draft's cache is not cut to a span here
+        (one program per row bucket)."""
         _, dp = self._layout(params)
         loop, axes = st.loop, self._axes.dstate
         part = loop.dstate if rows >= self.slots else _rows_head(loop.dstate, axes, rows)
-        fed = self.drafter.follow_late(dp, part, loop.seq[:rows], loop.seq_len[:rows], self._late_width,
-                                       self.drafter.max_depth)
+        seq_len = jnp.where(loop.out.done[:rows], 0, loop.seq_len[:rows])  # (a finished row: nothing to feed)
+        fed = self.drafter.follow_late(dp, part, loop.seq[:rows], seq_len, self._late_width, self.drafter.max_depth)
         dstate = fed if rows >= self.slots else _put_rows_head(loop.dstate, fed, axes)
         return self._pin(st.replace(loop=loop.replace(dstate=dstate)))
 
@@ -937,7 +936,7 @@ class Engine:
                 self.slots, self.max_len, self.chunk, self.k, self.spans, self.row_buckets, self.admit_rows,
                 self.kv_pages, self.page_size, str(self.kv_dtype), self.top_k_max, repr(self.full),
                 None if self.pool is None else (self.pool.states, self.pool.transitions), LONE_STEPS, LATE_CALLS,
-                "one call's span")  # (how `_measure_spec_cost` times: ratios timed otherwise are not read back)
+                "one call's span")  # (how `_measure_spec_cost` times: ratios timed before are not read)
         return Path(d) / "pdecode-costs" / (hashlib.sha256(repr(what).encode()).hexdigest()[:32] + ".json")
 
     def _load_costs(self) -> dict[int, float] | None:
@@ -1405,14 +1404,17 @@ class Engine:
         spans = {d: self._span_for(live, d, rows) for d in (False, True)} if self.adaptive else None
         drafted = self._speculate(rows, spans)
         span_of = (lambda d: spans[d]) if spans else (lambda d: self._span_for(live, d, rows))  # noqa: E731
-        exe, drafted, span, rows = self._pick_step(self.fast if plain else self.full, drafted, rows, span_of)
+        samp, want = self.fast if plain else self.full, rows
+        exe, drafted, span, rows = self._pick_step(samp, drafted, rows, span_of)
+        if drafted and self._lagging and ("catch_up", rows) not in self._exe:  # (a background warm-up): plain
+            exe, drafted, span, rows = self._pick_step(samp, False, want, span_of)
         first = exe not in self._ran  # (its first run: not timed, `_run_each_once`)
         self._ran.add(exe)
         self.stats[f"steps_span_{span}"] += 1
         self.stats[f"steps_rows_{rows}"] += 1
-        clean = not self._round_admits and not first
         if drafted and self._lagging:  # plain calls left the draft to lag: caught up first, apart (`_catch_up_fn`)
-            clean = self._catch_up(rows) and clean
+            self._catch_up(rows)
+        clean = not self._round_admits and not first
         self.state, outs = exe(self.params, self.state)
         self.stats["steps"] += 1
         if self.drafter is not None:
@@ -1420,25 +1422,23 @@ class Engine:
             self._lagging = self._late and not drafted
         self._inflight.append(("step", live, outs, drafted, self._t_round, clean, rows, span))
 
-    def _catch_up(self, rows: int) -> bool:
+    def _catch_up(self, rows: int):
         """Before a drafted call of ``rows`` rows after plain ones: the draft they left to lag caught up, waited for
         (the calls in flight with it, whose time is then not timed) and the drafted call's time counted from its
-        end. False while the program is not ready (a background warm-up): the drafted call catches up itself, its
-        time not a drafted call's cost (not timed)."""
-        exe = self._exe.get(("catch_up", rows))
-        if exe is None:
-            return False
-        self.state = exe(self.params, self.state)
+        end. Its own time is in ``stats["catch_up_s"]`` (no rate holds it: it is what drafting again costs after
+        plain calls)."""
+        t = time.perf_counter()
+        self.state = self._exe[("catch_up", rows)](self.params, self.state)
         jax.block_until_ready(self.state)
         self.stats["catch_ups"] += 1
         self._inflight = collections.deque(x if x[0] != "step" else x[:5] + (False,) + x[6:] for x in self._inflight)
         self._t_round = time.perf_counter()
-        return True
+        self.stats["catch_up_s"] += self._t_round - t
 
     def _speculate(self, rows: int, spans: dict[bool, int] | None = None) -> bool:
         """Whether the next step call (of ``rows`` rows; ``spans``: the span each kind would get) drafts (the cost
         model: tau against the cost ratio — the ratio of the two kinds' timed row-step rates in the row bucket, each
-        at its own span, once both were timed there, else the warm-up's for the bucket, times `SPEC_MARGIN`; or the
+        at its own span, once both were timed there, times `SPEC_MARGIN`, else the warm-up's for the bucket; or the
         given one; the other kind now and then (`probe_interval`): drafted probes keep tau and the drafted rate
         current, plain ones the plain rate)."""
         if not self.adaptive:
@@ -1450,7 +1450,7 @@ class Engine:
         ratio = p / d if d and p else self.spec_costs.get(rows, self.spec_cost)
         if d and p and rows == self.slots:
             self.spec_cost = ratio  # (the full bucket's, as last judged)
-        if self.timed:  # what the timings leave out (`SPEC_MARGIN`)
+        if self.timed and d and p:  # what the served rates leave out (`SPEC_MARGIN`)
             ratio *= SPEC_MARGIN
         best = self.tau >= ratio
         self._since_probe += 1

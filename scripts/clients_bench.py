@@ -48,6 +48,7 @@ def main(argv=None) -> None:
     ar, sd = Engine(m, method="ar", **kw), Engine(m, method="sd", draft=d, speculation="auto", **kw)
     for e in (ar, sd):
         e.warmup()
+    print("warm-up's ratios (row bucket: drafted call / plain call)", {k: round(v, 2) for k, v in sd.spec_costs.items()})
     judge = sd._speculate
     tps = collections.defaultdict(list)
     for i in range(args.passes):
@@ -65,7 +66,8 @@ def main(argv=None) -> None:
     for k, v in tps.items():
         print(f"| {k} | {np.median(v):.1f} | {np.median(np.array(v) / base):.3f} |")
     print("auto's rates (row bucket, span): (drafted, plain) row steps per second per row",
-          {k: (round(v[True] or 0), round(v[False] or 0)) for k, v in sorted(sd.rate.items())})
+          {k: (round(v[True] or 0), round(v[False] or 0)) for k, v in sorted(sd.rate.items())},
+          f"; catch-ups {sd.stats['catch_ups']}")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def test_probes_run_less_often_as_they_cost_more(models):  # noqa: F811
 def test_each_kind_is_judged_at_its_own_span(models):  # noqa: F811
     """The served rates are kept per row bucket and span, and a call compares tau with the ratio of the plain rate at
     the span a plain call would get to the drafted rate at the (longer) span a drafted call would get; without both,
-    the warm-up's ratio for the bucket; either timed ratio times `SPEC_MARGIN` (1.2), a given one as it is."""
+    the warm-up's ratio for the bucket as it is; the served rates' ratio times `SPEC_MARGIN` (1.2), a given one as it
+    is."""
     t = models["target"]
     eng = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, speculation="auto",
                  spans=[32, 64, 128], gamma=3)
@@ -137,10 +138,10 @@ def test_each_kind_is_judged_at_its_own_span(models):  # noqa: F811
     assert eng._speculate(2, {False: 32, True: 32}) and eng._speculate(2, {False: 64, True: 64})
     assert not eng._speculate(2, {False: 32, True: 64})
     assert eng.spec_cost == 3.0
-    assert eng._speculate(2, {False: 32, True: 128})  # no drafted rate at 128: the warm-up's 2.0 (2.4)
-    eng.tau = 2.3  # above the timed ratio, short of it times the margin: plain
-    assert not eng._speculate(2, {False: 32, True: 32}) and not eng._speculate(2, {False: 32, True: 128})
-    eng.spec_costs, eng.tau = {2: 2.5}, 2.9
+    assert eng._speculate(2, {False: 32, True: 128})  # no drafted rate at 128: the warm-up's 2.0
+    eng.tau = 2.3  # above the served ratio, short of it times the margin: plain; above the warm-up's: drafted
+    assert not eng._speculate(2, {False: 32, True: 32}) and eng._speculate(2, {False: 32, True: 128})
+    eng.spec_costs, eng.tau = {2: 2.5}, 2.4
     assert not eng._speculate(2, {False: 128, True: 128})
     given = Engine(t, method="sd", draft=models["small"], slots=2, max_len=128, chunk=32, speculation="auto",
                    spans=[32, 64, 128], gamma=3, spec_cost=2.0)
@@ -215,16 +216,24 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
         else:  # a drafted call leaves it at most one step's tokens behind, whatever it lagged before
             assert max(lag1.values()) <= 3 + 1, lag1
         assert n1 == n0 + (d1 and not d0)  # a catch-up before each drafted call after plain ones, no other
-        if d1 and not d0:  # the calls in flight with it: not timed
-            assert not any(before), before
+        if d1 and not d0:  # the plain call in flight with it: not timed
+            assert before and not any(before), before
     assert max(x for d, _, lag, _ in calls if not d for x in lag.values()) > 16  # beyond one catch-up forward
     assert eng.stats["catch_ups"] == 2
+    if layout == "one device":  # while the catch-up program is not compiled (a background warm-up): plain calls
+        catch_up, n = eng._exe.pop(("catch_up", 2)), len(calls)
+        plan = iter([True] + [False] * 3 + [True] * 100)
+        again = _run(eng, PROMPTS[:2], [40, 40])
+        assert [r.tokens for r in again] == [x[:40] for x in ref.tokens]
+        kinds = [d for d, *_ in calls[n:]]
+        assert kinds[:4] == [True, False, False, False] and len(kinds) > 5 and not any(kinds[4:]), kinds
+        eng._exe[("catch_up", 2)] = catch_up
 
 
 def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811
     """A row alone runs calls of `LONE_STEPS` times the steps (8 at 2 a call), so three plain calls there leave the
-    draft 24 tokens behind, more than one catch-up forward's width (16): the drafted call after them catches it up in
-    two, on a row bucket of one and a span of 128 of 256 (the draft's head written back whole). The draft is the
+    draft 24 tokens behind, more than one catch-up forward's width (16): the catch-up program before the drafted call
+    after them feeds it in two, on a row bucket of one (the drafted call then at a span of 128 of 256). The draft is the
     target itself: with a forced cycle of 1 drafted and 3 plain calls, through calls of both rows (4-row bucket) and
     then of the longer request alone, every drafted step accepts all 3 tokens (but a last one cut by the budget),
     tokens = generate's."""
@@ -314,8 +323,11 @@ def test_results_read_first_only_when_a_call_may_end_a_row(models):  # noqa: F81
         eng._inflight.clear()
         eng._inflight.append(("step", [r], None, drafted, 0.0, True, 2, 96))
         assert eng._read_first() is first
-    r.tokens = [5] * 16  # 4 to go
+    eng._inflight[0] = ("step", [r], None, False, 0.0, True, 2, 96)  # a plain call in flight
+    r.tokens = [5] * 16  # 4 to go: that call may end it
     assert eng._read_first()
+    r.tokens = [5] * 15  # 5 to go
+    assert not eng._read_first()
 
 
 def test_only_calls_that_ran_all_their_steps_are_timed(models):  # noqa: F811
