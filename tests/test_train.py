@@ -355,7 +355,11 @@ def test_block_diffusion_objective_trains():
     first = float(jax.jit(loss)(params, None, tuple(map(jnp.asarray, batch_fn(0))), jax.random.PRNGKey(0))[0])
     params, hist = train(loss, params, None, batch_fn, TrainConfig(steps=100, lr=3e-3, warmup=10, log_every=20,
                                                                    eval_every=10**9))
-    assert first > 3.0 and hist["loss"][-1] < 1.3, (first, hist["loss"])
+    # the trained loss over 8 held-out batches (one logged batch's loss moved between 0.93 and 1.31 from step 80 to
+    # 100 with the packages of 2026-12-06: too noisy a figure to hold against a bound)
+    held = np.mean([float(jax.jit(loss)(params, None, tuple(map(jnp.asarray, batch_fn(10_000 + i))),
+                                        jax.random.PRNGKey(i))[0]) for i in range(8)])
+    assert first > 3.0 and held < 1.3, (first, held, hist["loss"])
 
     @jax.jit
     def predict(params, prompt):
