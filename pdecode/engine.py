@@ -175,6 +175,26 @@ def to_host(x):
     return gather(x)
 
 
+_ONE_AT_A_TIME = threading.Lock()
+
+
+class _OneAtATime:
+    """A compiled program that returns only once its results are ready, one such program running in the process at
+    a time. For a mesh of XLA:CPU devices (the forced host devices of tests, gloo processes): two sharded programs in
+    flight there may each hold some of the devices' threads waiting in a collective's rendezvous for the others, a
+    stall XLA ends by aborting the process (seen as a worker killed in CI, about 1 run in 6 of a mesh test)."""
+
+    def __init__(self, exe):
+        self.exe = exe
+
+    def __call__(self, *args, **kwargs):
+        with _ONE_AT_A_TIME:
+            return jax.block_until_ready(self.exe(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.exe, name)
+
+
 def _rows_head(tree, axes, rows: int):
     """The first ``rows`` of every leaf of ``tree`` whose row axis ``axes`` names (a leaf with None: shared, kept)."""
     return jax.tree.map(lambda x, ax: x if ax is None else jax.lax.slice_in_dim(x, 0, rows, axis=ax), tree, axes)
@@ -337,6 +357,11 @@ class Engine:
         self._inflight: collections.deque = collections.deque()  # dispatched calls whose results are not read yet
         self.state = None
         self.mesh = getattr(model, "_placed", None)  # the mesh the model is placed on (None: one device)
+        # a mesh of XLA:CPU devices runs one program at a time (`_OneAtATime`)
+        self._one_at_a_time = self.mesh is not None and self.mesh.devices.size > 1 and \
+            self.mesh.devices.flat[0].platform == "cpu"
+        if self._one_at_a_time:
+            jax.block_until_ready(self.params)
         if row_buckets is None:  # (on a mesh the slots are split over devices: every step decodes them all)
             self.row_buckets = default_row_buckets(slots) if self.mesh is None else [slots]
         else:
@@ -709,6 +734,8 @@ class Engine:
             maps = _maps_in_use() if self._maps_each is not None else None
             self._check_maps(1, maps)
             exe = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
+            if self._one_at_a_time:
+                exe = _OneAtATime(exe)
             if maps is not None:
                 self._maps_each = max(self._maps_each, _maps_in_use() - maps)
             with self._lock:
@@ -804,6 +831,8 @@ class Engine:
             self._state_sh = self._state_shardings()
         pinned = {} if self.mesh is None else {"out_shardings": self._state_sh}
         self._empty_exe = jax.jit(self._empty, **pinned)
+        if self._one_at_a_time:
+            self._empty_exe = _OneAtATime(self._empty_exe)
         self.state = self._empty_exe(self.params)
         self.compiles += 1
         on = {} if self.mesh is None else {"sharding": True}  # (one device: lowered as its arrays are)
@@ -986,6 +1015,20 @@ class Engine:
                 self._fill_for_timing(1, budget)
                 self.state, outs = exe(self.params, self.state)
                 self._ran.add(exe)
+        for name, exe in list(self._exe.items()):  # a draft left to lag by a plain call of its rows, caught up
+            if name[0] != "catch_up":
+                continue
+            plain = [e for n, e in self._exe.items() if n[0] == "step" and n[2] and n[4] == name[1]]
+            if plain:
+                self._fill_for_timing(1, budget)
+                self.state, _ = plain[0](self.params, self.state)
+                self.state = exe(self.params, self.state)
+        put = self._exe.get("grammar_put")
+        if put is not None:  # the pool's first window written back as it is (the tables' truth: nothing changes)
+            p, (rows, width) = self.pool, self._grammar_window()
+            self.state = self.state.replace(grammar=put(
+                self.state.grammar, p.allow[:rows].copy(), p.base[:rows].copy(), p.forced[:rows].copy(), np.int32(0),
+                p.nexts[:width].copy(), np.int32(0)))
         jax.block_until_ready(self.state)
         self.state = self._empty_exe(self.params)
         self._ran_each = True

@@ -174,11 +174,9 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
     draft is the target itself: every drafted step after 10 plain calls (20 tokens unfed) or 7 accepts all 3 drafted
     tokens, and the tokens are generate's. On a 2x4 mesh too (the caches' heads written back whole there), and on a
     paged cache with the two rows decoded as the first 2 of 4 slots (a row bucket: the state's rows cut and put back).
-    On the mesh of 8 host devices each step call waits for the round's admission call: with both in flight, the
-    worker stalled inside the step call's dispatch about 1 run in 6 under xdist and XLA ended the process when the
-    collectives' rendezvous timed out (a CI run with that timeout at 600 s aborted there too, about 10 minutes late:
-    a stall, not slowness) — likeliest XLA:CPU's emulated devices, two sharded programs in flight waiting on each
-    other's collectives; not shown."""
+    On the mesh of 8 host devices every program of the engine returns with its results ready, one at a time (two
+    sharded programs in flight there can stall in a collective's rendezvous until XLA ends the process:
+    `tests/test_sharding.py::test_programs_on_cpu_devices_run_one_at_a_time`)."""
     t, opts = models["target"], {}
     if layout == "mesh":
         from pdecode.sharding import make_mesh
@@ -195,8 +193,6 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
     orig = eng._dispatch_step
 
     def dispatch(live):  # after each step call: how far each live row's draft lags behind its sequence's last token
-        if layout == "mesh":  # (the round's admission done first: see below)
-            jax.block_until_ready(eng.state)
         orig(live)
         loop = eng.state.loop
         lag = np.asarray(loop.seq_len) - 1 - np.asarray(loop.dstate.cache.lengths)
@@ -205,6 +201,8 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
 
     eng._dispatch_step = dispatch
     reqs = _run(eng, PROMPTS[:2], [80, 80])
+    assert (layout == "mesh") == eng._one_at_a_time == all(isinstance(e, engine_mod._OneAtATime)
+                                                           for e in eng._exe.values())
     ref = pdecode.generate(t, PROMPTS[:2], method="sd", draft=t, gamma=3, max_new_tokens=[80, 80])
     assert [r.tokens for r in reqs] == ref.tokens
     for r in reqs:  # 8 + 20 + 24 + 14 tokens, then drafted calls to 80: none short of full acceptance but the last
