@@ -424,9 +424,12 @@ class Engine:
         if self.drafter is None:
             return ar.start(prompt_BP, plen_B, cache, logits, key, warp, stops, max_new=self.max_len,
                             eos_ids=(), samp=samp)
+        # (a draft that plain calls leave to lag is not fed the prompt either: the catch-up before the row's first
+        # drafted call feeds it with the rest, and a request that ends before the engine drafts again never pays it)
         return speculative.start(tp, dp, prompt_BP, plen_B, cache, logits, pre, key, warp, stops,
                                  cfg=self.model.cfg, drafter=self.drafter, max_new=self.max_len,
-                                 max_len=self.max_len, eos_ids=(), samp=samp, cache_dtype=self.kv_dtype)
+                                 max_len=self.max_len, eos_ids=(), samp=samp, cache_dtype=self.kv_dtype,
+                                 feed_draft=not self._late)
 
     def _row_state(self, params, b: int):
         """The loop state of ``b`` rows (for shapes): from zeros."""
@@ -1371,6 +1374,7 @@ class Engine:
         self.stats["admit_calls"] += 1
         self._round_admits += 1
         self.stats["inserted"] += len(uniq)
+        self._lagging = self._lagging or self._late  # (the draft was not fed these prompts: `_start`)
         self._inflight.append(("admit", uniq, outs))
 
     def _feed_long(self, r: Request):
@@ -1398,6 +1402,7 @@ class Engine:
         self.stats["admit_calls"] += 1
         self._round_admits += 1
         self.stats["inserted"] += 1
+        self._lagging = self._lagging or self._late
         self._inflight.append(("admit", [r], outs))
 
     def _take_prefix(self, r: Request):

@@ -167,8 +167,9 @@ def test_followed_draft_keeps_full_acceptance(models, steps):  # noqa: F811
 
 @pytest.mark.parametrize("layout", ["one device", "mesh", "paged, a row bucket"])
 def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layout):  # noqa: F811
-    """Through plain calls the draft is not fed: each row's lag grows by every plain call's tokens (2 at 2 steps a
-    call), past the width of one catch-up forward (`LATE_CALLS` calls' tokens, 16); before the next drafted call a
+    """Neither an admission (the prompt) nor a plain call feeds the draft: each row's lag grows by every plain call's
+    tokens (2 at 2 steps a call), past the width of one catch-up forward (`LATE_CALLS` calls' tokens, 16); before
+    the first drafted call, and the next drafted call after plain ones, a
     program of its own catches it up whole (in forwards that wide), waited for, so the drafted call is timed apart
     from it and the plain call in flight with it is not timed. The
     draft is the target itself: every drafted step after 10 plain calls (20 tokens unfed) or 7 accepts all 3 drafted
@@ -200,7 +201,15 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
                       [x[5] for x in list(eng._inflight)[:-1] if x[0] == "step"]))
 
     eng._dispatch_step = dispatch
+    admitted, admit = [], eng._admit_group
+
+    def admit_group(reqs):  # the draft's committed length in each admitted slot: nothing fed
+        admit(reqs)
+        admitted.extend(int(np.asarray(eng.state.loop.dstate.cache.lengths)[r.slot]) for r in reqs)
+
+    eng._admit_group = admit_group
     reqs = _run(eng, PROMPTS[:2], [80, 80])
+    assert len(admitted) >= 2 and not any(admitted), admitted
     assert (layout == "mesh") == eng._one_at_a_time == all(isinstance(e, engine_mod._OneAtATime)
                                                            for e in eng._exe.values())
     ref = pdecode.generate(t, PROMPTS[:2], method="sd", draft=t, gamma=3, max_new_tokens=[80, 80])
@@ -217,15 +226,19 @@ def test_a_draft_left_to_lag_is_caught_up_by_the_next_drafted_call(models, layou
         if d1 and not d0:  # the plain call in flight with it: not timed
             assert before and not any(before), before
     assert max(x for d, _, lag, _ in calls if not d for x in lag.values()) > 16  # beyond one catch-up forward
-    assert eng.stats["catch_ups"] == 2
+    assert calls[0][:2] == (True, 1)  # the admissions fed the draft nothing: caught up before the first call
+    assert eng.stats["catch_ups"] == 3
     if layout == "one device":  # while the catch-up program is not compiled (a background warm-up): plain calls
         catch_up, n = eng._exe.pop(("catch_up", 2)), len(calls)
-        plan = iter([True] + [False] * 3 + [True] * 100)
+        plan = iter([True] * 100)
         again = _run(eng, PROMPTS[:2], [40, 40])
         assert [r.tokens for r in again] == [x[:40] for x in ref.tokens]
         kinds = [d for d, *_ in calls[n:]]
-        assert kinds[:4] == [True, False, False, False] and len(kinds) > 5 and not any(kinds[4:]), kinds
+        assert len(kinds) > 5 and not any(kinds), kinds  # (the admissions left the draft unfed)
         eng._exe[("catch_up", 2)] = catch_up
+        plan, before = iter([False] * 100), eng.stats["catch_ups"]  # requests that end before a drafted call:
+        again = _run(eng, PROMPTS[:2], [40, 40])  # their draft is never fed
+        assert [r.tokens for r in again] == [x[:40] for x in ref.tokens] and eng.stats["catch_ups"] == before
 
 
 def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811

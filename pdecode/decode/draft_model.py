@@ -64,10 +64,13 @@ class ChainState:
     gamma: jax.Array  # [B] int32
 
 
-def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix: int = 0):
+def _draft_init(dparams, dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix: int = 0, feed: bool = True):
     """The draft's cache of ``max_len`` slots with the prompts prefilled (over the prompts' slots alone, grown
-    after: the prefill's attention does not span ``max_len``)."""
+    after: the prefill's attention does not span ``max_len``). ``feed`` False: empty (nothing fed; `follow_late`
+    feeds the prompt with the rest, if the row ever drafts)."""
     b, p = prompt_BP.shape
+    if not feed:
+        return kvc.init_cache(dcfg, b, max_len, cache_dtype, per_layer=unrolled(dparams))
     cache = kvc.init_cache(dcfg, b, min(p, max_len), cache_dtype, per_layer=unrolled(dparams))
     cache, _, _ = common.prefill(dparams, dcfg, prompt_BP, plen_B, cache, shared_prefix=shared_prefix)
     return kvc.grow(cache, max_len)
@@ -129,10 +132,10 @@ class DraftChain(_DraftModelDrafter):
     max_children = 1
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
-             shared_prefix: int = 0):
+             shared_prefix: int = 0, feed: bool = True):
         b = prompt_BP.shape[0]
         return ChainState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
-                                            shared_prefix),
+                                            shared_prefix, feed),
                           gamma=jnp.full((b,), self.gamma, jnp.int32))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
@@ -197,9 +200,9 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
     tree: tree_lib.StaticTree
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
-             shared_prefix: int = 0):
+             shared_prefix: int = 0, feed: bool = True):
         return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
-                                            shared_prefix))
+                                            shared_prefix, feed))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         return static_tree_propose(self.tree, ctx, dstate, lambda c: catch_up(
@@ -264,9 +267,9 @@ class DraftDynamicTree(DynamicTreeShape, _DraftModelDrafter):
     total_tokens: int
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
-             shared_prefix: int = 0):
+             shared_prefix: int = 0, feed: bool = True):
         return DraftCache(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype,
-                                            shared_prefix))
+                                            shared_prefix, feed))
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         cache, logits0, _ = catch_up(dparams, self.dcfg, dstate.cache, ctx.seq, ctx.seq_len, self.depth + 1)

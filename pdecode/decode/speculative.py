@@ -183,10 +183,11 @@ class SpecState:
 
 def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key, warp, stops, *, cfg: ModelConfig,
           drafter: Drafter, max_new: int, max_len: int, eos_ids: tuple[int, ...], samp: sampling.Sampling,
-          cache_dtype=jnp.float32, shared_prefix: int = 0) -> SpecState:
+          cache_dtype=jnp.float32, shared_prefix: int = 0, feed_draft: bool = True) -> SpecState:
     """The loop state after the target's prefill (``cache`` holding the prompts, ``logits`` at each prompt's last
     token, ``pre`` the prefill's forward output over the prompt positions): the first token drawn and appended, the
-    drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d."""
+    drafter's state initialised. ``params`` in the decode layout, the drafter's `prepare`d. ``feed_draft`` False (a
+    drafter that `follows_late`): its state left empty, the prompt not fed (`Drafter.follow_late` feeds it later)."""
     b, p = prompt_BP.shape
     n_hid = drafter.hidden_layers
     out, first, key, seen, counts, gstate = common.draw_first(prompt_BP, prompt_len_B, logits_BV, key, warp, stops,
@@ -196,8 +197,11 @@ def start(tparams, dparams, prompt_BP, prompt_len_B, cache, logits_BV, pre, key,
     last_idx = prompt_len_B - 1
     root_hidden = common.gather_rows(pre.hidden, last_idx)
     root_layers = None if not n_hid else jax.vmap(lambda h: common.gather_rows(h, last_idx))(pre.layer_hidden)
+    if not feed_draft and not drafter.follows_late:
+        raise ValueError(f"{type(drafter).__name__} cannot be fed its prompt late (Drafter.follows_late is False)")
     dstate = drafter.init(dparams, tparams, prompt_BP, prompt_len_B, pre, max_len, cache_dtype=cache_dtype,
-                          shared_prefix=shared_prefix or 0)  # (a draft model prefills a shared prefix once too)
+                          shared_prefix=shared_prefix or 0,  # (a draft model prefills a shared prefix once too)
+                          **({} if feed_draft else {"feed": False}))
     return SpecState(out=out, cache=cache, seq=seq, seq_len=prompt_len_B + 1, root_hidden=root_hidden,
                      root_layers=root_layers, dstate=dstate, key=key, forwards=jnp.int32(1),
                      draft_forwards=jnp.int32(0), acc_hist=jnp.zeros((drafter.max_depth + 1,), jnp.int32),
