@@ -419,17 +419,18 @@ class Engine:
             return tp, None
         return tp, self.drafter.prepare(params[1], None)
 
-    def _start(self, params, prompt_BP, plen_B, cache, logits, pre, key, warp, stops, samp):
+    def _start(self, params, prompt_BP, plen_B, cache, logits, pre, key, warp, stops, samp, feed_draft=None):
         tp, dp = self._layout(params)
         if self.drafter is None:
             return ar.start(prompt_BP, plen_B, cache, logits, key, warp, stops, max_new=self.max_len,
                             eos_ids=(), samp=samp)
-        # (a draft that plain calls leave to lag is not fed the prompt either: the catch-up before the row's first
-        # drafted call feeds it with the rest, and a request that ends before the engine drafts again never pays it)
+        # (a draft that plain calls leave to lag is not fed a prompt of one chunk either: the catch-up before the
+        # row's first drafted call feeds it with the rest, and a request that ends before the engine drafts again
+        # never pays it; a longer prompt is prefilled at once: the catch-up's forwards are a few calls' tokens wide)
         return speculative.start(tp, dp, prompt_BP, plen_B, cache, logits, pre, key, warp, stops,
                                  cfg=self.model.cfg, drafter=self.drafter, max_new=self.max_len,
                                  max_len=self.max_len, eos_ids=(), samp=samp, cache_dtype=self.kv_dtype,
-                                 feed_draft=not self._late)
+                                 feed_draft=not self._late if feed_draft is None else feed_draft)
 
     def _row_state(self, params, b: int):
         """The loop state of ``b`` rows (for shapes): from zeros."""
@@ -528,7 +529,8 @@ class Engine:
             prompt, plen = prompt_1L, plen_1
         stops = common.Stops(limit=limit_A, stop_ids=stop_ids_AS)
         rows = self._start(params, prompt, plen, cache, logits, fo, sampling.row_keys(seed_A),
-                           self._with_tables(warp_A, st.grammar), stops, self.full)
+                           self._with_tables(warp_A, st.grammar), stops, self.full,
+                           feed_draft=not self._late or pre is not None)
         # the target's cache (of either kind: its own row operation), then every other leaf with a row axis
         loop, warp = st.loop.replace(cache=None), st.warp
         cache = kvc.put_slots(st.loop.cache, rows.cache, slot_A, table)
@@ -1022,9 +1024,10 @@ class Engine:
             if name[0] != "catch_up":
                 continue
             plain = [e for n, e in self._exe.items() if n[0] == "step" and n[2] and n[4] == name[1]]
-            if plain:
+            if plain:  # (plain calls until the row lags more than the catch-up's slack: its loop runs a forward)
                 self._fill_for_timing(1, budget)
-                self.state, _ = plain[0](self.params, self.state)
+                for _ in range(self.drafter.max_depth // self.steps_for(name[1]) + 2):
+                    self.state, _ = plain[0](self.params, self.state)
                 self.state = exe(self.params, self.state)
         put = self._exe.get("grammar_put")
         if put is not None:  # the pool's first window written back as it is (the tables' truth: nothing changes)
@@ -1401,8 +1404,7 @@ class Engine:
         self.stats["prefill_chunks"] += 1
         self.stats["admit_calls"] += 1
         self._round_admits += 1
-        self.stats["inserted"] += 1
-        self._lagging = self._lagging or self._late
+        self.stats["inserted"] += 1  # (its draft prefilled with it: `_admit_fn`)
         self._inflight.append(("admit", [r], outs))
 
     def _take_prefix(self, r: Request):

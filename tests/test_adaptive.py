@@ -247,17 +247,29 @@ def test_a_row_alone_lags_through_longer_plain_calls(models):  # noqa: F811
     after them feeds it in two, on a row bucket of one (the drafted call then at a span of 128 of 256). The draft is the
     target itself: with a forced cycle of 1 drafted and 3 plain calls, through calls of both rows (4-row bucket) and
     then of the longer request alone, every drafted step accepts all 3 tokens (but a last one cut by the budget),
-    tokens = generate's."""
+    tokens = generate's. That request's prompt (37 tokens) is longer than a chunk (32): prefilled over two rounds, and
+    its draft prefilled with it at admission (a catch-up's forwards are a few calls' tokens wide), where a prompt of
+    one chunk leaves it empty."""
     t = models["target"]
     eng = Engine(t, method="sd", draft=t, slots=4, row_buckets=[1, 4], kv_pages=64, max_len=256, chunk=32,
                  spans=[128], steps_per_call=2, speculation="auto", spec_cost=4.2, gamma=3)
     assert eng.steps_for(1) == 8 and eng._late_width == 16
     plan = itertools.cycle([True, False, False, False])
     eng._speculate = lambda rows, spans=None: next(plan)
-    reqs = _run(eng, PROMPTS[:2], [90, 12])
+    fed, feed_long = {}, eng._feed_long
+
+    def feed(r):  # the draft's committed length in the slot once the long prompt is admitted
+        feed_long(r)
+        if r.inserted:
+            fed[len(r.prompt)] = int(np.asarray(eng.state.loop.dstate.cache.lengths)[r.slot])
+
+    eng._feed_long = feed
+    prompts = [PROMPTS[2], PROMPTS[1]]
+    reqs = _run(eng, prompts, [64, 12])
+    assert fed == {37: 37} and eng.stats["prefill_chunks"] == 2, (fed, dict(eng.stats))
     assert eng.stats["steps_rows_1"] >= 4 and eng.stats["steps_rows_4"] >= 2, dict(eng.stats)
     assert eng.stats["steps_span_128"] == eng.stats["steps"]  # the caches cut to 128 of 256: windows written back
-    ref = pdecode.generate(t, PROMPTS[:2], method="sd", draft=t, gamma=3, max_new_tokens=[90, 12])
+    ref = pdecode.generate(t, prompts, method="sd", draft=t, gamma=3, max_new_tokens=[64, 12])
     assert [r.tokens for r in reqs] == ref.tokens
     for r in reqs:
         assert r.accepted[3] >= 2 and sum(r.accepted[:3]) <= 1, r.accepted

@@ -66,10 +66,11 @@ class PearlDrafter(_DraftModelDrafter):
     max_children = 1
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
-             shared_prefix: int = 0):
+             shared_prefix: int = 0, feed: bool = True):
         b, g = prompt_BP.shape[0], self.gamma
         v = self.dcfg.vocab_size
-        return PearlState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix),
+        return PearlState(cache=_draft_init(dparams, self.dcfg, prompt_BP, plen_B, max_len, cache_dtype, shared_prefix,
+                                            feed),
                           window=jnp.zeros((b, g), jnp.int32), window_q=jnp.zeros((b, g, v), jnp.float32),
                           n_window=jnp.zeros((b,), jnp.int32))
 
