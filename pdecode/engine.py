@@ -419,7 +419,7 @@ class Engine:
             return tp, None
         return tp, self.drafter.prepare(params[1], None)
 
-    def _start(self, params, prompt_BP, plen_B, cache, logits, pre, key, warp, stops, samp, feed_draft=None):
+    def _start(self, params, prompt_BP, plen_B, cache, logits, pre, key, warp, stops, samp, feed_draft=True):
         tp, dp = self._layout(params)
         if self.drafter is None:
             return ar.start(prompt_BP, plen_B, cache, logits, key, warp, stops, max_new=self.max_len,
@@ -430,7 +430,7 @@ class Engine:
         return speculative.start(tp, dp, prompt_BP, plen_B, cache, logits, pre, key, warp, stops,
                                  cfg=self.model.cfg, drafter=self.drafter, max_new=self.max_len,
                                  max_len=self.max_len, eos_ids=(), samp=samp, cache_dtype=self.kv_dtype,
-                                 feed_draft=not self._late if feed_draft is None else feed_draft)
+                                 feed_draft=feed_draft)
 
     def _row_state(self, params, b: int):
         """The loop state of ``b`` rows (for shapes): from zeros."""
@@ -1031,10 +1031,7 @@ class Engine:
                 self.state = exe(self.params, self.state)
         put = self._exe.get("grammar_put")
         if put is not None:  # the pool's first window written back as it is (the tables' truth: nothing changes)
-            p, (rows, width) = self.pool, self._grammar_window()
-            self.state = self.state.replace(grammar=put(
-                self.state.grammar, p.allow[:rows].copy(), p.base[:rows].copy(), p.forced[:rows].copy(), np.int32(0),
-                p.nexts[:width].copy(), np.int32(0)))
+            self.state = self.state.replace(grammar=self._put_grammar_window(put, self.state.grammar, 0, 0))
         jax.block_until_ready(self.state)
         self.state = self._empty_exe(self.params)
         self._ran_each = True
@@ -1330,9 +1327,8 @@ class Engine:
         wins = p.windows(p.take_dirty(), rows, width)
         if put is not None and len(wins) <= GRAMMAR_WINDOWS:
             tables = self.state.grammar
-            for s0, t0 in wins:  # (copies: the pool writes its arrays in place later)
-                tables = put(tables, p.allow[s0:s0 + rows].copy(), p.base[s0:s0 + rows].copy(),
-                             p.forced[s0:s0 + rows].copy(), np.int32(s0), p.nexts[t0:t0 + width].copy(), np.int32(t0))
+            for s0, t0 in wins:
+                tables = self._put_grammar_window(put, tables, s0, t0)
             self.state = self.state.replace(grammar=tables)
             self.stats["grammar_windows"] += len(wins)
         else:
@@ -1342,6 +1338,13 @@ class Engine:
                 tables, self._state_sh.grammar if self.mesh is not None else None))
         self._pool_version = p.version
         self.stats["grammar_uploads"] += 1
+
+    def _put_grammar_window(self, put, tables, s0: int, t0: int):
+        """``tables`` with the pool's window of states from ``s0`` and of transitions from ``t0`` written by the
+        program ``put`` (copies: the pool writes its arrays in place later)."""
+        p, (rows, width) = self.pool, self._grammar_window()
+        return put(tables, p.allow[s0:s0 + rows].copy(), p.base[s0:s0 + rows].copy(), p.forced[s0:s0 + rows].copy(),
+                   np.int32(s0), p.nexts[t0:t0 + width].copy(), np.int32(t0))
 
     def _grammar_window(self) -> tuple[int, int]:
         return min(GRAMMAR_ROWS, self.pool.states), min(GRAMMAR_WIDTH, self.pool.transitions)
