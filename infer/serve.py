@@ -363,7 +363,7 @@ class Server:
             raise BadRequest(str(e)) from None
 
     def _room(self, prompt) -> int:
-        return max(1, self.engine.max_len - self.engine.extra - 1 - len(prompt))
+        return max(1, self.context - len(prompt))
 
     def _scoring(self, c: dict, what: str, param: str):
         """Refusals for requests scored by a forward of their own (`pdecode.token_logprobs`)."""
@@ -401,10 +401,18 @@ class Server:
                 ids.append(list(p))
             else:
                 raise BadRequest("each prompt must be a string or a list of token ids", "prompt")
+        if body.get("max_tokens") == 0 and not echo:
+            raise BadRequest("max_tokens must be >= 1, got 0 (0 only with echo: the prompt scored, nothing "
+                             "generated)", "max_tokens")
         max_tokens = _number(body, "max_tokens", None, 0 if echo else 1, integer=True)
-        if max_tokens == 0:  # echo only: the prompt scored, nothing generated
+        if max_tokens == 0:  # echo only: the prompt scored, nothing generated: it may fill the whole context
             for p in ids:
-                self._check(p, 1, c, False)
+                if len(p) > self.context:
+                    raise BadRequest(f"the prompt has {len(p)} tokens; this server's context holds {self.context}: "
+                                     "shorten the prompt", "prompt")
+                self._check(p[: self.context - 1], 1, c, False)  # (the controls and token ids; one token of room)
+                if not all(0 <= t < self.engine.vocab for t in p[self.context - 1:]):
+                    raise BadRequest(f"prompt token ids must lie in [0, {self.engine.vocab})", "prompt")
             return ids, [None] * len(ids), c, True
         checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
         return ids, checked, c, lp is not None
@@ -716,7 +724,7 @@ class Server:
     @property
     def context(self) -> int:
         """Tokens of prompt + completion one request may hold (what clients such as lm-eval size their inputs by)."""
-        return self.engine.max_len - self.engine.extra - 1
+        return self.engine.context
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pdecode",

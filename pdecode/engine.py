@@ -1160,6 +1160,12 @@ class Engine:
         return next((x for x in self.spans if x >= need), self.max_len)
 
     # ------------------------------------------------------------------------------------------ host API
+    @property
+    def context(self) -> int:
+        """Tokens of prompt and output together one request may hold (``max_len`` less the drafter's extra slots and
+        the one a last step writes)."""
+        return self.max_len - self.extra - 1
+
     def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
         """The request's controls resolved and checked against this engine (one-line InputError otherwise);
         ``grammar``: structured output (`compile_grammar`)."""
@@ -1168,13 +1174,14 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise InputError(f"prompt token ids must lie in [0, {self.vocab})")
         ctl = generation.resolve(self.model.generation_config, self.vocab, dict(max_new_tokens=max_tokens, **controls))
-        room = self.max_len - self.extra - 1 - len(prompt)
+        context = self.context
+        room = context - len(prompt)
         if room < 1:
-            raise InputError(f"the prompt has {len(prompt)} tokens; this server's context holds "
-                             f"{self.max_len - self.extra - 2} (prompt and output together): shorten the prompt")
+            raise InputError(f"the prompt has {len(prompt)} tokens; this server's context holds {context} tokens, "
+                             f"prompt and output together: shorten the prompt to at most {context - 1}")
         if ctl.max_new_tokens > room:
             raise InputError(f"max_tokens ({ctl.max_new_tokens}) + the prompt ({len(prompt)} tokens) exceed this "
-                             f"server's context ({self.max_len - self.extra - 1}): ask for at most {room} tokens")
+                             f"server's context ({context}): ask for at most {room} tokens")
         if ctl.top_k > self.top_k_max:
             raise InputError(f"top_k must be at most {self.top_k_max} here, got {ctl.top_k}")
         need = 0 if self.kv_pages is None else self.pages_for(len(prompt), ctl.max_new_tokens)

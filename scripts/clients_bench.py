@@ -18,22 +18,6 @@ import time
 import numpy as np
 
 
-def closed_loop(engine, work, clients: int) -> float:
-    """Tokens/s of ``clients`` closed-loop clients over ``work`` [(prompt ids, budget)]: a client sends its next
-    request once its last one ended."""
-    queue, reqs, live = list(work), [], []
-    t = time.perf_counter()
-    while queue or not engine.idle:
-        while queue and len(live) < clients:
-            ids, budget = queue.pop(0)
-            r = engine.submit(ids, engine.check(ids, max_tokens=budget, temperature=0.0))
-            reqs.append(r)
-            live.append(r)
-        engine.run_once()
-        live = [r for r in live if r.finish_reason is None]
-    return sum(len(r.tokens) for r in reqs) / (time.perf_counter() - t)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=4)
@@ -42,6 +26,7 @@ def main(argv=None) -> None:
                     help="the sd engine's choices run each pass (auto: the cost model's)")
     args = ap.parse_args(argv)
     import pdecode
+    from infer.load_bench import closed_loop
     from infer.serve_bench import _workload
     from pdecode.engine import Engine
 
@@ -58,16 +43,16 @@ def main(argv=None) -> None:
     tps = collections.defaultdict(list)
     for i in range(args.passes):
         if i % 2 == 0:  # (ar first on even passes, last on odd ones: a drift of the VM within a pass evens out)
-            tps["ar"].append(closed_loop(ar, work, args.clients))
+            tps["ar"].append(closed_loop(ar, work, args.clients)[0])
         for mode in args.modes:
             sd._speculate = judge if mode == "auto" else (lambda rows, spans=None, v=mode == "drafted": v)
             before = dict(sd.stats)
-            tps[f"sd {mode}"].append(closed_loop(sd, work, args.clients))
+            tps[f"sd {mode}"].append(closed_loop(sd, work, args.clients)[0])
             if mode == "auto":
                 n = {k: sd.stats[k] - before.get(k, 0) for k in ("drafted_steps", "plain_steps")}
                 print(f"  auto: {n['drafted_steps']} drafted and {n['plain_steps']} plain calls, tau {sd.tau:.2f}")
         if i % 2 == 1:
-            tps["ar"].append(closed_loop(ar, work, args.clients))
+            tps["ar"].append(closed_loop(ar, work, args.clients)[0])
         print(f"pass {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tps.items()), flush=True)
     base = np.array(tps["ar"])
     print(f"| {args.clients} clients | tok/s (median) | x ar (median of per-pass ratios) | quartiles |\n|---|---|---|---|")

@@ -10,6 +10,9 @@ In at most ~8 minutes on one host it measures, on whatever JAX's default backend
    random weights: their tau says nothing, the step cost is real), placed over every local device;
 4. the verify cost: one target forward over k = 1..64 fresh tokens vs k = 1 (zoo target, 1B, 8B), at batch 1
    and 8 — where it stays near 1, drafted tokens are verified for free;
+5. the serving engine under closed-loop load in one process (`infer.load_bench`: ar and sd with speculation="auto" at
+   1, 4 and 16 clients against a fixed batch of 16 through `generate`): the serve bench's figures without HTTP, the
+   ones this CPU cannot show (when the run has time left for it);
 
 and writes bench_out/device_check/results.json plus a dated section in docs/results.md (between the
 ``device_check`` markers; the newest run first). Each phase has a time budget: rows left when it runs out are
@@ -34,6 +37,7 @@ ZOO_METHODS = [("ar", "code-target", {}), ("sd", "code-target", {"gamma": 4}), (
                ("eagle", "code-target-eagle", {}), ("dico", "code-dllm", {})]
 BIG = {"llama-3.2-1b": 16, "llama-3-8b": 32}  # plan configs and their layer counts (shapes from infer.plan.CONFIGS)
 VERIFY_KS = (1, 2, 4, 8, 16, 32, 64)
+LOAD_START_BY_S = 380  # the engine phase runs only if the others left it this much of the 600 s (its compiles)
 
 
 class Budget:
@@ -96,14 +100,14 @@ def run(args) -> dict:
            "quick": args.quick, "rows": [], "verify": [], "skipped": []}
     print(f"device check on {res['devices']} ({res['backend']})", file=sys.stderr, flush=True)
 
-    print("1/4 attention tests on the device ...", file=sys.stderr, flush=True)
+    print("1/5 attention tests on the device ...", file=sys.stderr, flush=True)
     res["attention"] = attention_tests(args.quick, 40 if args.quick else 150)
     print(f"    {res['attention']['summary']}", file=sys.stderr, flush=True)
 
     new = 8 if args.quick else 64
     repeats = 1 if args.quick else 3
     batches = (1,) if args.quick else (1, 8)
-    print("2/4 zoo: tokens/s at batch " + " and ".join(map(str, batches)) + " ...", file=sys.stderr, flush=True)
+    print("2/5 zoo: tokens/s at batch " + " and ".join(map(str, batches)) + " ...", file=sys.stderr, flush=True)
     budget = Budget(30 if args.quick else 150)
     target = pdecode.load("code-target")
     draft = pdecode.load("code-draft")
@@ -123,7 +127,7 @@ def run(args) -> dict:
         for row in run_rows(runners, prompts[:1] if args.quick else prompts, b, new, 0.0, repeats):
             res["rows"].append(_row(row, "zoo"))
 
-    print("3/4 random-weight 1B / 8B shapes: ar and lookup ...", file=sys.stderr, flush=True)
+    print("3/5 random-weight 1B / 8B shapes: ar and lookup ...", file=sys.stderr, flush=True)
     budget = Budget(40 if args.quick else 170)
     for name in (["llama-3.2-1b"] if args.quick else list(BIG)):
         if not budget.left():
@@ -149,11 +153,24 @@ def run(args) -> dict:
         del m
         pdecode.clear_compile_cache()
 
-    print("4/4 verify cost of the zoo target ...", file=sys.stderr, flush=True)
+    print("4/5 verify cost of the zoo target ...", file=sys.stderr, flush=True)
     budget = Budget(20 if args.quick else 60)
     if budget.left():
         res["verify"] += verify_cost(target.cfg, target.params, ks=(1, 2) if args.quick else VERIFY_KS,
                                      batches=batches, context=128, repeats=3, label="code-target")
+
+    print("5/5 the serving engine under load ...", file=sys.stderr, flush=True)
+    if args.quick or time.monotonic() - t_start < LOAD_START_BY_S:
+        from infer import load_bench
+
+        kw = dict(methods=["ar"], clients_list=[2], passes=1, slots=2, requests=4, max_len=256) if args.quick else \
+            dict(methods=["ar", "sd auto"], clients_list=[1, 4, 16], passes=3)
+        res["load"] = load_bench.run(target, draft, warm=False, log=lambda x: print("    " + x, file=sys.stderr,
+                                                                                      flush=True), **kw)
+    else:
+        res["skipped"].append("the serving engine under load (started past "
+                              f"{LOAD_START_BY_S} s: `python -m infer.load_bench --clients 1 4 16 --methods ar "
+                              "'sd auto' --passes 3` alone)")
     res["seconds"] = round(time.monotonic() - t_start, 1)
     return res
 
@@ -181,6 +198,11 @@ def to_markdown(res: dict) -> str:
         for (model, b) in dict.fromkeys((v["model"], v["batch"]) for v in res["verify"]):
             cells = [f"{v['ratio_to_k1']:.2f}" for v in res["verify"] if v["model"] == model and v["batch"] == b]
             lines.append(f"| {model} | {b} | " + " | ".join(cells) + " |")
+    if res.get("load"):
+        from infer import load_bench
+
+        lines += ["", "The serving engine under closed-loop load, in process (`infer.load_bench`):", "",
+                  load_bench.to_markdown(res["load"]).rstrip("\n")]
     if res["skipped"]:
         lines += ["", "Skipped (time budget): " + "; ".join(res["skipped"])]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,12 @@ def test_device_check_quick_records_a_section(tmp_path):
     assert {(row["model"], row["method"]) for row in res["rows"]} == {("zoo", "ar"), ("llama-3.2-1b", "ar")}
     assert all(row["tokens_per_s"] > 0 and row["compile_s"] > 0 for row in res["rows"])
     assert {v["k"] for v in res["verify"]} == {1, 2}
+    load = res["load"]  # the serving engine under load: 2 closed-loop clients on 2 slots against generate's batches
+    assert [(r["method"], r["clients"]) for r in load["rows"]] == [("ar", 2)]
+    assert load["rows"][0]["tokens_per_s"] > 0 and load["rows"][0]["x_fixed"] > 0 and load["static_x_fixed"] > 0
+    assert 0 < load["rows"][0]["fill_ceiling"] <= 1
     text = results.read_text()
     assert text.startswith("# Results\n\nearlier text\n") and text.count("## Accelerator check") == 1
     assert text.count("CPU smoke run (--quick)") == 1 and "| zoo | ar | 1 |" in text
+    assert "The serving engine under closed-loop load" in text and "| ar | 2 |" in text
     assert text.index("### a later run") < text.index("CPU smoke run")
