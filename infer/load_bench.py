@@ -12,7 +12,8 @@ sends its next request once its last one ended). Side by side in each pass, rows
   row);
 - each engine (``--methods``: ``ar``, ``sd auto`` = code-draft with speculation="auto") at each ``--clients``.
 
-Per engine row: tokens/s (median of passes), x fixed batch and x static batches (medians of per-pass ratios), and at
+Per engine row: tokens/s (median of passes), x fixed batch, x static batches and (sd) x ar at the same clients
+(medians of per-pass ratios), and at
 ``--slots`` clients the most a closed loop of these requests can fill its slots (`serve_bench.closed_loop_fill`). ``--profile``: one more pass per engine with every program waited for and timed
 (the device's share per program; it removes the host/device overlap, so its tokens/s is not the row's).
 
@@ -157,6 +158,9 @@ def run(target, draft, methods, clients_list, passes: int, slots: int = 16, step
         row = {"method": name, "clients": c, "tokens_per_s": float(np.median(v)),
                "x_fixed": float(np.median(v / fixed)), "x_fixed_q": [float(x) for x in np.quantile(v / fixed, [.25, .75])],
                "x_static": float(np.median(v / static))}
+        if name != "ar" and ("ar", c) in tps:  # (the same clients' ar in the same pass)
+            ratio = v / np.array(tps[("ar", c)])
+            row["x_ar"], row["x_ar_q"] = float(np.median(ratio)), [float(x) for x in np.quantile(ratio, [.25, .75])]
         if c == slots and name == "ar":  # (each request's tokens as the engine ended it: budget or EOS)
             row["fill_ceiling"] = closed_loop_fill(ends[(name, c)], c)
         rows.append(row)
@@ -172,13 +176,14 @@ def to_markdown(res: dict) -> str:
     lines = [f"{res['requests']} requests, {res['slots']} slots, {res['steps_per_call']} steps a call, "
              f"{res['passes']} passes; `generate`: fixed batch {res['fixed_tokens_per_s']:.1f} tok/s, static batches of "
              f"the same requests {res['static_tokens_per_s']:.1f} ({res['static_x_fixed']:.3f}x the fixed batch)", "",
-             "| engine | clients | tok/s | x fixed batch (quartiles) | x static batches | closed loop's fill ceiling |",
-             "|---|---|---|---|---|---|"]
+             "| engine | clients | tok/s | x fixed batch (quartiles) | x static batches | x ar (quartiles) | closed loop's "
+             "fill ceiling |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         fill = f"{r['fill_ceiling']:.2f}" if "fill_ceiling" in r else "-"
         q = r["x_fixed_q"]
+        x_ar = f"{r['x_ar']:.3f} ({r['x_ar_q'][0]:.3f}-{r['x_ar_q'][1]:.3f})" if "x_ar" in r else "-"
         lines.append(f"| {r['method']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['x_fixed']:.3f} "
-                     f"({q[0]:.3f}-{q[1]:.3f}) | {r['x_static']:.3f} | {fill} |")
+                     f"({q[0]:.3f}-{q[1]:.3f}) | {r['x_static']:.3f} | {x_ar} | {fill} |")
     for key, p in (res.get("profile") or {}).items():
         tot = sum(s for _, s in p["programs"].values())
         parts = ", ".join(f"{k} {n} calls {1e3 * s:.0f} ms ({s / tot:.0%})"
