@@ -13,9 +13,10 @@ sends its next request once its last one ended). Side by side in each pass, rows
 - each engine (``--methods``: ``ar``, ``sd auto`` = code-draft with speculation="auto") at each ``--clients``.
 
 Per engine row: tokens/s (median of passes), x fixed batch, x static batches and (sd) x ar at the same clients
-(medians of per-pass ratios), and at
-``--slots`` clients the most a closed loop of these requests can fill its slots (`serve_bench.closed_loop_fill`). ``--profile``: one more pass per engine with every program waited for and timed
-(the device's share per program; it removes the host/device overlap, so its tokens/s is not the row's).
+(medians of per-pass ratios); for ar at ``--slots`` clients, the most a closed loop of these requests can fill its
+slots (`serve_bench.closed_loop_fill`). ``--profile``: one more pass per engine with every program waited for and timed
+(the device's share per program; it removes the host/device overlap, so its tokens/s is not the row's; the passes
+before it compiled every program it runs).
 
     python -m infer.load_bench [--clients 16] [--methods ar "sd auto"] [--passes 8] [--profile]
 
@@ -35,7 +36,8 @@ import time
 
 
 def closed_loop(engine, work, clients: int) -> tuple[float, list[int]]:
-    """(tokens/s, each request's tokens) of ``clients`` closed-loop clients over ``work`` [(prompt ids, budget)], greedy."""
+    """(tokens/s, each request's tokens) of ``clients`` closed-loop clients over ``work`` [(prompt ids, budget)],
+    greedy."""
     queue, reqs, live = list(work), [], []
     t = time.perf_counter()
     while queue or not engine.idle:
@@ -127,28 +129,40 @@ def profile_pass(engine, work, clients: int) -> dict:
 
 
 def run(target, draft, methods, clients_list, passes: int, slots: int = 16, steps_per_call: int = 8,
-        requests: int = 48, max_len: int = 1024, warm: bool = True, profile: bool = False, log=print) -> dict:
-    """The rows (see the module's doc) as a dict: fixed / static tokens/s and one row per (method, clients)."""
+        requests: int = 48, max_len: int = 1024, warm: bool = True, profile: bool = False, log=print,
+        deadline: float | None = None) -> dict:
+    """The rows (see the module's doc) as a dict: fixed / static tokens/s and one row per (method, clients).
+    ``deadline`` (`time.monotonic()`): a method whose programs are not compiled by then is skipped, and passes stop
+    there (one at least); what was left out is listed in ``skipped``."""
     import numpy as np
 
     from infer.serve_bench import _workload, closed_loop_fill
 
+    late = lambda: deadline is not None and time.monotonic() > deadline  # noqa: E731
     work = [(target.tokenizer.encode(p) if isinstance(p, str) else p, b)
             for p, b in _workload(target, requests, (16, 64), (32, 96))]
-    engines = make_engines(methods, target, draft, slots, steps_per_call, max_len, warm)
     fixed_batch(target, work, slots), static_batches(target, work, slots)  # (compiles)
-    for e in engines.values():  # (each program the passes use, compiled before the first timed pass)
+    engines, skipped = {}, []
+    for name in methods:  # (each program the passes use, compiled before the first timed pass)
+        if late():
+            skipped.append(f"{name}: not compiled by the deadline")
+            continue
+        e = make_engines([name], target, draft, slots, steps_per_call, max_len, warm)[name]
         for c in clients_list:
             closed_loop(e, work, c)
+        engines[name] = e
     tps, ends = collections.defaultdict(list), {}
     for i in range(passes):
-        tps["fixed"].append(fixed_batch(target, work, slots))
-        order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
-        for name, e in order:
+        if i and late():
+            skipped.append(f"passes {i + 1}-{passes}: past the deadline")
+            break
+        even = i % 2 == 0  # (the order turned every other pass: a drift of the machine within a pass evens out)
+        tps["fixed" if even else "static"].append((fixed_batch if even else static_batches)(target, work, slots))
+        for name, e in list(engines.items())[:: 1 if even else -1]:
             for c in clients_list:
                 r, ends[(name, c)] = closed_loop(e, work, c)
                 tps[(name, c)].append(r)
-        tps["static"].append(static_batches(target, work, slots))
+        tps["static" if even else "fixed"].append((static_batches if even else fixed_batch)(target, work, slots))
         log(f"pass {i + 1}/{passes}: " + ", ".join(f"{k if isinstance(k, str) else f'{k[0]} {k[1]}'} {v[-1]:.0f}"
                                                    for k, v in tps.items()))
     fixed, static = np.array(tps["fixed"]), np.array(tps["static"])
@@ -156,17 +170,17 @@ def run(target, draft, methods, clients_list, passes: int, slots: int = 16, step
     for (name, c), v in ((k, v) for k, v in tps.items() if isinstance(k, tuple)):
         v = np.array(v)
         row = {"method": name, "clients": c, "tokens_per_s": float(np.median(v)),
-               "x_fixed": float(np.median(v / fixed)), "x_fixed_q": [float(x) for x in np.quantile(v / fixed, [.25, .75])],
-               "x_static": float(np.median(v / static))}
+               "x_fixed": float(np.median(v / fixed)), "x_static": float(np.median(v / static)),
+               "x_fixed_q": [float(x) for x in np.quantile(v / fixed, [.25, .75])]}
         if name != "ar" and ("ar", c) in tps:  # (the same clients' ar in the same pass)
             ratio = v / np.array(tps[("ar", c)])
             row["x_ar"], row["x_ar_q"] = float(np.median(ratio)), [float(x) for x in np.quantile(ratio, [.25, .75])]
         if c == slots and name == "ar":  # (each request's tokens as the engine ended it: budget or EOS)
             row["fill_ceiling"] = closed_loop_fill(ends[(name, c)], c)
         rows.append(row)
-    res = {"slots": slots, "steps_per_call": steps_per_call, "requests": requests, "passes": passes,
+    res = {"slots": slots, "steps_per_call": steps_per_call, "requests": requests, "passes": len(fixed),
            "fixed_tokens_per_s": float(np.median(fixed)), "static_tokens_per_s": float(np.median(static)),
-           "static_x_fixed": float(np.median(static / fixed)), "rows": rows}
+           "static_x_fixed": float(np.median(static / fixed)), "rows": rows, "skipped": skipped}
     if profile:
         res["profile"] = {f"{name} {c}": profile_pass(e, work, c) for name, e in engines.items() for c in clients_list}
     return res
@@ -174,16 +188,18 @@ def run(target, draft, methods, clients_list, passes: int, slots: int = 16, step
 
 def to_markdown(res: dict) -> str:
     lines = [f"{res['requests']} requests, {res['slots']} slots, {res['steps_per_call']} steps a call, "
-             f"{res['passes']} passes; `generate`: fixed batch {res['fixed_tokens_per_s']:.1f} tok/s, static batches of "
-             f"the same requests {res['static_tokens_per_s']:.1f} ({res['static_x_fixed']:.3f}x the fixed batch)", "",
-             "| engine | clients | tok/s | x fixed batch (quartiles) | x static batches | x ar (quartiles) | closed loop's "
-             "fill ceiling |", "|---|---|---|---|---|---|---|"]
+             f"{res['passes']} passes; `generate`: fixed batch {res['fixed_tokens_per_s']:.1f} tok/s, static "
+             f"batches of the same requests {res['static_tokens_per_s']:.1f} ({res['static_x_fixed']:.3f}x the fixed "
+             "batch)", "", "| engine | clients | tok/s | x fixed batch (quartiles) | x static batches | x ar (quartiles) "
+             "| closed loop's fill ceiling |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         fill = f"{r['fill_ceiling']:.2f}" if "fill_ceiling" in r else "-"
         q = r["x_fixed_q"]
         x_ar = f"{r['x_ar']:.3f} ({r['x_ar_q'][0]:.3f}-{r['x_ar_q'][1]:.3f})" if "x_ar" in r else "-"
         lines.append(f"| {r['method']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['x_fixed']:.3f} "
                      f"({q[0]:.3f}-{q[1]:.3f}) | {r['x_static']:.3f} | {x_ar} | {fill} |")
+    if res.get("skipped"):
+        lines.append("\nLeft out: " + "; ".join(res["skipped"]) + ".")
     for key, p in (res.get("profile") or {}).items():
         tot = sum(s for _, s in p["programs"].values())
         parts = ", ".join(f"{k} {n} calls {1e3 * s:.0f} ms ({s / tot:.0%})"

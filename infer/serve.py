@@ -401,7 +401,7 @@ class Server:
                 ids.append(list(p))
             else:
                 raise BadRequest("each prompt must be a string or a list of token ids", "prompt")
-        if body.get("max_tokens") == 0 and not echo:
+        if type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and not echo:
             raise BadRequest("max_tokens must be >= 1, got 0 (0 only with echo: the prompt scored, nothing "
                              "generated)", "max_tokens")
         max_tokens = _number(body, "max_tokens", None, 0 if echo else 1, integer=True)

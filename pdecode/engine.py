@@ -866,15 +866,16 @@ class Engine:
                                       functools.partial(self._step_exe, samp, plain, span, rows)))
         if self.pool is not None and self.mesh is None:  # (meanwhile new grammars' tables go up whole)
             admits.append(("grammar_put", self._grammar_put_exe))
-        if self._late:  # (after the first span's steps: a drafted call stands in for its catch-up meanwhile)
-            admits += [(("catch_up", rows), functools.partial(self._catch_up_exe, rows)) for rows in self.row_buckets]
+        # (first of all: until a row bucket's catch-up is ready its calls stay plain, the draft lagging)
+        late = [(("catch_up", rows), functools.partial(self._catch_up_exe, rows)) for rows in self.row_buckets] \
+            if self._late else []
         for c in self._chunk_sizes():
             for rows in sorted({1, self.admit_rows}):
                 admits.append((("admit", c, rows, False), functools.partial(self._admit_exe, c, rows)))
             admits.append((("admit", c, 1, True), lambda c=c: self._admit_exe(c, 1, blank())))
         # the shortest span's steps first (a stand-in at max_len costs the most), then the admissions (fewer calls)
         first = sum(name[3] == self.spans[0] for name, _ in steps)
-        return core, steps[:first] + admits + steps[first:]
+        return core, late + steps[:first] + admits + steps[first:]
 
     def _prefix_programs(self):
         if self._store is None:

@@ -443,6 +443,10 @@ def test_background_warmup_serves_from_stand_ins(models, layout, monkeypatch, tm
     eng = Engine(t, slots=2, chunk=32, steps_per_call=2, **opts)
     eng.warmup(background=True)
     assert eng.pending_programs > 0 and eng._warm_thread.is_alive()
+    if layout == "sd auto":  # the thread's first programs are the catch-ups: once they are done, calls may draft
+        for make in eng._rest[:len(eng.row_buckets)]:
+            make()
+        assert all(("catch_up", r) in eng._exe for r in eng.row_buckets)
     ready = eng.compiles
     prompts, ref = PROMPTS[:3], pdecode.generate(t, PROMPTS[:3], max_new_tokens=[30, 12, 20]).tokens
 
@@ -455,6 +459,7 @@ def test_background_warmup_serves_from_stand_ins(models, layout, monkeypatch, tm
 
     assert serve() == ref + ref[:1]
     assert eng.stats["steps_stood_in"] > 0 and eng.compiles == ready and eng.pending_programs > 0
+    assert layout != "sd auto" or eng.stats["drafted_steps"] > 0  # (no step of its own yet: drafted stand-ins)
     # a compile that fails in the thread (say, out of memory): calls keep to stand-ins, nothing compiles while serving
     eng._rest.insert(0, lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
     gate.set()

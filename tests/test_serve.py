@@ -236,20 +236,6 @@ def test_models_tokenize_developer_role_and_continuous_usage(server, model):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     card = json.loads(get(server.url + "/v1/models")[1])["data"][0]
     assert card["max_model_len"] == 255 and card["context_length"] == 255  # --max-len 256, ar: one slot kept
-    # the context said one way everywhere: a scoring request (echo, max_tokens 0) may fill it, a generating one leaves
-    # a token of room, and the errors name the same number
-    full = [5 + i % 50 for i in range(255)]
-    code, text = request(server.url + "/v1/completions", {"prompt": full, "echo": True, "max_tokens": 0,
-                                                          "logprobs": 0})
-    assert code == 200 and len(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]) == 255, text
-    code, text = request(server.url + "/v1/completions", {"prompt": full + [5], "echo": True, "max_tokens": 0})
-    assert code == 400 and "context holds 255" in text, text
-    code, text = request(server.url + "/v1/completions", {"prompt": full, "max_tokens": 1})
-    assert code == 400 and "context holds 255 tokens" in text and "at most 254" in text, text
-    code, text = request(server.url + "/v1/completions", {"prompt": full[:250], "max_tokens": 6})
-    assert code == 400 and "context (255): ask for at most 5 tokens" in text, text
-    code, text = request(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 0})
-    assert code == 400 and "0 only with echo" in text, text
     assert client.models.retrieve("code-target").id == "code-target"
     assert get(server.url + "/v1/models/gpt-9")[0] == 404
     code, text = request(server.url + "/tokenize", {"prompt": "def fib(n):"})
@@ -459,6 +445,21 @@ def test_echo_and_top_logprobs_score_like_forward_logits(server, model):
     content = c.choices[0].logprobs.content
     assert len(content) == 5 and all(len(x.top_logprobs) == 2 and x.top_logprobs[0].token == x.token
                                      for x in content)
+    # the context (--max-len 256: 255) said one way everywhere: a scoring request (echo, max_tokens 0) may fill it,
+    # a generating one leaves a token of room, and the errors name the same number (here, after
+    # test_prometheus_metrics: the scoring forward at this length compiles)
+    full = [5 + i % 50 for i in range(255)]
+    code, text = request(server.url + "/v1/completions", {"prompt": full, "echo": True, "max_tokens": 0,
+                                                          "logprobs": 0})
+    assert code == 200 and len(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]) == 255, text
+    code, text = request(server.url + "/v1/completions", {"prompt": full + [5], "echo": True, "max_tokens": 0})
+    assert code == 400 and "context holds 255" in text, text
+    code, text = request(server.url + "/v1/completions", {"prompt": full, "max_tokens": 1})
+    assert code == 400 and "context holds 255 tokens" in text and "at most 254" in text, text
+    code, text = request(server.url + "/v1/completions", {"prompt": full[:250], "max_tokens": 6})
+    assert code == 400 and "context (255): ask for at most 5 tokens" in text, text
+    code, text = request(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert code == 400 and "0 only with echo" in text, text
 
 
 def jax_log_softmax(x):
