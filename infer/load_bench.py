@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 import time
 
@@ -75,21 +74,20 @@ def static_batches(model, work, slots: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def make_engines(methods, target, draft, slots: int, steps_per_call: int, max_len: int, warm: bool = True):
+def make_engine(name: str, target, draft, slots: int, steps_per_call: int, max_len: int, warm: bool = True):
+    """An engine as `pdecode serve` makes it (paged, chunk 128): ``name`` ``ar`` or ``sd auto``."""
     from pdecode.engine import Engine
 
     kw = dict(slots=slots, max_len=max_len, chunk=128, kv_pages=slots * max_len // 16, steps_per_call=steps_per_call)
-    engines = {}
-    for name in methods:
-        if name == "ar":
-            engines[name] = Engine(target, method="ar", **kw)
-        elif name == "sd auto":
-            engines[name] = Engine(target, method="sd", draft=draft, speculation="auto", **kw)
-        else:
-            raise SystemExit(f"--methods: ar or 'sd auto', got {name!r}")
-        if warm:
-            engines[name].warmup()
-    return engines
+    if name == "ar":
+        engine = Engine(target, method="ar", **kw)
+    elif name == "sd auto":
+        engine = Engine(target, method="sd", draft=draft, speculation="auto", **kw)
+    else:
+        raise SystemExit(f"--methods: ar or 'sd auto', got {name!r}")
+    if warm:
+        engine.warmup()
+    return engine
 
 
 def profile_pass(engine, work, clients: int) -> dict:
@@ -147,7 +145,7 @@ def run(target, draft, methods, clients_list, passes: int, slots: int = 16, step
         if late():
             skipped.append(f"{name}: not compiled by the deadline")
             continue
-        e = make_engines([name], target, draft, slots, steps_per_call, max_len, warm)[name]
+        e = make_engine(name, target, draft, slots, steps_per_call, max_len, warm)
         for c in clients_list:
             closed_loop(e, work, c)
         engines[name] = e

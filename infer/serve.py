@@ -410,9 +410,13 @@ class Server:
                 if len(p) > self.context:
                     raise BadRequest(f"the prompt has {len(p)} tokens; this server's context holds {self.context}: "
                                      "shorten the prompt", "prompt")
-                self._check(p[: self.context - 1], 1, c, False)  # (the controls and token ids; one token of room)
-                if not all(0 <= t < self.engine.vocab for t in p[self.context - 1:]):
-                    raise BadRequest(f"prompt token ids must lie in [0, {self.engine.vocab})", "prompt")
+                from pdecode.errors import InputError
+
+                try:
+                    self.engine.check_ids(p)
+                except InputError as e:
+                    raise BadRequest(str(e), "prompt") from None
+                self._check(p[: self.context - 1], 1, c, False)  # (the controls, with one token of room)
             return ids, [None] * len(ids), c, True
         checked = [self._check(p, 16 if max_tokens is None else max_tokens, c, lp is not None) for p in ids]
         return ids, checked, c, lp is not None

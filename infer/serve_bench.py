@@ -273,26 +273,19 @@ def run_suite(args) -> int:
 
 
 def _fixed_batches(model, work, args) -> list[dict]:
-    """Fixed batches through `generate` in this process: batch 1 and batch ``slots`` of the same prompts,
-    ``--fixed-new-tokens`` each (64: the issue's reference), EOS ignored, median of 3."""
-    import pdecode
+    """Fixed batches through `generate` in this process: batch 1 and batch ``slots`` of the same prompts (the first
+    ``max(16, slots)``), ``--fixed-new-tokens`` each (64: the issue's reference), EOS ignored, median of 3
+    (`load_bench.fixed_batch`)."""
+    from infer.load_bench import fixed_batch
 
-    prompts = [p for p, _ in work]
-    rows = []
-    n_new = args.fixed_new_tokens
+    rows, n_new = [], args.fixed_new_tokens
     for b in (1, args.slots):
-        groups = [prompts[i: i + b] for i in range(0, len(prompts) - b + 1, b)][: max(1, 16 // b)]
-        pdecode.generate(model, groups[0], max_new_tokens=n_new, stop_at_eos=False)  # compile
-        walls = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for g in groups:
-                pdecode.generate(model, g, max_new_tokens=n_new, stop_at_eos=False)
-            walls.append(time.perf_counter() - t0)
-        toks = sum(len(g) for g in groups) * n_new
+        part = work[: max(16, b)]
+        fixed_batch(model, part[:b], b, n_new)  # compile
+        tps = statistics.median(fixed_batch(model, part, b, n_new) for _ in range(3))
+        toks = len(part) // b * b * n_new
         rows.append({"row": f"generate, fixed batch {b}", "method": "ar", "mode": "fixed", "requests": toks //
-                     n_new, "failed": 0, "tokens_per_s": toks / statistics.median(walls),
-                     "wall_s": statistics.median(walls), "completion_tokens": toks})
+                     n_new, "failed": 0, "tokens_per_s": tps, "wall_s": toks / tps, "completion_tokens": toks})
     return rows
 
 

@@ -1167,13 +1167,17 @@ class Engine:
         the one a last step writes)."""
         return self.max_len - self.extra - 1
 
-    def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
-        """The request's controls resolved and checked against this engine (one-line InputError otherwise);
-        ``grammar``: structured output (`compile_grammar`)."""
+    def check_ids(self, prompt: list[int]) -> None:
+        """A one-line InputError unless ``prompt`` is a non-empty list of this model's token ids."""
         if not prompt:
             raise InputError("the prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise InputError(f"prompt token ids must lie in [0, {self.vocab})")
+
+    def check(self, prompt: list[int], max_tokens: int | None = None, grammar=None, **controls) -> generation.Controls:
+        """The request's controls resolved and checked against this engine (one-line InputError otherwise);
+        ``grammar``: structured output (`compile_grammar`)."""
+        self.check_ids(prompt)
         ctl = generation.resolve(self.model.generation_config, self.vocab, dict(max_new_tokens=max_tokens, **controls))
         context = self.context
         room = context - len(prompt)

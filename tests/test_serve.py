@@ -454,6 +454,9 @@ def test_echo_and_top_logprobs_score_like_forward_logits(server, model):
     assert code == 200 and len(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]) == 255, text
     code, text = request(server.url + "/v1/completions", {"prompt": full + [5], "echo": True, "max_tokens": 0})
     assert code == 400 and "context holds 255" in text, text
+    code, text = request(server.url + "/v1/completions", {"prompt": full[:-1] + [10**6], "echo": True,
+                                                          "max_tokens": 0})
+    assert code == 400 and "token ids must lie in" in text, text
     code, text = request(server.url + "/v1/completions", {"prompt": full, "max_tokens": 1})
     assert code == 400 and "context holds 255 tokens" in text and "at most 254" in text, text
     code, text = request(server.url + "/v1/completions", {"prompt": full[:250], "max_tokens": 6})
