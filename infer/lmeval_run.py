@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdecode.cli_args import ArgumentParser
+
 TOLERANCE = 2e-3
 
 MC_YAML = """task: pdecode_mc
@@ -105,8 +107,8 @@ def check_loglikelihoods(model, tokenizer, samples: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m infer.lmeval_run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.lmeval_run", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="code-target", help="zoo name or model directory (its tokenizer is lm-eval's)")
     ap.add_argument("--url", default=None, help="a running `pdecode serve` (default: start one on a free port)")
     ap.add_argument("--items", type=int, default=24, help="items per task")

@@ -28,10 +28,11 @@ on a lent accelerator.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
+
+from pdecode.cli_args import ArgumentParser
 
 
 def closed_loop(engine, work, clients: int) -> tuple[float, list[int]]:
@@ -208,7 +209,7 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[16])
     ap.add_argument("--methods", nargs="+", default=["ar"], help="ar and/or 'sd auto'")
     ap.add_argument("--passes", type=int, default=8)

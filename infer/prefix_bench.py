@@ -12,11 +12,12 @@ request, and checks both engines give the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
+
+from pdecode.cli_args import ArgumentParser
 
 
 def _ttft(eng, prompt, max_tokens):
@@ -35,7 +36,7 @@ def _ttft(eng, prompt, max_tokens):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="code-target")
     ap.add_argument("--method", default="ar")
     ap.add_argument("--draft", default=None)

@@ -930,8 +930,9 @@ WARMUP_MULTI = ("--warmup background serves from the programs ready so far, whic
 
 def _log_warm(engine):
     try:
-        engine.wait_warm()
-        logger.info("every program is ready: %d, %.1fs after warm-up began", engine.compiles, engine.warm_all_s)
+        if engine.wait_warm():
+            logger.info("every program is ready: %d, %.1fs after warm-up began", engine.compiles, engine.warm_all_s)
+        # (else the server is stopping and the thread stopped with programs left: `_exit_after_warmup` says so)
     except Exception as e:  # noqa: BLE001 (the engine serves on with the programs it has)
         logger.warning("the warm-up thread stopped: %s: %s; calls keep to the programs ready", type(e).__name__, e)
 
@@ -1126,8 +1127,27 @@ def run_from_args(args) -> int:
         server.lockstep = lockstep.LockstepEngine(engine, leader)
         logger.info("%d other process(es) follow this one's engine rounds", jax.process_count() - 1)
     asyncio.run(_serve(server, args.host, args.port))
+    _exit_after_warmup(engine, server)
     logger.info("stopped")
     return 0
+
+
+def _exit_after_warmup(engine, server) -> None:
+    """A background warm-up still compiling when the server stops: the thread stops after the program in hand, if
+    that ends by the drain deadline; else the process exits now, with 0, without waiting for the compiler (which
+    cannot be interrupted, and a thread killed inside it ends the process with a C++ exception)."""
+    if not engine.pending_programs:
+        return
+    left = server.drain_end - time.monotonic() if math.isfinite(server.drain_end) else server.drain_s
+    if engine.stop_warmup(timeout=max(0.0, left)):
+        logger.info("warm-up stopped with %d program(s) not compiled", engine.pending_programs)
+        return
+    logger.info("stopped (the warm-up thread was compiling a program: not waited for)")
+    for h in logger.handlers:
+        h.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _setup_logging(level: str) -> None:
@@ -1171,8 +1191,10 @@ async def _serve(server: Server, host: str, port: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pdecode serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdecode.cli_args import ArgumentParser
+
+    ap = ArgumentParser(prog="pdecode serve", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run_from_args(ap.parse_args(argv))
 

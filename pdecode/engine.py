@@ -918,6 +918,17 @@ class Engine:
             raise self.warm_error
         return not self._rest
 
+    def stop_warmup(self, timeout: float | None = None) -> bool:
+        """Stop a background warm-up (a process about to exit): the thread finishes the program in hand, within
+        ``timeout`` seconds; True when no warm-up thread is still compiling. An XLA compile cannot be interrupted: a
+        process that must leave before it ends exits without waiting (``os._exit``, as `pdecode serve` does at the
+        drain deadline) rather than kill the thread inside the compiler."""
+        self._stopping = True
+        if self._warm_thread is not None:
+            self._warm_thread.join(timeout)
+            return not self._warm_thread.is_alive()
+        return True
+
     def _measure_spec_cost(self, repeats: int = 3) -> dict[int, float]:
         """The cost model's first ratios, per row bucket: seconds per drafted step call over seconds per plain one,
         each the median of ``repeats`` timed calls with the bucket's rows live (one-token prompts admitted afresh

@@ -127,6 +127,31 @@ def schema_regex(schema: Any) -> str:
         raise InputError(f"json_schema: cannot compile this schema ({str(e).splitlines()[0][:200]})") from None
 
 
+def check_schema(schema: dict) -> None:
+    """``schema`` against its meta-schema (its ``$schema``, else JSON Schema 2020-12), or one InputError naming where
+    it breaks the spec and how (``{"type": "objekt"}``, ``"required": "name"``, ``"minimum": "ten"``)."""
+    try:
+        import jsonschema
+    except ImportError as e:
+        raise InputError("structured output needs jsonschema to check a schema: pip install 'pdecode[grammar]' "
+                         "(or pip install jsonschema)") from e
+    try:
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    except Exception as e:  # noqa: BLE001 (an unknown $schema URI)
+        raise InputError(f"json_schema: unknown $schema {schema.get('$schema')!r} ({e})") from None
+    errors = sorted(validator(validator.META_SCHEMA).iter_errors(schema),
+                    key=lambda e: (len(e.path), list(map(str, e.path))))
+    if not errors:
+        return
+    # the deepest error of the first failing place: "properties.a.minimum: 'ten' is not of type 'number'"
+    e = max((x for x in errors if list(x.path) == list(errors[0].path)), key=lambda x: len(x.schema_path))
+    while e.context:  # anyOf/oneOf in the meta-schema: its branches say what was expected
+        e = min(e.context, key=lambda x: (len(x.path), -len(x.schema_path)))
+    where = ".".join(str(k) for k in errors[0].path) or "(the schema itself)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    raise InputError(f"json_schema breaks the JSON Schema spec at {where}: {e.message[:200]}{more}")
+
+
 def json_object_regex() -> str:
     """Any JSON object (OpenAI's ``json_object``): outlines-core's regex of ``{"type": "object"}`` (JSON is not a
     regular language: its values nest to a bounded depth)."""
@@ -317,6 +342,8 @@ def parse_spec(spec: Any) -> tuple[str, Any]:
                     raise InputError(f"json_schema is not valid JSON ({e.msg} at character {e.pos})") from None
             if kind == "json_schema" and not isinstance(value, dict):
                 raise InputError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
+            if kind == "json_schema":
+                check_schema(value)
             return kind, value
     raise InputError(f"a grammar is a regex string or a dict with one key of {', '.join(KINDS)}; got {spec!r:.80}")
 

@@ -76,6 +76,39 @@ def test_bad_input_one_line_error(zoo_model_name, capsys, args, match):
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and match in err
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["generate", "--prompt", "x", "--temprature", "0.5"], "unknown flag --temprature: did you mean --temperature?"),
+    (["bench", "--methds", "ar"], "unknown flag --methds: did you mean --methods?"),
+    (["serve", "--slotz", "4"], "unknown flag --slotz: did you mean --slots?"),
+    (["plan", "--config", "x", "--devices", "1", "--metod", "sd"], "unknown flag --metod: did you mean --method?"),
+    (["convert", "--src", "a", "--dst", "b", "--to", "hf", "--dtpye", "float32"], "did you mean --dtype?"),
+    (["train", "heads", "--bse", "x"], "unknown flag --bse: did you mean --base?"),
+    (["train", "draft", "--stesp", "3"], "unknown flag --stesp: did you mean --steps?"),
+    (["generate", "--prompt", "x", "stray"], "unexpected argument 'stray'"),
+])
+def test_flag_typos_suggest_the_closest_flag(capsys, argv, want):
+    """Every subcommand (and each trainer) answers an unknown flag with the closest one it knows, in one line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and want in err[-1], err
+
+
+def test_compare_checked_before_loading(monkeypatch, capsys):
+    """A wrong --compare method, option or heads model is named before any model loads."""
+    import pdecode
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before --compare was checked")
+
+    monkeypatch.setattr(pdecode, "load", no_load)
+    for spec, want in [("eagle@code-target-eagl", "did you mean code-target-eagle?"), ("sdd", "did you mean sd?"),
+                       ("lookup:ngram_mx=3", "unknown option 'ngram_mx'")]:
+        assert main(["generate", "--prompt", "x", "--compare", spec]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and want in err, err
+
+
 def test_no_prompt_and_bad_jsonl_one_line_error(zoo_model_name, tmp_path, capsys):
     bad = tmp_path / "p.jsonl"
     bad.write_text('"ok"\n{"text": "no prompt key"}\n')

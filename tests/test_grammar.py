@@ -185,6 +185,12 @@ def test_bad_grammars(zoo):
         (dict(grammar="a+", json_schema=SCHEMA, method="ar"), "not both"),
         (dict(grammar="a+", min_tokens=2, method="ar"), "min_tokens"),
         (dict(grammar=["a+"] * 2, method="ar"), "one per prompt"),
+        # schemas that break the JSON Schema spec: named where, before anything compiles
+        (dict(json_schema={"type": "objekt"}, method="ar"), "spec at type: 'objekt' is not one of"),
+        (dict(json_schema={"type": "object", "required": "name"}, method="ar"), "at required: 'name' is not of type"),
+        (dict(json_schema={"type": "object", "properties": {"a": {"type": "integer", "minimum": "ten"}}},
+              method="ar"), r"at properties\.a\.minimum: 'ten' is not of type 'number'"),
+        (dict(grammar={"json_schema": '{"type": "strin"}'}, method="ar"), "spec at type"),
     ]
     for kw, msg in cases:
         with pytest.raises(InputError, match=msg):

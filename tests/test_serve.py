@@ -35,10 +35,10 @@ def _free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, extra=()):
+    def __init__(self, extra=(), env_extra=None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", **(env_extra or {})}
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdecode-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", *ARGS, *extra, "--port", str(self.port)],
@@ -329,7 +329,11 @@ def test_structured_output(server, model):
            ({"guided_regex": "[0-9"}, "cannot compile"),
            ({"guided_choice": "yes"}, "guided_choice must be"),
            ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not both"),
-           ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens")]
+           ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+           ({"guided_json": {"type": "objekt"}}, "breaks the JSON Schema spec at type"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+               "type": "object", "properties": {"a": {"type": "integer", "minimum": "ten"}}}}}},
+            "at properties.a.minimum: 'ten' is not of type 'number'")]
     for extra, msg in bad:
         status, text = request(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 4, **extra})
         assert status == 400 and msg in json.loads(text)["error"]["message"], (extra, text)
@@ -524,6 +528,28 @@ def test_sigterm_drains_requests_in_flight_and_exits(shutdown_server):
     log = srv.log_text()
     assert "stopped" in log and "cutting" not in log
     assert "GET /health 200" in log  # --log-level debug logs passing health checks too
+
+
+def test_sigterm_while_warmup_compiles_exits_within_the_drain(tmp_path):
+    """SIGTERM while the background warm-up is still compiling (a compilation cache of its own, so it compiles):
+    the server exits 0 within its --drain deadline and a little, without a logging error or a traceback, even though
+    an XLA compile cannot be interrupted."""
+    srv = ServerProc(extra=["--slots", "2", "--max-len", "1024", "--drain", "1"],
+                     env_extra={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")})
+    try:
+        h = json.loads(get(srv.url + "/health")[1])
+        assert h["programs_pending"] > 0, h  # still compiling
+        t0 = time.time()
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        rc = srv.proc.wait(timeout=60)
+        waited = time.time() - t0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+    log = srv.log_text()
+    assert rc == 0 and "Logging error" not in log and "Traceback" not in log, log[-3000:]
+    assert "stopped" in log and waited < 1 + 4, (waited, log[-2000:])  # the drain, then the process's own exit
 
 
 def test_requests_past_the_drain_deadline_are_cut_with_an_error(shutdown_server):

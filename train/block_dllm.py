@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdecode.checkpoint.hf import save_hf
+from pdecode.cli_args import ArgumentParser
 from pdecode.config import ModelConfig
 from pdecode.model.transformer import init_params
 from train import tasks
@@ -117,8 +118,8 @@ def heldout_jsonl(path: Path, n: int) -> Path:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m train.block_dllm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m train.block_dllm", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--zoo", type=Path, default=None, help="where the tokenizer is (default: the shipped zoo)")
     ap.add_argument("--work", type=Path, default=Path("runs/zoo"), help="data cache and checkpoints")
     ap.add_argument("--out", type=Path, default=Path("runs") / NAME)

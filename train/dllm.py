@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdecode.checkpoint.hf import load_hf, save_hf
+from pdecode.cli_args import ArgumentParser
 from pdecode.model.transformer import init_params
 from train import data, tasks
 from train.loop import TrainConfig, train
@@ -171,8 +172,8 @@ def validation_bound(cfg, params, windows: np.ndarray, batch: int = 8, levels: i
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m train.dllm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m train.dllm", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="ar-init",
                     help="ar-init: adapt code-target (the shipped model); scratch: the earlier from-scratch model")
     ap.add_argument("--zoo", type=Path, default=None)

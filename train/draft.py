@@ -11,12 +11,12 @@ a draft sees at decode time. Same loop and save path as the zoo recipes (`train.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shlex
 import sys
 from pathlib import Path
 
+from pdecode.cli_args import ArgumentParser
 from pdecode.config import ModelConfig
 from pdecode.errors import InputError
 from train import data
@@ -85,7 +85,7 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="pdecode train draft", description=__doc__, formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="pdecode train draft", description=__doc__, formatter_class=HelpFormatter)
     add_base_arguments(ap, "the draft", lr=2e-3)
     ap.add_argument("--steps", type=int, default=1000, help="training steps")
     ap.add_argument("--work", type=Path, default=Path("runs/draft"), help="checkpoints (a rerun resumes)")

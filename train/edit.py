@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pdecode.cli_args import ArgumentParser
 from pdecode.model.attention import padded_self_mask
 from pdecode.model.heads import EditConfig, edit_delete_logits, edit_insert_logits
 from pdecode.model.transformer import forward, init_from_specs
@@ -367,8 +368,8 @@ def calibrate_draft(editor, tok, iterations: int = 4, windows: int = 64) -> tupl
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.edit", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m train.edit", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--zoo", type=Path, default=Path(__file__).resolve().parent.parent / "zoo")
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdecode-train"))
     ap.add_argument("--steps", type=int, default=1500)

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from pdecode.checkpoint.heads_io import save_heads
+from pdecode.cli_args import ArgumentParser
 from pdecode.errors import InputError
 from pdecode.checkpoint.hf import load_hf, save_hf
 from pdecode.model import heads as H
@@ -480,7 +481,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdecode train heads", description=__doc__, formatter_class=HelpFormatter)
+    ap = ArgumentParser(prog="pdecode train heads", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--only", action="append", choices=sorted(RECIPES) + [NATIVE_MTP], metavar="RECIPE",
                     help=f"train this zoo recipe (repeatable; default: every one but {NATIVE_MTP}): "
                          f"{', '.join(sorted(RECIPES) + [NATIVE_MTP])}")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdecode.checkpoint.hf import save_hf
+from pdecode.cli_args import ArgumentParser
 from pdecode.config import ModelConfig
 from pdecode.model.transformer import init_params, unembed
 from train import data
@@ -244,8 +245,8 @@ def compress_weights(model_dir: Path) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m train.zoo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m train.zoo", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only these models")
     ap.add_argument("--zoo", type=Path, default=None, help="output folder (default: the repository's zoo/)")
     ap.add_argument("--work", type=Path, default=Path("runs/zoo"), help="checkpoints and token cache")
