@@ -100,6 +100,9 @@ class ModelConfig:
     groups_per_tok: int = 1
     routed_scale: float = 1.0
     dense_layers: int = 0
+    # further layers whose MLP is dense (intermediate_size) among the sparse ones (Qwen-MoE's mlp_only_layers and
+    # decoder_sparse_step); their blocks differ in shape from the others, so the params are a tuple of per-layer dicts
+    dense_layer_ids: tuple[int, ...] = ()
     # the experts are split over devices (expert parallelism; set when a model is placed on a mesh): every pass
     # runs each device's own experts on all its tokens, weighted by the routing (`moe.run_experts`), instead of
     # gathering the chosen experts' weights, which would copy them across devices
@@ -169,6 +172,17 @@ class ModelConfig:
                             f"0 < groups_per_tok ({self.groups_per_tok}) <= expert_groups")
         if not 0 <= self.dense_layers <= self.num_layers:
             problems.append(f"dense_layers must be in 0..{self.num_layers} (got {self.dense_layers})")
+        if list(self.dense_layer_ids) != sorted(set(self.dense_layer_ids)) or \
+                any(not 0 <= i < self.num_layers for i in self.dense_layer_ids):
+            problems.append(f"dense_layer_ids must be increasing layer indices in 0..{self.num_layers - 1} "
+                            f"(got {self.dense_layer_ids})")
+        sc = self.rope_scaling_dict
+        if sc and sc.get("rope_type") == "longrope":
+            half = (self.rotary_dims or self.head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                if len(sc.get(key) or ()) != half:
+                    problems.append(f"longrope {key} must have one entry per rotated pair ({half}; got "
+                                    f"{len(sc.get(key) or ())})")
         if self.hidden_act not in ACTIVATIONS:
             problems.append(f"hidden_act must be one of {', '.join(ACTIVATIONS)} (got {self.hidden_act!r})")
         if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
@@ -206,8 +220,12 @@ class ModelConfig:
         (DeepSeek-V3's MTP layer is)."""
         kinds = set(self.layer_kinds())
         return self.replace(num_layers=n, layer_types=None, kv_shared_layers=0, per_layer_input_size=0,
-                            per_layer_vocab=0, double_wide_mlp=False, dense_layers=0,
+                            per_layer_vocab=0, double_wide_mlp=False, dense_layers=0, dense_layer_ids=(),
                             sliding_window=self.sliding_window if kinds == {"sliding"} else None)
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is the mixture of experts (else a dense MLP of intermediate_size)."""
+        return bool(self.num_experts) and i >= self.dense_layers and i not in self.dense_layer_ids
 
     def layer_attention(self, i: int) -> tuple[int, int]:
         """(kv heads, head size) of layer ``i``."""
@@ -245,7 +263,7 @@ class ModelConfig:
         if not self.num_experts:
             return self.num_params()
         per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-        sparse = self.num_layers - self.dense_layers
+        sparse = sum(self.moe_layer(i) for i in range(self.num_layers))
         return self.num_params() - sparse * (self.num_experts - self.experts_per_tok) * per_expert
 
     def flops_per_token(self, context: int = 0) -> float:
@@ -374,7 +392,7 @@ class ModelConfig:
         return cls.from_hf(data)
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_from_hf(model_type: str, hf: dict[str, Any], params: dict | None = None):
@@ -395,8 +413,10 @@ def rope_from_hf(model_type: str, hf: dict[str, Any], params: dict | None = None
             raise ConfigError(f"{model_type}: rope_parameters.rope_type {rtype!r} is not supported (pdecode supports "
                               f"{', '.join(ROPE_TYPES)})")
         else:
-            scaling = {**{k: v for k, v in scaling.items() if k not in ("type", "partial_rotary_factor")},
-                       "rope_type": rtype}
+            scaling = {**{k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()
+                          if k not in ("type", "partial_rotary_factor")}, "rope_type": rtype}
+            if rtype == "longrope":
+                _longrope_from_hf(model_type, hf, scaling)
     partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported (pdecode rotates the "
@@ -404,9 +424,32 @@ def rope_from_hf(model_type: str, hf: dict[str, Any], params: dict | None = None
     return float(theta), (tuple(sorted(scaling.items())) if scaling else None)
 
 
-def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True):
-    """Inverse RoPE frequencies [head_dim // 2] as numpy float64, with llama3/linear scaling applied (``scaled``);
-    ``theta``: another base (the sliding layers' `local_rope_theta`)."""
+def _longrope_from_hf(model_type: str, hf: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Complete a longrope ``scaling`` dict in place: its factor lists as float tuples and the original context
+    resolved as transformers resolves it (a top-level ``original_max_position_embeddings`` wins over the rope
+    dict's, then max_position_embeddings)."""
+    for key in ("short_factor", "long_factor"):
+        if not scaling.get(key):
+            raise ConfigError(f"{model_type}: rope_parameters.rope_type 'longrope' needs {key} (a list with one "
+                              "entry per rotated pair of the head)")
+        scaling[key] = tuple(float(x) for x in scaling[key])
+    orig = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or \
+        hf.get("max_position_embeddings", 2048)
+    scaling["original_max_position_embeddings"] = int(orig)
+
+
+def rope_long(cfg: ModelConfig, context: int) -> bool:
+    """Whether a call holding ``context`` positions (its attention's key length: a plain forward's T, a decode's
+    KV-cache length) rotates with longrope's long factors: when it exceeds ``original_max_position_embeddings``
+    (transformers picks by the length a forward reaches, `pdecode.model.families.phi3`). False for other ropes."""
+    sc = cfg.rope_scaling_dict
+    return bool(sc) and sc["rope_type"] == "longrope" and context > int(sc["original_max_position_embeddings"])
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True, long: bool = False):
+    """Inverse RoPE frequencies [head_dim // 2] as numpy float64, with llama3/linear/yarn/longrope scaling applied
+    (``scaled``); ``theta``: another base (the sliding layers' `local_rope_theta`); ``long``: longrope's long
+    factors (else its short ones; `rope_long`)."""
     import numpy as np
 
     # the full-attention layers' rope (``scaled``): their head size, maybe part of it rotating
@@ -422,6 +465,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
         return inv / float(sc["factor"])
     if sc["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg, inv, sc)
+    if sc["rope_type"] == "longrope":  # each frequency divided by its own factor, the short or the long set
+        return inv / np.asarray(sc["long_factor" if long else "short_factor"], np.float64)
     # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth blend between.
     factor = float(sc["factor"])
     low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
@@ -460,8 +505,14 @@ def _yarn_inv_freq(cfg: ModelConfig, inv, sc: dict):
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """The factor cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    """The factor cos and sin are multiplied by (YaRN's attention temperature, longrope's scaling; 1 otherwise)."""
     sc = cfg.rope_scaling_dict
+    if sc and sc["rope_type"] == "longrope":  # the same for the short and the long factors
+        if sc.get("attention_factor") is not None:
+            return float(sc["attention_factor"])
+        orig = float(sc["original_max_position_embeddings"])
+        factor = float(sc["factor"]) if sc.get("factor") is not None else cfg.max_position_embeddings / orig
+        return 1.0 if factor <= 1.0 else math.sqrt(1.0 + math.log(factor) / math.log(orig))
     if not sc or sc["rope_type"] != "yarn":
         return 1.0
     if sc.get("attention_factor") is not None:

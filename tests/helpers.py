@@ -8,6 +8,23 @@ from pathlib import Path
 VOCAB = 97
 
 
+def parity_tolerance(want) -> float:
+    """The logit parity pdecode states against transformers in float32: 1e-4, or 2e-6 of the logits' scale when that
+    is larger (a real model's logits reach 40-50, where float32 sums over thousands of terms differ by ~1e-4)."""
+    import numpy as np
+
+    return max(1e-4, 2e-6 * float(np.abs(np.asarray(want, np.float64)).max()))
+
+
+def assert_logits_close(got, want) -> float:
+    """max |got - want| within `parity_tolerance`; returns it."""
+    import numpy as np
+
+    err = float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
+    assert err <= parity_tolerance(want), (err, parity_tolerance(want))
+    return err
+
+
 # the families of issue 28, each tiny, with sliding windows (8) shorter than a prompt plus its new tokens
 NEW_FAMILIES = ("gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma4",
                 "gemma4_moe", "deepseek_v3", "glm4_moe")

@@ -15,7 +15,7 @@ import pdecode
 from pdecode.errors import CheckpointError, ConfigError
 from pdecode.model import heads as H
 from pdecode.model.transformer import init_from_specs
-from tests.helpers import NEW_FAMILIES, VOCAB, make_hf_model
+from tests.helpers import NEW_FAMILIES, VOCAB, assert_logits_close, make_hf_model
 
 PROMPTS = [[5, 9, 13, 7, 21], list(range(3, 20)), [40, 41, 42, 7, 9, 11, 13, 15, 17, 19, 21]]  # mixed lengths
 NEW = 16
@@ -49,7 +49,7 @@ def test_family_matches_transformers(fam_dirs, fam, tmp_path):
     with torch.no_grad():
         want = ref(torch.tensor(ids)).logits.numpy()
     got = np.asarray(pdecode.forward_logits(m, ids))
-    assert np.abs(got - want).max() <= 1e-4
+    assert_logits_close(got, want)
     out = pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False)
     assert out.tokens == [_ref_greedy(ref, p) for p in PROMPTS]
     # save_hf writes what transformers loads back with the same logits
@@ -59,7 +59,7 @@ def test_family_matches_transformers(fam_dirs, fam, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     with torch.no_grad():
         again = back(torch.tensor(ids)).logits.numpy()
-    assert np.abs(again - want).max() <= 1e-4
+    assert_logits_close(again, want)
     # bfloat16 loads and stays close
     mb = pdecode.load(d, dtype="bfloat16")
     lb = np.asarray(pdecode.forward_logits(mb, ids))
@@ -130,9 +130,11 @@ def test_unsupported_features_fail_at_load(tmp_path):
     make_hf_model("qwen3_moe", d, seed=0)
     cfg = json.loads((d / "config.json").read_text())
     for change, words in [({"model_type": "granite"}, "unsupported model_type 'granite'"),
-                          ({"mlp_only_layers": [1]}, "qwen3_moe: mlp_only_layers [1]"),
+                          ({"decoder_sparse_step": 0}, "qwen3_moe: decoder_sparse_step 0 is not supported"),
+                          ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+                           "qwen3_moe: rope_parameters.rope_type 'dynamic' is not supported"),
                           ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
-                           "qwen3_moe: rope_parameters.rope_type 'longrope' is not supported"),
+                           "qwen3_moe: rope_parameters.rope_type 'longrope' needs short_factor"),
                           ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                 "partial_rotary_factor": 0.5}},
                            "qwen3_moe: partial_rotary_factor 0.5 is not supported"),
@@ -154,6 +156,108 @@ def test_unsupported_features_fail_at_load(tmp_path):
         (d4 / "config.json").write_text(json.dumps({**cfg4, **change}))
         with pytest.raises((CheckpointError, ConfigError), match=words.replace("[", r"\[").replace("]", r"\]")):
             pdecode.load(d4)
+
+
+def _phi3_longrope(d, partial=1.0, **rope):
+    """A tiny Phi-3 with longrope over an original context of 32 of 128 positions and no sliding window (the 128k
+    releases' window, 262144, covers their whole context), saved by transformers; returns transformers' model."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    half = int(16 * partial) // 2
+    rng = np.random.default_rng(0)
+    rp = {"rope_type": "longrope", "rope_theta": 10000.0,
+          "short_factor": [float(x) for x in 1 + 0.3 * rng.random(half)],
+          "long_factor": [float(x) for x in np.linspace(1.0, 6.0, half)], **rope}
+    cfg = tf.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        original_max_position_embeddings=32, rope_parameters=rp, partial_rotary_factor=partial,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = tf.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # as tests.helpers.make_hf_model: widen the near-uniform init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1))
+    model.save_pretrained(d)
+    return model
+
+
+_close = assert_logits_close
+
+
+@pytest.mark.parametrize("partial,rope", [(1.0, {}), (0.75, {"attention_factor": 1.3})], ids=["phi3-128k", "phi4-mini"])
+def test_phi3_longrope_matches_transformers(tmp_path, partial, rope):
+    """Longrope (Phi-3-mini-128k: the whole head, attention factor from max / original context; Phi-4-mini's 3/4 of
+    the head rotating, here with an explicit attention_factor): a plain forward equals transformers' below, at and
+    above the original context (transformers switches to the long factors past 32 tokens); save_hf writes a config
+    transformers reads back with the same logits."""
+    import transformers
+
+    ref = _phi3_longrope(tmp_path / "m", partial, **rope)
+    m = pdecode.load(tmp_path / "m")
+    assert m.cfg.rotary_dims == (12 if partial < 1 else 0)
+    for t in (20, 32, 33, 80):
+        ids = _ids(2, t, seed=t)
+        with torch.no_grad():
+            want = ref(torch.tensor(ids)).logits.numpy()
+        _close(pdecode.forward_logits(m, ids), want)
+    pdecode.save_hf(m, tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    for t in (20, 80):
+        ids = _ids(2, t, seed=t)
+        with torch.no_grad():
+            _close(pdecode.forward_logits(m, ids), back(torch.tensor(ids)).logits.numpy())
+    assert pdecode.load(tmp_path / "saved").cfg == m.cfg
+
+
+def test_phi3_longrope_generation_either_side_of_original_context(tmp_path):
+    """A call rotates with one set of factors, long iff its KV cache holds more than the original context
+    (phi3.py's docstring): a generation within it (cache pinned to 32) and one whose prompts already exceed it
+    equal transformers' greedy generate (short, resp. long factors throughout), speculative decoding equals AR; one
+    that crosses it runs the long factors from the start, so its tokens are a long-factor plain forward's argmax and,
+    from the crossing on, what transformers' generate continues with from the same prefix."""
+    ref = _phi3_longrope(tmp_path / "m")
+    m = pdecode.load(tmp_path / "m")
+    short = [[5, 9, 13, 7, 21, 4, 6, 8, 10, 12], [3, 4, 5, 6, 7, 8]]
+    assert pdecode.generate(m, short, max_new_tokens=16, max_len=32, stop_at_eos=False).tokens == \
+        [_ref_greedy(ref, p) for p in short]
+    long = [_ids(1, 40, seed=5)[0].tolist(), _ids(1, 36, seed=6)[0].tolist()]
+    ar = pdecode.generate(m, long, max_new_tokens=NEW, stop_at_eos=False).tokens
+    assert ar == [_ref_greedy(ref, p) for p in long]
+    assert pdecode.generate(m, long, method="sd", draft=m, gamma=3, max_new_tokens=NEW, stop_at_eos=False).tokens == ar
+    prompt = _ids(1, 20, seed=7)[0].tolist()
+    toks = pdecode.generate(m, [prompt], max_new_tokens=24, stop_at_eos=False).tokens[0]
+    seq = prompt + toks
+    with torch.no_grad():
+        lg = ref(torch.tensor([seq[:-1]])).logits[0].numpy()  # 43 tokens: the long factors
+    assert lg[len(prompt) - 1:].argmax(-1).tolist() == toks
+    cross = 33 - len(prompt)  # the first prefix longer than the original context
+    assert _ref_greedy(ref, seq[:33], n=len(toks) - cross) == toks[cross:]
+
+
+@pytest.mark.parametrize("fam,dense,ids", [("qwen2_moe", {"mlp_only_layers": [1]}, (1,)),
+                                           ("qwen3_moe", {"decoder_sparse_step": 2}, (0, 2))])
+def test_qwen_moe_dense_layers_match_transformers(tmp_path, fam, dense, ids):
+    """Qwen-MoE with dense MLPs among the sparse ones (mlp_only_layers; decoder_sparse_step: every 2nd layer
+    sparse): logits and greedy output equal transformers', speculative decoding equals AR, and save_hf writes what
+    transformers loads back with the same layers and logits."""
+    import transformers
+
+    ref = make_hf_model(fam, tmp_path / "m", seed=3, num_hidden_layers=3, **dense)
+    m = pdecode.load(tmp_path / "m")
+    assert m.cfg.dense_layer_ids == ids
+    x = _ids(2, 40, seed=1)
+    with torch.no_grad():
+        want = ref(torch.tensor(x)).logits.numpy()
+    _close(pdecode.forward_logits(m, x), want)
+    ar = pdecode.generate(m, PROMPTS, max_new_tokens=NEW, stop_at_eos=False).tokens
+    assert ar == [_ref_greedy(ref, p) for p in PROMPTS]
+    assert pdecode.generate(m, PROMPTS, method="sd", draft=m, gamma=3, max_new_tokens=NEW,
+                            stop_at_eos=False).tokens == ar
+    pdecode.save_hf(m, tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert [type(a.mlp) for a in back.model.layers] == [type(a.mlp) for a in ref.model.layers]
+    with torch.no_grad():
+        _close(back(torch.tensor(x)).logits.numpy(), want)
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "gemma4_moe", "deepseek_v3"])

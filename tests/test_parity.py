@@ -8,7 +8,7 @@ import torch
 
 import pdecode
 from pdecode.checkpoint.hf import load_hf
-from tests.helpers import VOCAB, make_hf_model
+from tests.helpers import VOCAB, assert_logits_close, make_hf_model
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
 
@@ -26,7 +26,7 @@ def test_logits_match_transformers(hf_dirs, fam):
         ref = ref_model(torch.tensor(ids)).logits.numpy()
     ours = np.asarray(pdecode.forward_logits(m, ids))
     assert ours.shape == ref.shape == (2, 40, VOCAB)
-    assert np.abs(ours - ref).max() <= 1e-4
+    assert_logits_close(ours, ref)
 
 
 def test_families_switch_the_right_features(hf_dirs):
@@ -62,7 +62,7 @@ def test_sharded_safetensors_with_index(tmp_path):
     ids = _ids(1, 12)
     with torch.no_grad():
         expect = ref(torch.tensor(ids)).logits.numpy()
-    assert np.abs(np.asarray(pdecode.forward_logits(m, ids)) - expect).max() <= 1e-4
+    assert_logits_close(pdecode.forward_logits(m, ids), expect)
 
 
 @pytest.mark.parametrize("fam", ["llama3", "qwen2", "qwen3"])
@@ -75,7 +75,7 @@ def test_save_hf_round_trip_through_transformers(hf_dirs, tmp_path, fam):
     ids = _ids(2, 20, seed=7)
     with torch.no_grad():
         theirs = back(torch.tensor(ids)).logits.numpy()
-    assert np.abs(np.asarray(pdecode.forward_logits(m, ids)) - theirs).max() <= 1e-4
+    assert_logits_close(pdecode.forward_logits(m, ids), theirs)
     cfg2, _ = load_hf(out)
     assert cfg2 == m.cfg.replace(dtype="float32")
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecode.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from pdecode.config import ModelConfig, rope_attention_factor, rope_inv_freq, rope_long
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
@@ -191,16 +191,17 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bool = False
+def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bool = False, long: bool = False
                 ) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, 1, hd/2] for the given positions (once per forward, shared by all layers of a kind; ``local``:
-    the sliding layers' rope, `ModelConfig.local_rope_theta`, unscaled). With ``table`` (`rope_table`, built once
-    per call by `decode_layout`) they are gathered instead of computed: inside a decode loop XLA would otherwise
-    recompute cos/sin in every layer's rotation, for every element."""
+    the sliding layers' rope, `ModelConfig.local_rope_theta`, unscaled; ``long``: longrope's long factors,
+    `config.rope_long`). With ``table`` (`rope_table`, built once per call by `decode_layout`) they are gathered
+    instead of computed: inside a decode loop XLA would otherwise recompute cos/sin in every layer's rotation, for
+    every element."""
     if table is not None:
         pos = jnp.clip(positions_BT, 0, table[0].shape[0] - 1)  # padding/invalid slots may run past the end
         return table[0][pos][:, :, None, :], table[1][pos][:, :, None, :]
-    inv = rope_inv_freq(cfg, cfg.local_rope_theta, scaled=False) if local else rope_inv_freq(cfg)
+    inv = rope_inv_freq(cfg, cfg.local_rope_theta, scaled=False) if local else rope_inv_freq(cfg, long=long)
     ang = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     f = 1.0 if local else rope_attention_factor(cfg)
@@ -210,13 +211,19 @@ def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bo
 ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
 
 
-def rope_table(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array] | None:
+def rope_table(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, jax.Array] | None:
     """cos, sin [max_position_embeddings, hd/2] (`rope_tables` at every position), or None when the context is too
     long for a table to be worth its memory."""
     if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
         return None
-    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None], local=local)
+    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None], local=local,
+                           long=long)
     return cos[0, :, 0], sin[0, :, 0]
+
+
+def key_length(mask) -> int:
+    """The number of key slots a mask covers (static): a plain pass's T, a cached pass's cache length."""
+    return (mask.mask if isinstance(mask, CausalSelfMask) else mask).shape[-1]
 
 
 def has_local_rope(cfg: ModelConfig) -> bool:
@@ -268,14 +275,17 @@ def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=No
                   layer_inputs=None) -> Attention:
     """The `Attention` of a forward: ``mask`` is the full-attention mask the caller built; the sliding layers' mask
     and rope are derived here (windows never come from the caller). ``tables``: the decode layout's rope tables
-    (`decode_layout`; a dict with "global" and maybe "local"), else computed."""
+    (`decode_layout`; a dict with "global" and maybe "local" / "global_long"), else computed. A longrope model
+    rotates with its long factors when the mask's key length (the positions the call holds) exceeds the original
+    context (`config.rope_long`): one static choice per compiled call, the same in every forward of a decode."""
     tables = tables or {}
     if isinstance(tables, tuple):  # a bare table (the global one)
         tables = {"global": tables}
     kinds = tuple(k == "sliding" for k in cfg.layer_kinds())
     ids = range(len(kinds)) if layer_ids is None else layer_ids
     any_sliding = any(kinds[i] for i in ids)
-    rope = rope_tables(cfg, positions_BT, tables.get("global"))
+    long = rope_long(cfg, key_length(mask_BTS))
+    rope = rope_tables(cfg, positions_BT, tables.get("global_long" if long else "global"), long=long)
     rope_l = rope_tables(cfg, positions_BT, tables.get("local"), local=True) \
         if any_sliding and has_local_rope(cfg) else None
     mask_l = window_mask(mask_BTS, positions_BT, cfg.sliding_window) if any_sliding else None
@@ -585,6 +595,8 @@ def decode_layout(params: Params | DecodeParams, cfg: ModelConfig, fuse: bool = 
     table = rope_table(cfg)
     if table is not None:
         out["rope_tables"] = {"global": table}
+        if rope_long(cfg, cfg.max_position_embeddings):  # longrope: the long factors' table beside the short one
+            out["rope_tables"]["global_long"] = rope_table(cfg, long=True)
         if has_local_rope(cfg):
             out["rope_tables"]["local"] = rope_table(cfg, local=True)
     out["layers"] = layers = unstack_layers(params["layers"], cfg, fuse)

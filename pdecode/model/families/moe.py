@@ -5,6 +5,12 @@ over E experts, each a SiLU-GLU of ``moe_intermediate_size``, the k most probabl
 references: softmax over all E (float32), top k, renormalised to sum 1 when ``norm_topk_prob`` (Mixtral always),
 weights cast to the activations' dtype. Qwen2-MoE adds a shared expert scaled by sigmoid(x @ shared_gate).
 
+Dense layers among the sparse ones (Qwen-MoE's ``mlp_only_layers``, and ``decoder_sparse_step``: layer i is sparse
+iff (i + 1) % step == 0 and i is not listed; `ModelConfig.dense_layer_ids`) have a plain SiLU-GLU MLP of
+``intermediate_size`` (no shared expert). Such a stack holds blocks of two shapes, so its params are a tuple of
+per-layer dicts (`transformer.DecodeLayers`, run as a loop over layers, as DeepSeek-V3's first dense layers are) and
+its checkpoint names are per layer; a stack of sparse layers only keeps one stacked dict under `lax.scan`.
+
 Compute: `moe_mlp` runs only the selected experts' work. A pass with few token-expert pairs (N * k <= E: decode
 steps and short verifies) gathers each pair's expert weights and multiplies them (k/E of the FLOPs of running every
 expert, the bytes of the selected experts only); a longer pass sorts the pairs by expert and runs grouped matmuls
@@ -20,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
-from pdecode.model.family import Family, register
+from pdecode.model.family import Family, LayerwiseFamily, register
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
@@ -160,17 +166,14 @@ class MoE(Family):
             f = kw["intermediate_size"]
             kw.update(norm_topk_prob=True, num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f))
         else:
-            if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-                raise ConfigError(f"{model_type}: mlp_only_layers {hf.get('mlp_only_layers')} / decoder_sparse_step "
-                                  f"{hf.get('decoder_sparse_step')} (dense layers among the MoE ones) is not "
-                                  "supported; pdecode runs every layer as MoE")
+            kw["dense_layer_ids"] = dense = dense_layer_ids(model_type, hf, kw["num_layers"])
             kw.update(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(hf["moe_intermediate_size"]),
                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                       shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0)
                       if model_type == "qwen2_moe" else 0,
                       attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", model_type == "qwen2_moe"))),
                       qk_norm=model_type == "qwen3_moe")
-            if kw["shared_expert_size"]:
+            if kw["shared_expert_size"] and not dense:  # (with dense layers: theirs, config.json's)
                 kw["intermediate_size"] = kw["shared_expert_size"]
         sliding_from_hf(model_type, {**hf, "sliding_window": hf.get("sliding_window") or None}, kw,
                         always=model_type == "mixtral")
@@ -182,7 +185,7 @@ class MoE(Family):
             out.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_intermediate_size)
             return
         out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layer_ids),
                    use_sliding_window=cfg.sliding_window is not None)
         if cfg.family == "qwen2_moe":
             out.update(shared_expert_intermediate_size=cfg.shared_expert_size, qkv_bias=cfg.attention_bias)
@@ -190,6 +193,19 @@ class MoE(Family):
             out["attention_bias"] = cfg.attention_bias
 
     def layer_specs(self, cfg, num_layers):
+        """A stacked dict when every layer is sparse, else a `DecodeLayers` tuple of each layer's own specs."""
+        from pdecode.model.families.deepseek import dataclass_drop_layers
+        from pdecode.model.transformer import DecodeLayers, llama_layer_specs
+
+        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
+        if not c.dense_layer_ids:
+            return self.stacked_specs(c, num_layers)
+        sparse, dense = self.stacked_specs(c, 1), llama_layer_specs(c, 1)
+        return DecodeLayers([{k: dataclass_drop_layers(v) for k, v in (sparse if c.moe_layer(i) else dense).items()}
+                             for i in range(num_layers)], False)
+
+    def stacked_specs(self, cfg, num_layers):
+        """Specs of ``num_layers`` sparse blocks stacked on ``layers``."""
         from pdecode.model.transformer import ParamSpec, attention_specs
 
         L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -212,12 +228,28 @@ class MoE(Family):
         return s
 
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
-        from pdecode.model.transformer import rms_norm, self_attention
+        from pdecode.model.transformer import glu_mlp, rms_norm, self_attention
 
+        if cfg.dense_layer_ids and not isinstance(layer_idx, int):
+            raise ValueError(f"{cfg.family} with dense layers runs its layers unrolled; got a traced layer index")
         a, cache = self_attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
                                   write_at, fused)
         x = x + a
-        return x + moe_mlp(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), fused), cache
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        if cfg.dense_layer_ids and not cfg.moe_layer(layer_idx):
+            return x + glu_mlp(cfg, lp, h, fused), cache
+        return x + moe_mlp(cfg, lp, h, fused), cache
+
+    def hf_rules(self, cfg, prefix="model."):
+        if cfg.dense_layer_ids:  # blocks of two shapes: per-layer names, as a layerwise family gives them
+            return LayerwiseFamily.hf_rules(self, cfg, prefix)
+        return super().hf_rules(cfg, prefix)
+
+    def layer_names(self, cfg, i: int) -> list[tuple]:
+        """Layer ``i``'s tensors: the sparse block's, or the Llama block's for a dense layer."""
+        from pdecode.checkpoint.hf import llama_block_names
+
+        return self.block_names(cfg) if cfg.moe_layer(i) else llama_block_names(cfg)
 
     def block_names(self, cfg):
         from pdecode.checkpoint.hf import attention_names
@@ -237,6 +269,18 @@ class MoE(Family):
         return names
 
 
+
+
+def dense_layer_ids(model_type: str, hf: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers of a Qwen-MoE config.json with a dense MLP: those in ``mlp_only_layers`` and those i with
+    (i + 1) % ``decoder_sparse_step`` != 0 (transformers' rule)."""
+    step = hf.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
+    if step < 1:
+        raise ConfigError(f"{model_type}: decoder_sparse_step {step} is not supported (a positive step: every step-th "
+                          "layer sparse)")
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
 
 
 MOE = register(MoE())
@@ -274,7 +318,7 @@ class GptOss(MoE):
         from pdecode.model.transformer import ParamSpec
 
         L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        s = super().layer_specs(cfg, num_layers)
+        s = super().stacked_specs(cfg, num_layers)
         s.update({
             "bo": ParamSpec((L, D), ("layers", None), "zeros"),
             "sinks": ParamSpec((L, cfg.num_heads), ("layers", "heads"), "zeros"),
