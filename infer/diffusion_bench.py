@@ -222,6 +222,25 @@ def encoder_cache_bytes_per_token(cfg, dtype) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim >= 3) // 8)
 
 
+def check_args(args) -> None:
+    """The diffusion suite's arguments, checked before any model loads (one InputError naming the flag)."""
+    from pdecode.errors import InputError
+
+    if not args.batch or min(args.batch) < 1:
+        raise InputError(f"--batch sizes must be >= 1, got {args.batch}")
+    if args.timing_items < 1 or any(args.timing_items % b for b in args.batch):
+        raise InputError(f"--timing-items ({args.timing_items}) must be a positive multiple of every --batch size "
+                         f"({' '.join(map(str, args.batch))})")
+    if args.items < max(args.batch, default=1) or args.items < args.timing_items:
+        raise InputError(f"--items ({args.items}) must be at least the largest batch ({max(args.batch)}) and "
+                         f"--timing-items ({args.timing_items})")
+    if args.repeats < 1 or not args.gen_lengths or min(args.gen_lengths) < 1:
+        raise InputError(f"--repeats ({args.repeats}) and every --gen-lengths ({args.gen_lengths}) must be >= 1")
+    if len(getattr(args, "temperature", None) or [None]) != 1:
+        raise InputError("the diffusion suite runs at one --temperature (0: greedy; 1: a block-diffusion model's own "
+                         "sampler as released)")
+
+
 def task_rows(m, items, samplers, g: int, batches, repeats: int, timing_items: int,
               temperature: float | None = None) -> list[dict]:
     """One row per (sampler, batch) at length g. Quality (accuracy, NFE) from one pass over every item at the
@@ -510,6 +529,7 @@ def run(args) -> int:
 
     import pdecode
 
+    check_args(args)  # before anything loads or runs
     # the recorded zoo figures ran float32 weights; a user's own checkpoint loads as --dtype says (default: as stored)
     items_file = getattr(args, "items_file", None)
     m = pdecode.load(args.model, dtype=(getattr(args, "dtype", None) or "auto") if items_file else "float32")
@@ -526,15 +546,7 @@ def run(args) -> int:
     unknown = set(samplers) - set(SAMPLERS)
     if unknown:
         raise pdecode.InputError(f"unknown sampler(s) {sorted(unknown)}; choose from {', '.join(SAMPLERS)}")
-    bad = [b for b in args.batch if b < 1 or args.timing_items % b]
-    if bad or args.items < max(args.batch):
-        raise pdecode.InputError(f"--timing-items ({args.timing_items}) must be a multiple of every --batch size and "
-                                 f"--items ({args.items}) at least the largest batch ({max(args.batch)})")
-    temps = getattr(args, "temperature", None) or [None]
-    if len(temps) != 1:
-        raise pdecode.InputError("the diffusion suite runs at one --temperature (0: greedy; 1: a block-diffusion "
-                                 "model's own sampler as released)")
-    temperature = temps[0]
+    temperature = (getattr(args, "temperature", None) or [None])[0]
     items = file_items(items_file, m.tokenizer, args.items) if items_file else task_items(args.tasks, args.items)
     if len(items) < max(args.batch):
         raise pdecode.InputError(f"{len(items)} items are fewer than the largest --batch ({max(args.batch)})")
@@ -542,12 +554,21 @@ def run(args) -> int:
     rows, code = [], []
     judge = pdecode.load(args.judge, dtype="float32") if args.judge else None
     ref = pdecode.load(args.ar_reference, dtype="float32") if args.ar_reference else None
-    for g in args.gen_lengths:
-        rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items, temperature)
-        if judge is not None and args.code_prompts:
-            code += code_rows(m, judge, ref, samplers, g, args.code_prompts, args.prompt_tokens, max(args.batch))
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        for g in args.gen_lengths:
+            rows += task_rows(m, items, samplers, g, sorted(args.batch), args.repeats, args.timing_items, temperature)
+            if judge is not None and args.code_prompts:
+                code += code_rows(m, judge, ref, samplers, g, args.code_prompts, args.prompt_tokens, max(args.batch))
+    except BaseException as e:  # what was measured is kept: results.json with the rows done so far, then the error
+        (out / "results.json").write_text(json.dumps(
+            {"meta": {"model": args.model, "incomplete": f"{type(e).__name__}: {e}",
+                      "bench_minutes": (time.perf_counter() - t0) / 60}, "rows": rows, "code": code},
+            indent=1, default=lambda o: getattr(o, "name", None) or str(o)))
+        print(f"  stopped by {type(e).__name__}: the {len(rows)} row(s) measured are in {out / 'results.json'}",
+              file=sys.stderr, flush=True)
+        raise
     big = max(args.batch)
     meta = {"model": args.model, "tasks": str(items_file) if items_file else args.tasks,
             "items": len(items) // big * big, "repeats": args.repeats, "temperature": temperature,

@@ -105,13 +105,40 @@ def test_verify_cost_and_projection(tiny):
     assert abs(sd["overhead_fraction_of_flat_step"] - 0.005 / 0.015) < 1e-9
 
 
-def test_diffusion_suite_refuses_timing_items_that_no_batch_fits(tmp_path):
+@pytest.mark.parametrize("flags,msg", [
+    (["--batch", "1", "8", "--timing-items", "4"], r"--timing-items \(4\) must be a positive multiple of every --batch"),
+    (["--timing-items", "0"], r"--timing-items \(0\) must be a positive multiple"),
+    (["--items", "4", "--timing-items", "8"], r"--items \(4\) must be at least"),
+    (["--repeats", "0"], r"--repeats \(0\)"),
+    (["--temperature", "0", "1"], "one --temperature"),
+])
+def test_diffusion_suite_checks_arguments_before_loading(tmp_path, monkeypatch, flags, msg):
+    """Arguments the suite cannot run with are refused before any model loads (--timing-items 0 used to run for
+    minutes, then fail with "no prompts given")."""
+    import pdecode
     from pdecode.errors import InputError
 
-    model = tiny_hf(tmp_path / "dllm", causal=False)
-    with pytest.raises(InputError, match=r"--timing-items \(4\) must be a multiple of every --batch size"):
-        bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16", "--batch", "1", "8",
-                    "--items", "16", "--timing-items", "4", "--out", str(tmp_path / "d")])
+    monkeypatch.setattr(pdecode, "load", lambda *a, **k: pytest.fail("a model loaded before the arguments were checked"))
+    with pytest.raises(InputError, match=msg):
+        bench_main(["--suite", "diffusion", "--gen-lengths", "16", "--items", "16", *flags, "--out", str(tmp_path)])
+
+
+def test_diffusion_suite_keeps_what_it_measured_when_stopped(tmp_path, monkeypatch):
+    """An error after some rows were measured: results.json holds those rows and says why it is incomplete."""
+    from infer import diffusion_bench
+
+    def boom(*a, **k):
+        raise RuntimeError("the judge ran out of memory")
+
+    monkeypatch.setattr(diffusion_bench, "code_rows", boom)
+    model, ar, out = tiny_hf(tmp_path / "dllm", causal=False), tiny_hf(tmp_path / "ar"), tmp_path / "d"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_main(["--suite", "diffusion", "--model", model, "--gen-lengths", "16", "--batch", "1", "--items", "2",
+                    "--timing-items", "1", "--samplers", "vanilla", "--repeats", "1", "--code-prompts", "1",
+                    "--judge", ar, "--ar-reference", "", "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["incomplete"] == "RuntimeError: the judge ran out of memory"
+    assert [(r["sampler"], r["batch"]) for r in res["rows"]] == [("vanilla", 1)]
 
 
 def test_diffusion_suite_runs_end_to_end(tmp_path):
