@@ -187,3 +187,25 @@ def test_engine_serves_deepseek_with_its_mtp_layer(ds):
         eng.run_once()
     ref = pdecode.generate(m, PROMPTS, max_new_tokens=10, stop_at_eos=False)
     assert [r.tokens for r in reqs] == ref.tokens
+
+
+def test_mtp_layer_errors_name_tensors_as_stored(ds, tmp_path):
+    """A broken MTP layer is reported under the names the checkpoint stores (model.layers.{L}.*, L = num_layers),
+    not under the index-0 names the loader reads it by."""
+    import shutil
+
+    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir, write_safetensors
+
+    d = tmp_path / "broken"
+    shutil.copytree(ds[0], d)
+    tensors = {k: np.array(v) for k, v in read_checkpoint_dir(d).items()}
+    L = 2  # the model's 2 layers, then its MTP layer
+    gone = sorted(k for k in tensors if k.startswith(f"model.layers.{L}.mlp.") and k.endswith("gate_proj.weight"))[0]
+    del tensors[gone]
+    for f in d.glob("*.safetensors*"):
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink(missing_ok=True)
+    write_safetensors(d / "model.safetensors", tensors, metadata={"format": "pt"})
+    with pytest.raises(pdecode.CheckpointError) as e:
+        pdecode.load(d)
+    assert gone in str(e.value) and "model.layers.0.mlp" not in str(e.value), str(e.value)

@@ -185,7 +185,8 @@ def import_deepseek_mtp(tensors: dict[str, np.ndarray], cfg: ModelConfig, layer_
         raise CheckpointError(f"not a DeepSeek-V3 MTP layer at index {L}: missing {missing}")
     mcfg = MTPConfig(num_modules=1, kind="sequential", emb_first=True)
     # the layer's decoder-block tensors, renamed to index 0 so the generic per-layer rules apply
-    renamed = Renamed(tensors, {"model.layers.0." + k[len(p):]: k for k in tensors if k.startswith(p)})
+    renamed = Renamed(tensors, {"model.layers.0." + k[len(p):]: k for k in tensors if k.startswith(p)},
+                      prefixes=("model.layers.0.", p))
     layer = tensors_to_params(renamed, {"layers": mcfg.specs(cfg)["modules"][0]["layers"]},
                               _head_block(cfg, "model.layers.{i}."), 1, dtype, source="MTP layer")
     eh = np.asarray(tensors[p + "eh_proj.weight"])

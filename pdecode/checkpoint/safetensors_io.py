@@ -315,10 +315,19 @@ def byte_runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Renamed:
-    """A read-only view of a tensor mapping under other names (``names``: new -> old), read lazily."""
+    """A read-only view of a tensor mapping under other names (``names``: new -> old), read lazily; ``prefixes``
+    (new prefix, stored prefix) names a tensor that is not there as the checkpoint would store it (`stored_name`)."""
 
-    def __init__(self, tensors, names: dict[str, str]):
-        self._t, self._names = tensors, names
+    def __init__(self, tensors, names: dict[str, str], prefixes: tuple[str, str] | None = None):
+        self._t, self._names, self._prefixes = tensors, names, prefixes
+
+    def stored_name(self, name: str) -> str:
+        """Where the checkpoint holds (or would hold) the tensor this view calls ``name``: for error messages."""
+        if name in self._names:
+            return self._names[name]
+        if self._prefixes and name.startswith(self._prefixes[0]):
+            return self._prefixes[1] + name[len(self._prefixes[0]):]
+        return name
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
