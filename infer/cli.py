@@ -118,6 +118,9 @@ def cmd_generate(args) -> int:
 
         mesh = make_mesh(1, jax.device_count())
     compare = _compare_specs(args.compare or [], bool(args.draft))  # checked before anything loads or runs
+    if args.chat and (args.decompose or args.method == "edit"):
+        raise InputError(f"--chat does not combine with {'--decompose' if args.decompose else '--method edit'} (they "
+                         "read the prompt as text to plan or edit): drop one")
     if args.plot:
         if _plot_kind(args.method) is None or args.decompose:
             raise InputError(f"--plot draws the decoding order of diffusion / dico and the acceptance of the draft-"
@@ -134,6 +137,13 @@ def cmd_generate(args) -> int:
     load = lambda name: pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype)  # noqa: E731
     m = load(args.model)
     draft = load(args.draft) if args.draft else None
+    shown = prompts  # what is printed before each answer
+    if args.chat:  # each prompt a user message through the model's chat template: the ids of the rendered turn
+        from pdecode.chat import encode_chat, render
+
+        if m.tokenizer is None:
+            raise InputError("--chat needs the model's tokenizer (and its chat template)")
+        prompts = [encode_chat(m.tokenizer, render(m.tokenizer, [{"role": "user", "content": p}])) for p in prompts]
 
     def run(model, method, opts, d):  # the main row and every --compare row: same prompts, sampling and mesh
         return pdecode.generate(model, prompts, method=method, max_new_tokens=args.max_new_tokens,
@@ -165,7 +175,7 @@ def cmd_generate(args) -> int:
     if multi and not pdecode.distributed.is_main():
         return 0  # every process ran the same steps; process 0 prints
     if args.json:
-        for p, text, toks in zip(prompts, out.texts, out.tokens):
+        for p, text, toks in zip(shown, out.texts, out.tokens):
             row = {"prompt": p, "text": text, "tokens": toks, "stats": out.stats}
             if args.method == "edit":
                 row["edited"] = _edited(m, p, text, options.get("context", 0))
@@ -173,9 +183,11 @@ def cmd_generate(args) -> int:
         if rows:
             print(json.dumps({"compare": rows}))
     else:
-        for p, text in zip(prompts, out.texts):
+        for p, text in zip(shown, out.texts):
             if args.method == "edit":  # the output replaces the prompt (all of it past -o context=N tokens)
                 print(_edit_diff(m, p, text, options.get("context", 0)))
+            elif args.chat:
+                print(f"user: {p}\nassistant: {text}")
             else:
                 print(p + text)
             print("-" * 60)
@@ -482,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     g.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     g.add_argument("--prompts-jsonl", help="one JSON string (or {\"prompt\": ...}) per line")
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, put through the model's chat template; the answer is the "
+                        "assistant's turn")
     g.add_argument("--decompose", default=None, metavar="PLANNER", choices=["stubs", "lines", "skeleton"],
                    help="plan the prompt into independent points (stubs: function stubs after a header; lines: one "
                         "sub-task per line; skeleton: the model outlines signatures first) and fill them as one "

