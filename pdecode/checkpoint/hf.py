@@ -205,6 +205,10 @@ def _check(tensors, specs: dict, rules: list[Rule], num_layers: int, source: str
                     2 if r.layout in PAIRED else 1):
                 bad.append(f"{name}: checkpoint {shape_of(tensors, name)} vs config {per_shape}")
     if missing or bad:
+        stored = getattr(tensors, "stored_name", None)  # a renamed view: name tensors as the checkpoint stores them
+        if stored is not None:
+            missing = [stored(n) for n in missing]
+            bad = [stored(b.split(":", 1)[0]) + ":" + b.split(":", 1)[1] for b in bad]
         msg = []
         if missing:
             msg.append(f"missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} ({len(missing)} in all)")
@@ -217,10 +221,15 @@ def _gather(tensors, names, layout: str, per_shape: tuple, sub: tuple = (), dtyp
     """The param (part) behind ``names`` (`_names`), converted to our layout, ``sub`` applied to each tensor;
     ``rows``: the rows of a fused tensor that hold it."""
     if isinstance(names, str):
-        a = np.asarray(tensors[names])
-        a = _to_ours(a if rows is None else a[rows[0]:rows[1]], layout, per_shape)[sub]
-        if hasattr(tensors, "note_read"):  # what this process reads (`CheckpointTensors.read_stats`)
-            tensors.note_read(names, a)
+        def take(a):
+            return _to_ours(a if rows is None else a[rows[0]:rows[1]], layout, per_shape)[sub]
+
+        if hasattr(tensors, "read_slice"):  # the source reads only what ``take`` needs (GGUF: dequantizes only that)
+            a = tensors.read_slice(names, take)
+        else:
+            a = take(np.asarray(tensors[names]))
+            if hasattr(tensors, "note_read"):  # what this process reads (`CheckpointTensors.read_stats`)
+                tensors.note_read(names, a)
         return a if dtype is None else a.astype(dtype)
     return np.stack([_gather(tensors, n, layout, per_shape, sub, dtype, rows) for n in names])
 
@@ -244,7 +253,7 @@ def stored_dtype(tensors, hf_cfg: dict) -> str:
 
     for name in ("model.embed_tokens.weight", "model.transformer.wte.weight"):
         if name in tensors:
-            dt = str(tensors[name].dtype)
+            dt = str(tensors.dtype_of(name) if hasattr(tensors, "dtype_of") else tensors[name].dtype)
             return dt if dt in DTYPES else "float32"
     dt = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
     return dt if dt in DTYPES else "float32"
@@ -264,7 +273,8 @@ LAST_LOAD: dict = {}  # what the last `load_hf_arrays` read: CheckpointTensors.r
 
 
 def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str = "error") -> tuple[ModelConfig, dict]:
-    """Read an HF directory straight into device arrays: (cfg, params as jax arrays).
+    """Read an HF directory (or a GGUF file, dequantized slice by slice) straight into device arrays: (cfg, params as
+    jax arrays).
 
     Tensor by tensor from memory maps, each param is built shard by shard: for every distinct slice its
     `NamedSharding` (the logical rules on ``mesh``; one device without a mesh) asks for, only that slice is
@@ -361,17 +371,21 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def _open(path: Path):
-    """(cfg, config.json as a dict, the lazily read tensors) of an HF directory, or one CheckpointError."""
+    """(cfg, config.json as a dict, the lazily read tensors) of an HF directory or a GGUF file (its metadata as a
+    config.json dict, its tensors under transformers' names: `pdecode.checkpoint.gguf_io`), or one CheckpointError."""
+    from pdecode.checkpoint import gguf_io
     from pdecode.checkpoint.safetensors_io import CheckpointTensors
 
-    if not path.is_dir():
-        raise CheckpointError(f"no model directory at {path}")
-    hf_cfg = read_config(path)
+    gguf = gguf_io.is_gguf(path)
+    if not path.is_dir() and not gguf:
+        raise CheckpointError(f"no model directory at {path}" if not path.exists() else
+                              f"{path} is neither a model directory nor a GGUF file")
+    hf_cfg, src = gguf_io.open_source(path) if gguf else (read_config(path), None)
     try:
         cfg = ModelConfig.from_hf(hf_cfg)
     except ConfigError as e:
-        raise CheckpointError(f"{path}/config.json: {e}") from None
-    src = CheckpointTensors(path)
+        raise CheckpointError(f"{path}{'' if gguf else '/config.json'}: {e}") from None
+    src = src if gguf else CheckpointTensors(path)
     from pdecode.model.family import family_of
 
     if cfg.layout == "hf":
