@@ -423,6 +423,16 @@ def encode_prompts(m: Model, prompts: Sequence[str] | Sequence[Sequence[int]]) -
     return out
 
 
+def _with_rope_context(m: Model | None, context: int) -> Model | None:
+    """``m`` whose config fixes the rope context (`pdecode.config.with_rope_context`; only longrope models change)."""
+    if m is None:
+        return None
+    from pdecode.config import with_rope_context
+
+    cfg = with_rope_context(m.cfg, context)
+    return m if cfg == m.cfg else dataclasses.replace(m, cfg=cfg, _sharded={})
+
+
 def check_same_tokenizer(m: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer maps tokens to other ids than the target's (skipped when either has none)."""
     a, b = m.tokenizer, draft.tokenizer
@@ -617,6 +627,10 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     distributed.check_same_everywhere("prompts, method or options",
                                       (ids, method, sorted(method_options.items()), max_new_tokens, seed, temperature))
     extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
+    # a longrope model rotates the whole generation with the factors its length calls for (as transformers' forward
+    # over the same tokens), not by each call's cache span
+    m = _with_rope_context(m, max(len(x) for x in ids) + max_new_tokens)
+    draft = _with_rope_context(draft, max(len(x) for x in ids) + max_new_tokens)
     plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh, indivisible="replicate") if draft is not None else None,
                         opts, samp, **extra)
 

@@ -125,6 +125,10 @@ class ModelConfig:
     # attention implementation (ATTENTION_IMPLS): "auto" picks one by backend and shapes (xla on CPU); an explicit
     # one that cannot serve a call raises ConfigError (`attention.resolve_impl`)
     attention_impl: str = "auto"
+    # longrope (Phi-3-128k & co.): whether every forward of a generation rotates with the long factors, decided once
+    # from the generation's whole context (set by `generate` / the engine, `with_rope_context`); None: each forward
+    # by the positions it holds
+    rope_long_factors: bool | None = None
 
     def __post_init__(self):
         problems = []
@@ -438,12 +442,26 @@ def _longrope_from_hf(model_type: str, hf: dict[str, Any], scaling: dict[str, An
     scaling["original_max_position_embeddings"] = int(orig)
 
 
+def with_rope_context(cfg: ModelConfig, context: int) -> ModelConfig:
+    """``cfg`` for a generation that holds up to ``context`` positions (prompt + new tokens): a longrope model rotates
+    every forward of it with the factors that length calls for (`rope_long`), whatever cache span or phase a call
+    attends over; other models unchanged."""
+    sc = cfg.rope_scaling_dict
+    if not sc or sc["rope_type"] != "longrope":
+        return cfg
+    return cfg.replace(rope_long_factors=int(context) > int(sc["original_max_position_embeddings"]))
+
+
 def rope_long(cfg: ModelConfig, context: int) -> bool:
     """Whether a call holding ``context`` positions (its attention's key length: a plain forward's T, a decode's
     KV-cache length) rotates with longrope's long factors: when it exceeds ``original_max_position_embeddings``
     (transformers picks by the length a forward reaches, `pdecode.model.families.phi3`). False for other ropes."""
     sc = cfg.rope_scaling_dict
-    return bool(sc) and sc["rope_type"] == "longrope" and context > int(sc["original_max_position_embeddings"])
+    if not sc or sc["rope_type"] != "longrope":
+        return False
+    if cfg.rope_long_factors is not None:  # decided by the generation's context, not this call's
+        return cfg.rope_long_factors
+    return context > int(sc["original_max_position_embeddings"])
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True, long: bool = False):

@@ -251,6 +251,8 @@ class Engine:
             raise not_here
         model, draft = api.assistant_as_draft(model, draft)
         model, draft = api.as_model(model), api.as_model(draft, "draft", optional=True)
+        # a longrope model rotates every request with the factors of the engine's context, whatever a call's span
+        model, draft = api._with_rope_context(model, max_len), api._with_rope_context(draft, max_len)
         registry.check_models(meth, model, draft)
         opts = registry.resolve_options(meth, method_options)
         self._opts = sorted(opts.items())

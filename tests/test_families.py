@@ -210,16 +210,20 @@ def test_phi3_longrope_matches_transformers(tmp_path, partial, rope):
 
 
 def test_phi3_longrope_generation_either_side_of_original_context(tmp_path):
-    """A call rotates with one set of factors, long iff its KV cache holds more than the original context
-    (phi3.py's docstring): a generation within it (cache pinned to 32) and one whose prompts already exceed it
-    equal transformers' greedy generate (short, resp. long factors throughout), speculative decoding equals AR; one
+    """A generation rotates with one set of factors, long iff its prompt + new tokens exceed the original context
+    (phi3.py's docstring), whatever its cache (64 slots by default here, or 32) or a method's draft slots: one within
+    it and one whose prompts already exceed it equal transformers' greedy generate (short, resp. long factors
+    throughout), speculative decoding equals AR; one
     that crosses it runs the long factors from the start, so its tokens are a long-factor plain forward's argmax and,
     from the crossing on, what transformers' generate continues with from the same prefix."""
     ref = _phi3_longrope(tmp_path / "m")
     m = pdecode.load(tmp_path / "m")
     short = [[5, 9, 13, 7, 21, 4, 6, 8, 10, 12], [3, 4, 5, 6, 7, 8]]
-    assert pdecode.generate(m, short, max_new_tokens=16, max_len=32, stop_at_eos=False).tokens == \
-        [_ref_greedy(ref, p) for p in short]
+    want = [_ref_greedy(ref, p) for p in short]
+    for max_len in (None, 32):
+        assert pdecode.generate(m, short, max_new_tokens=16, max_len=max_len, stop_at_eos=False).tokens == want
+    assert pdecode.generate(m, short, method="sd", draft=m, gamma=3, max_new_tokens=16, stop_at_eos=False).tokens == \
+        want
     long = [_ids(1, 40, seed=5)[0].tolist(), _ids(1, 36, seed=6)[0].tolist()]
     ar = pdecode.generate(m, long, max_new_tokens=NEW, stop_at_eos=False).tokens
     assert ar == [_ref_greedy(ref, p) for p in long]

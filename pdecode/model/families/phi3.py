@@ -12,13 +12,13 @@ context is the config's top-level ``original_max_position_embeddings`` (4096 whe
 Short or long. transformers picks the set per forward from the length it reaches (long iff its largest position + 1
 exceeds the original context), and its generate re-encodes the whole sequence once, dropping the cache, on the step
 where the sequence first grows past that length, so each step's logits are those of a plain forward over the
-sequence so far. pdecode compiles a call with one static choice (`config.rope_long`): long iff the call holds more
-positions than the original context, i.e. its attention's key length, a plain forward's T or a decode's KV-cache
-length (``max_len``: prompt bucket + max_new_tokens + draft slots, rounded up to 64; pass ``max_len`` to pin it).
-Every forward of the call, every method's, rotates alike, so cached keys are never re-encoded. Hence:
+sequence so far. pdecode decides once per generation (`config.with_rope_context`, `config.rope_long`): long iff the
+longest prompt + max_new_tokens exceed the original context (the serving engine: iff its context, ``max_len``, does),
+whatever cache span, decode phase or draft slots a call attends over; a plain forward decides by its own length.
+Every forward of a generation, every method's, rotates alike, so cached keys are never re-encoded. Hence:
 
 * a plain forward (`pdecode.forward_logits`) equals transformers' at every length, either side of the boundary;
-* a generation whose cache fits the original context runs the short factors throughout, as transformers does;
+* a generation that fits the original context runs the short factors throughout, as transformers does;
 * one whose prompt already exceeds it runs the long factors throughout, as transformers does;
 * one that crosses it runs the long factors from its first token: from the crossing on it holds what transformers'
   re-encoded cache holds, so given the same tokens its logits are transformers'; the tokens before the crossing come
