@@ -556,3 +556,21 @@ def test_real_smollm2_matches_transformers(smollm2, capsys):
         assert (ours.argmax(-1) == ref_logits.argmax(-1)).all()
     out = pdecode.generate(m, [REAL_TEXTS[0]], max_new_tokens=4)
     assert out.texts[0].strip()
+
+
+def test_draft_trained_for_a_gguf_base_carries_its_tokenizer(tmp_path):
+    """`pdecode train draft --base x.gguf`: the draft's directory gets the GGUF's tokenizer (written from its
+    metadata), so it loads with the base's vocabulary and drafts for it (sd = ar)."""
+    from infer import cli
+
+    base_file = write_gguf(tiny_hf("llama"), tmp_path / "base.gguf", "llama", (Q.F32,))
+    data = tmp_path / "data.txt"
+    data.write_text(TRAIN_TEXT)
+    out = tmp_path / "draft"
+    cli.main(["train", "draft", "--base", str(base_file), "--data", str(data), "--out", str(out), "--steps", "2",
+              "--seq-len", "32", "--batch-size", "2", "--work", str(tmp_path / "work"), "--layers", "1"])
+    base, d = pdecode.load(base_file, dtype="float32"), pdecode.load(out, dtype="float32")
+    assert d.tokenizer is not None and d.tokenizer.fingerprint() == base.tokenizer.fingerprint()
+    prompts = ["def f(x):", "The quick brown"]
+    assert pdecode.generate(base, prompts, method="sd", draft=d, max_new_tokens=8).tokens == \
+        pdecode.generate(base, prompts, max_new_tokens=8).tokens
