@@ -357,10 +357,6 @@ def cmd_convert(args) -> int:
                          "one: convert each heads directory on its own")
     if args.to == "orbax":
         out = orbax_ckpt.save(m.cfg, m.params, dst, tokenizer_dir=m.path)
-        if m.path is not None and Path(m.path).is_file():  # a GGUF file: its tokenizer and end ids beside
-            from pdecode.checkpoint import gguf_io
-
-            gguf_io.write_hf_files(m.path, out)
     else:
         out = pdecode.save_hf(m, dst, dtype=args.dtype)
     if heads:  # written beside the model (base_model "."), so loading ``dst`` attaches the same heads

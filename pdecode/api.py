@@ -267,12 +267,7 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
     placed on a mesh with its kv heads repeated is written with the checkpoint's own kv heads."""
     dtype = dtype or str(jnp.dtype(m.dtype).name)
     cfg, params = stored_kv_heads(m)
-    out = hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)
-    if m.path is not None and Path(m.path).is_file():  # from a GGUF file: its tokenizer and end ids beside
-        from pdecode.checkpoint import gguf_io
-
-        gguf_io.write_hf_files(m.path, out)
-    return out
+    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)  # (a GGUF: from its metadata)
 
 
 def stored_kv_heads(m: Model) -> tuple:
@@ -629,8 +624,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     extra = {"max_new": max_new_tokens} if meth.wants_max_new else {}
     # a longrope model rotates the whole generation with the factors its length calls for (as transformers' forward
     # over the same tokens), not by each call's cache span
-    m = _with_rope_context(m, max(len(x) for x in ids) + max_new_tokens)
-    draft = _with_rope_context(draft, max(len(x) for x in ids) + max_new_tokens)
+    context = max(len(x) for x in ids) + max_new_tokens
+    m, draft = _with_rope_context(m, context), _with_rope_context(draft, context)
     plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh, indivisible="replicate") if draft is not None else None,
                         opts, samp, **extra)
 

@@ -78,15 +78,9 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
                                self_distill=self_distill, mesh=mesh, fsdp=fsdp, accum=accum,
                                compute_dtype=compute_dtype, base_dtype=base_dtype, **shape)
     extra = {"teacher": str(base), "self_distill_tokens": self_distill, "data": [str(p) for p in data_paths]}
-    gguf = Path(m.path).is_file()  # a GGUF base: its tokenizer files are written from the file's metadata
-    info = fit_and_save_lm(cfg, tc, seq_len, batch_size, tr, va, out, work / "ckpt" / f"draft-{out.name}-{sig}",
-                           distill_loss(cfg, m.cfg), m.params, None if gguf else m.path, command,
-                           f"draft for {Path(str(base)).name}", gen=gen, mesh_plan=mesh_plan, info_extra=extra)
-    if gguf:
-        from pdecode.checkpoint import gguf_io
-
-        gguf_io.write_hf_files(m.path, out)
-    return info
+    return fit_and_save_lm(cfg, tc, seq_len, batch_size, tr, va, out, work / "ckpt" / f"draft-{out.name}-{sig}",
+                           distill_loss(cfg, m.cfg), m.params, m.path, command, f"draft for {Path(str(base)).name}",
+                           gen=gen, mesh_plan=mesh_plan, info_extra=extra)
 
 
 def main(argv=None):

@@ -422,9 +422,25 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "f
     gen = {k: v for k, v in (("bos_token_id", hf.get("bos_token_id")), ("eos_token_id", hf.get("eos_token_id")),
                              ("pad_token_id", hf.get("pad_token_id"))) if v is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            src = Path(tokenizer_dir) / name
-            if src.exists() and src.resolve() != (out / name).resolve():
-                shutil.copy(src, out / name)
+    copy_tokenizer(tokenizer_dir, out)
     return out
+
+
+def copy_tokenizer(source: str | Path | None, out: Path,
+                   names: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                   ) -> None:
+    """The tokenizer files of ``source`` (a model directory: ``names`` copied; a GGUF file: tokenizer, its config
+    with the chat template and generation_config.json written from its metadata, `gguf_io.write_hf_files`) into
+    ``out``; nothing for None."""
+    if source is None:
+        return
+    source = Path(source)
+    if source.is_file():
+        from pdecode.checkpoint import gguf_io
+
+        gguf_io.write_hf_files(source, out)
+        return
+    for name in names:
+        src = source / name
+        if src.exists() and src.resolve() != (out / name).resolve():
+            shutil.copy(src, out / name)

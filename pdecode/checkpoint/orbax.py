@@ -63,11 +63,9 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
     stored = str(jax.tree.leaves(params)[0].dtype)  # what dtype="auto" restores
     cfg = cfg.replace(dtype=stored) if stored in ("float32", "bfloat16", "float16") else cfg
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            src = Path(tokenizer_dir) / name
-            if src.exists() and src.resolve() != (out / name).resolve():
-                shutil.copy(src, out / name)
+    from pdecode.checkpoint.hf import copy_tokenizer
+
+    copy_tokenizer(tokenizer_dir, out, ("tokenizer.json", "tokenizer_config.json"))
     return out
 
 
