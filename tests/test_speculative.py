@@ -386,11 +386,32 @@ def test_lying_drafter_fails_the_distribution_test(small_vocab):
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def test_lookup_finds_latest_longest_match():
+def test_lookup_ranks_matches_by_context_then_continuation():
+    # the row ends in [1, 2, 3]: at 0 and at 4 three tokens of context precede a continuation (starts 3 and 7)
     seq = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3, 0, 0]], jnp.int32)
-    starts, found = find_matches(seq, jnp.asarray([12]), 3, 1, 2)
-    # suffix [1, 2, 3] occurs at 0 and 4; the latest is at 4, its continuation starts at 7
-    assert bool(found[0, 0]) and int(starts[0, 0]) == 7 and int(starts[0, 1]) == 3
+    starts, found = find_matches(seq, jnp.asarray([12]), 3, 1, 3, gamma=4)
+    # equal context and both have 4+ tokens after them: the latest first; then the 2-token context ending at 2
+    assert starts[0, :2].tolist() == [7, 3] and found[0].tolist() == [True, True, False]
+    # gamma 8: the occurrence at 0 has 12 tokens after it, the one at 4 only 5: more continuation wins
+    starts, _ = find_matches(seq, jnp.asarray([12]), 3, 1, 2, gamma=8)
+    assert starts[0].tolist() == [3, 7]
+    # a longer context beats more continuation: the row ends in [7, 1, 2, 3]; all four precede 15 (5 tokens after
+    # it), three precede 4 (16 after it)
+    seq2 = jnp.asarray([[4, 1, 2, 3, 8, 9, 9, 9, 9, 9, 9, 7, 1, 2, 3, 5, 7, 1, 2, 3, 0]], jnp.int32)
+    starts, _ = find_matches(seq2, jnp.asarray([20]), 4, 1, 1, gamma=8)
+    assert starts[0].tolist() == [15]
+    starts, _ = find_matches(seq2, jnp.asarray([20]), 3, 1, 1, gamma=8)  # contexts capped at 3: a tie, then room
+    assert starts[0].tolist() == [4]
+    # ngram_min: a one-token context is no match
+    seq3 = jnp.asarray([[5, 6, 7, 8, 5, 0]], jnp.int32)
+    _, found = find_matches(seq3, jnp.asarray([5]), 3, 1, 1, gamma=2)
+    assert bool(found[0, 0])
+    _, found = find_matches(seq3, jnp.asarray([5]), 3, 2, 1, gamma=2)
+    assert not bool(found[0, 0])
+    # a repeated token overlapping the row's end is a match
+    seq4 = jnp.asarray([[4, 4, 4, 0]], jnp.int32)
+    starts, found = find_matches(seq4, jnp.asarray([3]), 3, 1, 1, gamma=2)
+    assert bool(found[0, 0]) and starts[0].tolist() == [2]  # context 2 at 2 (one token of it is the end itself)
 
 
 def test_static_tree_from_choices():

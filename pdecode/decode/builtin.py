@@ -53,11 +53,13 @@ def _prepare_tree(model, draft, opts, samp):
 
 
 def _prepare_lookup(model, draft, opts, samp):
-    from pdecode.decode.lookup import LookupDrafter
+    from pdecode.decode.lookup import NGRAM_MAX_LIMIT, LookupDrafter
 
     g, nmax, nmin, br = (_int_opt(opts, k) for k in ("gamma", "ngram_max", "ngram_min", "branches"))
     if nmin > nmax:
         raise ConfigError(f"ngram_min ({nmin}) must not exceed ngram_max ({nmax})")
+    if nmax > NGRAM_MAX_LIMIT:
+        raise ConfigError(f"ngram_max must be <= {NGRAM_MAX_LIMIT}, got {nmax}")
     return _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br), opts)
 
 
@@ -85,13 +87,14 @@ register(Method("tree", _prepare_tree, needs_draft=True, needs="draft model",
                 summary="a draft model's token tree (dynamic or static) verified in one forward, several candidates "
                         "per depth"))
 register(Method("lookup", _prepare_lookup,
-                options={"gamma": Option(4, "int", "tokens drafted after a matched n-gram"),
-                         "ngram_max": Option(3, "int", "longest suffix n-gram searched for in the row's history"),
-                         "ngram_min": Option(1, "int", "shortest n-gram tried when longer ones do not match"),
+                options={"gamma": Option(10, "int", "tokens drafted after the best match"),
+                         "ngram_max": Option(8, "int", "the longest context (tokens before a match) compared "
+                                                           "with the row's end"),
+                         "ngram_min": Option(1, "int", "the shortest context that counts as a match"),
                          "branches": Option(1, "int", "candidate continuations verified together (a tree; 1: a "
                                                       "chain)"),
                          **PHASES},
-                summary="prompt lookup: drafts by matching the last n-gram in the row's own prompt and output; no "
+                summary="prompt lookup: drafts what followed the best match of the row's end in its own prompt and output; no "
                         "extra model"))
 
 

@@ -1,7 +1,8 @@
 """Prompt lookup / n-gram drafting: no extra model.
 
-The last n tokens of a row (n from ``ngram_max`` down to ``ngram_min``) are searched for in the row's own history
-(prompt + generated); the tokens that followed a match are proposed. With ``branches > 1`` the most recent
+The row's last tokens are searched for in its own history (prompt + generated): the occurrence that shares the
+longest context with the row's end (up to ``ngram_max`` tokens, at least ``ngram_min``) wins, and the ``gamma``
+tokens that followed it are proposed (`find_matches`). With ``branches > 1`` the most recent
 matches with distinct next tokens become sibling chains of one tree (multi-candidate lookup). Proposals are a
 deterministic function of the history, so sampled verification uses the q = 1 rule (``TREE_DETERMINISTIC``,
 lossless).
@@ -24,38 +25,48 @@ def broom(branches: int, length: int) -> tree_lib.StaticTree:
     return tree_lib.from_choices([[b] + [0] * (length - 1) for b in range(branches)])
 
 
-def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: int, n_best: int):
-    """Start of the continuation after the best ``n_best`` matches per row (longest n first, then most recent).
+NGRAM_MAX_LIMIT = 64  # the ranking's int32 score holds contexts up to this
+AVAIL_RANKED = 63  # continuations longer than this rank alike
 
-    Returns (starts [B, n_best], found [B, n_best]). A match at s means seq[s:s+n] equals the last n tokens and
-    at least one token follows it before the suffix itself.
+
+def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: int, n_best: int,
+                 gamma: int = 1):
+    """Start of the continuation after the best ``n_best`` matches per row.
+
+    A candidate start s (1 <= s < seq_len: at least one known token follows) matches with context l when the l
+    tokens before s equal the row's last l tokens (l up to ``ngram_max``; candidates with l < ``ngram_min`` are
+    not matches). Candidates rank by the longest context, then by the continuation available (up to ``gamma``
+    tokens: a match near the end has few tokens after it to propose), then by the latest position. The occurrence
+    may overlap the suffix itself (a repeated token or phrase). Measured on SmolLM2's greedy outputs (48 prompts,
+    HumanEval and ShareGPT, 256 tokens), this rule proposes 3.03 and 2.54 tokens per forward at gamma 10 where the
+    latest match of the longest n-gram up to 3 gave 2.62 and 2.43, and transformers' first match of a 2-gram 2.78
+    and 2.29 (docs/methods.md#prompt-lookup).
+
+    Returns (starts [B, n_best], found [B, n_best]).
     """
     b, s_max = seq.shape
     pos = jnp.arange(s_max)[None, :]
-    best_score = jnp.full((b, s_max), -1, jnp.int32)
-    for n in range(ngram_max, ngram_min - 1, -1):
-        suffix_start = seq_len - n
-        match = jnp.ones((b, s_max), bool)
-        for j in range(n):
-            want = jnp.take_along_axis(seq, jnp.clip(suffix_start + j, 0, s_max - 1)[:, None], axis=1)
-            shifted = jnp.roll(seq, -j, axis=1)
-            match = match & (shifted == want)
-        # an earlier occurrence (not the suffix itself); its continuation s + n is then a known token
-        ok = match & (pos < suffix_start[:, None]) & (suffix_start[:, None] >= 0)
-        score = n * s_max + pos  # prefer longer n, then the latest position
-        best_score = jnp.where(ok & (score > best_score), score, best_score)
-    # pick the top matches by score; recover the continuation start from the score
-    top, _ = jax.lax.top_k(best_score, n_best)
+    run = jnp.ones((b, s_max), bool)
+    context = jnp.zeros((b, s_max), jnp.int32)
+    for j in range(ngram_max):
+        # the token j before s against the row's token j before its end
+        want = jnp.take_along_axis(seq, jnp.clip(seq_len - 1 - j, 0, s_max - 1)[:, None], axis=1)
+        before = jnp.roll(seq, j + 1, axis=1)  # before[s] = seq[s - 1 - j]
+        run = run & (before == want) & (pos - 1 - j >= 0) & (seq_len[:, None] - 1 - j >= 0)
+        context = context + run.astype(jnp.int32)
+    ok = (context >= ngram_min) & (pos >= 1) & (pos < seq_len[:, None])
+    cap = min(gamma, AVAIL_RANKED)
+    avail = jnp.clip(seq_len[:, None] - pos, 0, cap)
+    score = (context * (cap + 1) + avail) * s_max + pos  # < 2**31 while ngram_max <= NGRAM_MAX_LIMIT
+    top, start = jax.lax.top_k(jnp.where(ok, score, -1), n_best)
     found = top >= 0
-    n_of = top // s_max
-    start = top % s_max + n_of
     return jnp.where(found, start, 0), found
 
 
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(StaticTreeShape, Drafter):
-    gamma: int = 4
-    ngram_max: int = 3
+    gamma: int = 10
+    ngram_max: int = 8
     ngram_min: int = 1
     branches: int = 1
 
@@ -73,7 +84,7 @@ class LookupDrafter(StaticTreeShape, Drafter):
         g = self.gamma
         # more candidates than branches, so branches can skip matches that repeat an earlier first token
         n_cand = min(s_max, 4 * self.branches)
-        starts, found = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, n_cand)
+        starts, found = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, n_cand, g)
         idx = starts[:, :, None] + jnp.arange(g)[None, None, :]  # [B, C, g]
         toks = jnp.take_along_axis(ctx.seq, jnp.clip(idx, 0, s_max - 1).reshape(b, -1), axis=1).reshape(b, n_cand, g)
         tok_ok = found[:, :, None] & (idx < ctx.seq_len[:, None, None])
