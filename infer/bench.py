@@ -697,33 +697,16 @@ def verify_cost(cfg, params, ks=(1, 2, 4, 8, 16, 32, 64), batches=(1, 8), contex
     import jax
     import jax.numpy as jnp
 
-    from pdecode.decode import common
-    from pdecode.model import attention
-    from pdecode.model import cache as kvc
-    from pdecode.model.transformer import UNROLL_MAX_LAYERS, decode_layout, forward, unembed
+    from pdecode.decode.cost import forwards, timing_cache
 
     inner = 20  # forwards per timed call: timing a loop of them inside one jit leaves out dispatch overhead
-
-    def many(params, tokens, cache):
-        params = decode_layout(params, cfg)
-        b, k = tokens.shape
-        pos = cache.lengths[:, None] + jnp.arange(k)[None, :]
-        mask = common.step_mask(cfg, cache, attention.causal_intra(k), pos)
-
-        def body(i, carry):
-            c, acc = carry
-            fo = forward(params, cfg, tokens + (acc > 1e30).astype(tokens.dtype), pos, mask, cache=c)
-            return fo.cache, acc + jnp.sum(unembed(params, cfg, fo.hidden))
-
-        return jax.lax.fori_loop(0, inner, body, (cache, jnp.float32(0.0)))[1]
+    many = forwards(cfg, inner)
 
     rows = []
     for b in batches:
         base = None
         for k in ks:
-            per_layer = cfg.num_layers <= UNROLL_MAX_LAYERS
-            cache = kvc.set_lengths(kvc.init_cache(cfg, b, context + max(ks), per_layer=per_layer),
-                                    jnp.full((b,), context, jnp.int32))
+            cache = timing_cache(cfg, b, context, max(ks))
             tokens = jnp.ones((b, k), jnp.int32)
             t = seconds_per_inner(jax.jit(many), (params, tokens, cache), repeats, inner)
             base = base or t

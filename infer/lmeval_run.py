@@ -5,6 +5,7 @@ task, run through lm-eval's own OpenAI-completions client, and every loglikeliho
     pip install "lm-eval[api]"                       # not a pdecode extra: ~50 s to install here
     python -m infer.lmeval_run                       # code-target, 24 items per task -> bench_out/lmeval
     python -m infer.lmeval_run --url http://127.0.0.1:8000 --model code-target   # a server already running
+    python -m infer.lmeval_run --model smollm2-135m-instruct   # the real model (its GGUF's tokenizer is written out)
 
 The tasks are written as lm-eval task YAMLs over local JSONL (nothing is downloaded): ``pdecode_mc`` asks for the
 value of held-out task-set asserts (``assert 7 * 3 ==``) among four choices (lm-eval sends each choice as an
@@ -130,6 +131,13 @@ def main(argv=None) -> int:
 
     model = pdecode.load(args.model, dtype=args.dtype)
     model_dir = pdecode.api.resolve_path(args.model)
+    if model_dir.is_file():  # a GGUF file: lm-eval's HF tokenizer written from its metadata
+        from pdecode.checkpoint.hf import copy_tokenizer
+
+        tok_dir = args.out / "tokenizer"
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        copy_tokenizer(model_dir, tok_dir)
+        model_dir = tok_dir
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tasks_dir = write_tasks(args.out / "tasks", args.items)
     srv = None if args.url else Server(["--model", args.model, "--dtype", args.dtype])

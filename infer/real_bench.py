@@ -317,7 +317,8 @@ class PdecodeRow:
                                draft=self.draft, stop_at_eos=True, **self.opts)
         s = out.stats
         return {"tokens": out.tokens, "wall_s": s["wall_s"], "compile_s": s["compile_s"],
-                "new_tokens": s["new_tokens"], "row_forwards": s["row_forwards"]}
+                "new_tokens": s["new_tokens"], "row_forwards": s["row_forwards"],
+                **{k: s[k] for k in ("window", "window_note") if k in s}}
 
 
 class HFModel:
@@ -460,7 +461,8 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
                         f"{time.perf_counter() - t_start:.0f} s")
             a["walls"].append(wall)
             if rep == 0:
-                a.update(tokens=outs, new_tokens=toks, row_forwards=fw, compile_s=warm[j] + comp)
+                a.update(tokens=outs, new_tokens=toks, row_forwards=fw, compile_s=warm[j] + comp,
+                         **{k: res[k] for k in ("window", "window_note") if k in res})
             elif outs != a["tokens"]:
                 a["changed_between_rounds"] = True
             log(f"    round {rep + 1}/{repeats} {r.label}: {toks} tokens in {wall:.1f} s ({toks / max(wall, 1e-9):.1f} "
@@ -774,6 +776,10 @@ class Suite:
                "wall_s_all": a["walls"], "x_ar_all": ratios, "x_ar": statistics.median(known) if known else None,
                "compile_s": a["compile_s"],
                "reference": f"ar {dt} batch {b}" if r.kind == "pdecode" else f"ar float32 batch {b}"}
+        if "window" in a:  # a free-draft method sized by the measured verify cost (pdecode.decode.cost)
+            row.update(window=a["window"], window_note=a.get("window_note"))
+            if a.get("window_note"):
+                self.res.note(f"{set_name} {dt} batch {b} {r.label}: {a['window_note']}", self.log)
         if a.get("changed_between_rounds"):
             row["changed_between_rounds"] = True
             self.res.note(f"{set_name} {dt} batch {b} {r.label}: outputs changed between rounds", self.log)

@@ -625,6 +625,8 @@ def generate(m: Model, prompts, method: str = "ar", max_new_tokens: int | None =
     # a longrope model rotates the whole generation with the factors its length calls for (as transformers' forward
     # over the same tokens), not by each call's cache span
     context = max(len(x) for x in ids) + max_new_tokens
+    if meth.wants_batch:
+        extra.update(batch=len(ids), context=context)
     m, draft = _with_rope_context(m, context), _with_rope_context(draft, context)
     plan = meth.prepare(m.on_mesh(mesh), draft.on_mesh(mesh, indivisible="replicate") if draft is not None else None,
                         opts, samp, **extra)

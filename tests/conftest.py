@@ -13,6 +13,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `pdecode generate` keeps compiled executables on disk; tests that want it say so (tests/test_cli.py)
 os.environ.setdefault("PDECODE_COMPILE_CACHE_DIR", "off")
+# jacobi's and lookahead's "auto" windows are sized by the verify cost measured on the device (pdecode.decode.cost):
+# here every verify is priced as one token, so they run the largest windows (the papers'), as the tests expect;
+# tests/test_selfdraft.py prices and measures it for real
+os.environ.setdefault("PDECODE_VERIFY_COST", "1:1")
 
 import pytest  # noqa: E402
 

@@ -239,6 +239,51 @@ def test_bad_options(models):  # noqa: F811
         pdecode.generate(t, PROMPTS[:1], method="lookahead", ngram=1)
     with pytest.raises(pdecode.PdecodeError, match="block must be an integer >= 1"):
         pdecode.generate(t, PROMPTS[:1], method="jacobi", block=0)
+    with pytest.raises(pdecode.PdecodeError, match="window must be an integer >= 1 or 'auto'"):
+        pdecode.generate(t, PROMPTS[:1], method="lookahead", window="big")
+
+
+# ------------------------------------------------------------------------------------------------ sizing by cost
+def test_windows_sized_by_verify_cost(models, monkeypatch):  # noqa: F811
+    """block / window "auto": the largest window whose verify costs <= 1/0.95 of one token; none: ar's loop (same
+    tokens, one per forward), the stats saying why; explicit sizes are kept whatever the cost."""
+    t = models["target"]
+    ar = pdecode.generate(t, PROMPTS[:2], max_new_tokens=12)
+    # the CPU of docs/results.md: a 2-token verify already costs 1.25x one token
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.25,3:1.32,5:1.32,9:1.64")
+    for method in ("jacobi", "lookahead"):
+        out = pdecode.generate(t, PROMPTS[:2], method=method, max_new_tokens=12)
+        assert out.stats["window"] == 0 and "ran as ar" in out.stats["window_note"]
+        assert out.stats["tokens_per_forward"] == 1.0 and out.tokens == ar.tokens
+    out = pdecode.generate(t, PROMPTS[:2], method="jacobi", block=4, max_new_tokens=12)
+    assert out.stats["window"] == 4 and out.tokens == ar.tokens
+    # verifies up to 5 tokens cost about one (an accelerator at batch 1): block 4 (5 tokens), lookahead W = G = 2
+    # (1 + 2 (5 - 1) + ... = 17 tokens would cost 1.3: too much; with ngram 3, 1 + 2 * 2 + 2 * 2 = 9 > 5 too)
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.0,5:1.04,6:1.2")
+    out = pdecode.generate(t, PROMPTS[:2], method="jacobi", max_new_tokens=12)
+    assert out.stats["window"] == 4 and out.tokens == ar.tokens
+    out = pdecode.generate(t, PROMPTS[:2], method="lookahead", ngram=2, max_new_tokens=12)
+    assert out.stats["window"] == {"window": 2, "guesses": 2} and out.tokens == ar.tokens  # 1 + 2 + 2 tokens
+
+
+def test_verify_cost_measured_and_kept(models, monkeypatch, tmp_path):  # noqa: F811
+    """Without the override the ratio is timed on the device once, then read back (memory, then the file next to
+    JAX's compilation cache)."""
+    from pdecode.decode import cost
+
+    monkeypatch.delenv("PDECODE_VERIFY_COST")
+    monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(cost, "_cache_dir", lambda: str(tmp_path))
+    t = models["target"]
+    r = cost.verify_cost(t, 2, 9, context=64)
+    assert 0.3 < r < 30  # a timing: a longer forward, not a constant
+    calls = []
+    assert cost.verify_cost(t, 2, 9, context=64, measure_fn=lambda *a: calls.append(a) or 99.0) == r
+    monkeypatch.setattr(cost, "_MEMO", {})  # a later process: the file
+    assert cost.verify_cost(t, 2, 9, context=64, measure_fn=lambda *a: calls.append(a) or 99.0) == r
+    assert not calls and list((tmp_path / "pdecode-costs").glob("verify-*.json"))
+    assert cost.verify_cost(t, 3, 9, context=64, measure_fn=lambda *a: calls.append(a) or 2.5) == 2.5  # other batch
+    assert len(calls) == 1
 
 
 # ------------------------------------------------------------------------------------------------ layer skip

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+
 from pdecode.decode import ar, speculative
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.registry import METHODS, Method, Option, Plan, check_same_vocab, register
@@ -99,31 +103,87 @@ register(Method("lookup", _prepare_lookup,
 
 
 
-def _prepare_jacobi(model, draft, opts, samp):
+JACOBI_BLOCKS = (1, 2, 4, 8)  # block="auto": the largest of these a verify can afford (`cost.choose`)
+LOOKAHEAD_SIZES = (1, 2, 3, 5, 7)  # window="auto": W (and G when auto too) from these
+
+
+def _sized(model, batch, context, candidates, what):
+    """`cost.choose` on a model with weights; a model of abstract shapes (`infer.plan`) gets the largest candidate."""
+    from pdecode.decode import cost
+
+    if batch is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model.params)):
+        size, tokens = max(candidates, key=lambda c: c[1])
+        return cost.Sizing(size, tokens, None, f"{what} {size}: nothing measured (abstract weights)")
+    return cost.choose(model, batch, candidates, context or cost.CONTEXT, what)
+
+
+def _as_ar(model, opts, samp, sizing):
+    """A free-draft method whose smallest window does not pay on this device: AR's plan, its stats saying why."""
+    plan = _prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp)
+    return dataclasses.replace(plan, finish_stats=lambda st: {**st, "window": 0, "window_note": sizing.note})
+
+
+def _with_window(plan, sizing, value):
+    note = sizing.note if sizing is not None else None
+    return dataclasses.replace(plan, finish_stats=lambda st: {**st, "window": value,
+                                                              **({"window_note": note} if note else {})})
+
+
+def _auto_int(opts, name):
+    v = opts[name]
+    if v == "auto":
+        return None
+    if isinstance(v, str):
+        raise ConfigError(f"{name} must be an integer >= 1 or 'auto' (sized by the measured verify cost), got {v!r}")
+    return _int_opt(opts, name)
+
+
+def _prepare_jacobi(model, draft, opts, samp, batch=None, context=None):
     from pdecode.decode.jacobi import JacobiDrafter
 
-    return _spec_plan(model, None, JacobiDrafter(block=_int_opt(opts, "block")), opts)
+    block, sizing = _auto_int(opts, "block"), None
+    if block is None:
+        sizing = _sized(model, batch, context, [(k, k + 1) for k in JACOBI_BLOCKS], "block")
+        if sizing.size == 0:
+            return _as_ar(model, opts, samp, sizing)
+        block = sizing.size
+    return _with_window(_spec_plan(model, None, JacobiDrafter(block=block), opts), sizing, block)
 
 
-def _prepare_lookahead(model, draft, opts, samp):
+def _prepare_lookahead(model, draft, opts, samp, batch=None, context=None):
     from pdecode.decode.lookahead import LookaheadDrafter
 
-    w, n, g = (_int_opt(opts, k) for k in ("window", "ngram", "guesses"))
+    n = _int_opt(opts, "ngram")
     if n < 2:
         raise ConfigError(f"ngram must be >= 2 (a key token and at least one continuation token), got {n}")
-    return _spec_plan(model, None, LookaheadDrafter(window=w, ngram=n, guesses=g, seed_prompt=bool(opts["seed_prompt"]),
-                                                    vocab_size=model.cfg.vocab_size), opts)
+    w, g, sizing = _auto_int(opts, "window"), _auto_int(opts, "guesses"), None
+    if w is None or g is None:
+        cands = [(s, 1 + (n - 1) * ((w or s) + (g or s))) for s in LOOKAHEAD_SIZES]
+        sizing = _sized(model, batch, context, cands, "window")
+        if sizing.size == 0:
+            return _as_ar(model, opts, samp, sizing)
+        w, g = w or sizing.size, g or sizing.size
+    return _with_window(_spec_plan(model, None, LookaheadDrafter(window=w, ngram=n, guesses=g,
+                                                                 seed_prompt=bool(opts["seed_prompt"]),
+                                                                 vocab_size=model.cfg.vocab_size), opts),
+                        sizing, {"window": w, "guesses": g})
 
 
-register(Method("jacobi", _prepare_jacobi,
-                options={"block": Option(8, "int", "guessed tokens iterated toward the fixed point per step"),
+AUTO_HELP = ("; 'auto': the largest whose verify costs at most 1/0.95 of one token on this device (measured), "
+             "none: the method runs as ar (pdecode.decode.cost)")
+register(Method("jacobi", _prepare_jacobi, wants_batch=True,
+                options={"block": Option("auto", "int | str", "guessed tokens iterated toward the fixed point per "
+                                                              "step (1, 2, 4 or 8 when auto)" + AUTO_HELP),
                          **PHASES},
                 summary="Jacobi decoding: the target refines a block of guesses in parallel each forward and keeps "
                         "the converged prefix; no extra model"))
-register(Method("lookahead", _prepare_lookahead,
-                options={"window": Option(7, "int", "W: lookahead columns, each extended by one token per step"),
+register(Method("lookahead", _prepare_lookahead, wants_batch=True,
+                options={"window": Option("auto", "int | str", "W: lookahead columns, each extended by one token "
+                                                               "per step (1 .. 7 when auto)" + AUTO_HELP),
                          "ngram": Option(5, "int", "N: n-gram length kept in the pool (candidates of N-1 tokens)"),
-                         "guesses": Option(7, "int", "G: pool candidates verified per step (and kept per key)"),
+                         "guesses": Option("auto", "int | str", "G: pool candidates verified per step (and kept per "
+                                                                "key); 'auto': W's size when W is auto, else sized "
+                                                                "as W is"),
                          "seed_prompt": Option(True, "bool", "seed the n-gram pool with the prompt's n-grams"),
                          **PHASES},
                 summary="lookahead decoding: a 2-D Jacobi window and an n-gram pool; the lookahead and verification "

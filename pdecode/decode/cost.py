@@ -1,0 +1,183 @@
+"""What a k-token verify costs against a one-token step, measured on the device at hand; window sizes from it.
+
+Methods that draft for free (jacobi, lookahead) gain nothing when their guesses miss: a step then yields one token,
+as an AR step does, but pays for a forward over the whole window. Whatever their acceptance, a step yields at least
+one token, so a window whose forward costs at most 1 / `FLOOR` of a one-token forward keeps the method at
+``FLOOR`` x AR or better; every accepted guess is a gain on top. ``block="auto"`` (jacobi) and ``window="auto"``
+(lookahead) take the largest such window of their candidates, measured here; when even the smallest costs more, the
+method steps aside and runs AR's loop (its stats say so: ``window`` 0 and ``window_note``).
+
+Where a forward is bound by reading the weights (an accelerator at small batch), a few dozen tokens cost about
+what one does and the paper's windows are kept. On a 2-core CPU a 2-token forward of SmolLM2-135M at batch 1 already
+costs 1.25x a 1-token one (docs/results.md), so there jacobi and lookahead run as AR.
+
+The ratio is timed once per (device, model shape, dtype, batch, tokens, context) with a bare forward and the LM
+head over a cache (`measure`: interleaved, medians) and kept in memory and in a file next to JAX's persistent
+compilation cache, so later processes read it back. ``PDECODE_VERIFY_COST`` = ``"2:1.25,9:1.6"`` (tokens:ratio)
+sets ratios instead (reproducible runs, tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOOR = 0.95  # a free-draft method sized by cost never runs below this fraction of AR's speed (one token a step)
+CONTEXT = 512  # the cache length the ratio is timed at (rounded up to the generation's own, in CONTEXT steps)
+_MEMO: dict[tuple, float] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """A window chosen by cost: ``size`` (0: none pays; the method runs as AR), the ``tokens`` its verify holds,
+    their ``cost`` ratio against one token, and a ``note`` saying why."""
+
+    size: int
+    tokens: int
+    cost: float | None
+    note: str
+
+
+def _env_costs() -> dict[int, float]:
+    raw = os.environ.get("PDECODE_VERIFY_COST", "").strip()
+    if not raw:
+        return {}
+    try:
+        return {int(k): float(v) for k, v in (p.split(":") for p in raw.split(","))}
+    except ValueError:
+        from pdecode.errors import ConfigError
+
+        raise ConfigError(f"PDECODE_VERIFY_COST must look like '2:1.25,9:1.6' (tokens:ratio, ...), got {raw!r}")
+
+
+def _key(model, batch: int, tokens: int, context: int) -> tuple:
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
+    dev = [(d.platform, d.device_kind) for d in jax.devices()]
+    return (repr(model.cfg), repr(shapes), repr(dev), os.cpu_count(), os.environ.get("XLA_FLAGS", ""), jax.__version__,
+            batch, tokens, context, "cost.measure: forwards + head, 8 a call, median of 5")
+
+
+def _cache_dir():
+    return jax.config.jax_compilation_cache_dir
+
+
+def _file(key: tuple) -> Path | None:
+    d = _cache_dir()
+    if not d or "://" in str(d):
+        return None
+    return Path(d) / "pdecode-costs" / ("verify-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".json")
+
+
+def forwards(cfg, inner: int):
+    """A jit-able ``many(params, tokens_BK, cache) -> scalar``: ``inner`` target forwards over the K fresh tokens (a
+    chain mask, the LM head at every position) on ``cache``, in one program so timing it leaves dispatch out."""
+    from pdecode.decode import common
+    from pdecode.model import attention
+    from pdecode.model.transformer import decode_layout, forward, unembed
+
+    def many(params, tokens, cache):
+        params = decode_layout(params, cfg)
+        k = tokens.shape[1]
+        pos = cache.lengths[:, None] + jnp.arange(k)[None, :]
+        mask = common.step_mask(cfg, cache, attention.causal_intra(k), pos)
+
+        def body(i, carry):
+            c, acc = carry
+            fo = forward(params, cfg, tokens + (acc > 1e30).astype(tokens.dtype), pos, mask, cache=c)
+            return fo.cache, acc + jnp.sum(unembed(params, cfg, fo.hidden))
+
+        return jax.lax.fori_loop(0, inner, body, (cache, jnp.float32(0.0)))[1]
+
+    return many
+
+
+def timing_cache(cfg, batch: int, context: int, room: int, dtype=jnp.float32):
+    """A cache holding ``context`` tokens per row with ``room`` free slots after them, laid out as decoding's."""
+    from pdecode.model import cache as kvc
+    from pdecode.model.transformer import UNROLL_MAX_LAYERS
+
+    per_layer = cfg.num_layers <= UNROLL_MAX_LAYERS
+    return kvc.set_lengths(kvc.init_cache(cfg, batch, context + room, dtype, per_layer=per_layer),
+                           jnp.full((batch,), context, jnp.int32))
+
+
+def measure(model, batch: int, tokens: int, context: int = CONTEXT, reps: int = 5, inner: int = 8) -> float:
+    """The time of one target forward (and LM head) over ``tokens`` new tokens per row against one token, at
+    ``batch`` rows over a cache holding ``context`` tokens: medians of ``reps`` interleaved timings of ``inner``
+    forwards each."""
+    params = model.params
+    cache = timing_cache(model.cfg, batch, context, tokens, jax.tree.leaves(params)[0].dtype)
+    fn = jax.jit(forwards(model.cfg, inner))
+    args = {t: jnp.ones((batch, t), jnp.int32) for t in (1, tokens)}
+    for t in args:
+        jax.block_until_ready(fn(params, args[t], cache))  # compile and warm
+    times: dict[int, list[float]] = {t: [] for t in args}
+    for _ in range(reps):
+        for t in args:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, args[t], cache))
+            times[t].append(time.perf_counter() - t0)
+    return float(np.median(times[tokens]) / np.median(times[1]))
+
+
+def verify_cost(model, batch: int, tokens: int, context: int = CONTEXT,
+                measure_fn: Callable[..., float] | None = None) -> float:
+    """The cost ratio of a ``tokens``-token verify against one token on this device (memoised; kept on disk next
+    to JAX's compilation cache; ``PDECODE_VERIFY_COST`` overrides)."""
+    if tokens <= 1:
+        return 1.0
+    env = _env_costs()
+    if env:
+        if tokens in env:
+            return env[tokens]
+        below = [k for k in env if k <= tokens]  # a longer verify costs at least what a shorter one does
+        return max(env[k] for k in below) if below else 1.0
+    context = max(CONTEXT, -(-context // CONTEXT) * CONTEXT)
+    key = _key(model, batch, tokens, context)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = _file(key)
+    try:
+        got = float(json.loads(path.read_text())["ratio"]) if path else None
+    except (OSError, ValueError, TypeError, KeyError):
+        got = None
+    if got is None or not got > 0:
+        got = (measure_fn or measure)(model, batch, tokens, context)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"ratio": got, "tokens": tokens, "batch": batch, "context": context}))
+            except OSError:
+                pass
+    _MEMO[key] = got
+    return got
+
+
+def choose(model, batch: int, candidates: Sequence[tuple[int, int]], context: int = CONTEXT,
+           what: str = "window") -> Sizing:
+    """The largest candidate ``(size, tokens)`` whose ``tokens``-token verify costs at most 1 / `FLOOR` of one
+    token; candidates are tried from the smallest verify up, so a device where even the smallest does not pay
+    measures one ratio. Size 0 when none pays."""
+    best, cost_seen = None, None
+    for size, tokens in sorted(candidates, key=lambda c: c[1]):
+        c = verify_cost(model, batch, tokens, context)
+        cost_seen = (tokens, c)
+        if c > 1 / FLOOR:
+            break
+        best = Sizing(size, tokens, c, f"{what} {size}: a {tokens}-token verify costs {c:.2f}x one token at batch "
+                                       f"{batch} on {jax.devices()[0].device_kind}")
+    if best is not None:
+        return best
+    tokens, c = cost_seen
+    return Sizing(0, 1, c, f"{what} 0 (ran as ar): a {tokens}-token verify costs {c:.2f}x one token at batch {batch} "
+                           f"on {jax.devices()[0].device_kind}, more than 1/{FLOOR} (an unlucky step would be slower "
+                           "than ar's)")
