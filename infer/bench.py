@@ -422,6 +422,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget-min", type=int, default=32, help="serve suite: smallest max_tokens")
     ap.add_argument("--max-len", type=int, default=192, help="serve suite: the server's context per slot")
     ap.add_argument("--steps-per-call", type=int, default=8, help="serve suite: decode steps per engine call")
+    ap.add_argument("--guidellm-data", choices=["synthetic", "sharegpt"], default="synthetic",
+                    help="serve suite, --driver guidellm: synthetic prompts, or ShareGPT's first human turns (from "
+                         "conversation 12,000 on) asking for their recorded answers' lengths (capped at --new-tokens)")
+    ap.add_argument("--guidellm-rates", nargs="+", type=float, default=None,
+                    help="serve suite, --driver guidellm: Poisson arrival rates (requests/s) instead of closed loops")
     ap.add_argument("--driver", choices=["pdecode", "guidellm"], default="pdecode",
                     help="serve suite: who drives the load rows: the bench's own client (one at a time, --clients "
                          "concurrent, Poisson rates) or guidellm's default streaming run (1, 4 and --clients streams, "

@@ -151,10 +151,11 @@ def json_array_items(text: str, scan: dict | None = None) -> Iterator[tuple[int,
 
 
 def sharegpt_first_turns(path: str | Path | None = None, start: int = SHAREGPT_FIRST,
-                         scan: dict | None = None) -> Iterator[tuple[int, str]]:
+                         scan: dict | None = None, with_reply: bool = False) -> Iterator[tuple]:
     """(conversation index, text of its first turn) for every conversation at list index >= ``start`` (never below
-    `SHAREGPT_FIRST`) whose first turn is a non-empty human turn. ``scan`` receives, besides `json_array_items`'
-    counts, ``not_human``: conversations from ``start`` on skipped because they open otherwise."""
+    `SHAREGPT_FIRST`) whose first turn is a non-empty human turn; ``with_reply``: (index, text, the recorded answer's
+    text or None when no gpt turn follows). ``scan`` receives, besides `json_array_items`' counts, ``not_human``:
+    conversations from ``start`` on skipped because they open otherwise."""
     if start < SHAREGPT_FIRST:
         raise ValueError(f"ShareGPT conversations before index {SHAREGPT_FIRST} are training data elsewhere; "
                          f"start must be >= {SHAREGPT_FIRST}, got {start}")
@@ -172,7 +173,12 @@ def sharegpt_first_turns(path: str | Path | None = None, start: int = SHAREGPT_F
             scan["not_human"] += 1
             continue
         assert idx >= SHAREGPT_FIRST
-        yield idx, value
+        if with_reply:
+            second = turns[1] if len(turns) > 1 and isinstance(turns[1], dict) else {}
+            reply = second.get("value") if second.get("from") == "gpt" else None
+            yield idx, value, reply if isinstance(reply, str) and reply.strip() else None
+        else:
+            yield idx, value
 
 
 def humaneval_prompts(tok, n: int | None = None, path: str | Path | None = None) -> list[Prompt]:
@@ -206,6 +212,28 @@ def sharegpt_prompts(tok, n: int = SHAREGPT_DEFAULT_PROMPTS, path: str | Path | 
             "file_cut_off": scan.get("cut_off", False), "asked": n, "got": len(out),
             "indices": [p.index for p in out]}
     return out, info
+
+
+def sharegpt_requests(tok, n: int, max_prompt_tokens: int = 512, max_new: int = 256,
+                      path: str | Path | None = None) -> list[dict]:
+    """``n`` serving requests from ShareGPT's first exchanges (index >= `SHAREGPT_FIRST`): the human turn as the
+    ``prompt`` (sent as a chat message; its chat-rendered ids under ``max_prompt_tokens``) and the recorded answer's
+    length in the model's tokens, capped at ``max_new``, as ``output_tokens_count`` (guidellm's columns);
+    conversations with no recorded answer are skipped."""
+    from pdecode import chat
+
+    out = []
+    for idx, text, reply in sharegpt_first_turns(path, with_reply=True):
+        if reply is None:
+            continue
+        ids = chat.encode_chat(tok, chat.render(tok, [{"role": "user", "content": text}]))
+        if len(ids) > max_prompt_tokens:
+            continue
+        out.append({"prompt": text, "output_tokens_count": max(1, min(max_new, len(tok.encode(reply)))),
+                    "recorded_tokens": len(tok.encode(reply)), "prompt_tokens": len(ids), "index": idx})
+        if len(out) >= n:
+            break
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ pass@1

@@ -17,7 +17,11 @@ names. Results: results.json, results.md and a plot (throughput and TTFT p99 aga
 ``--driver guidellm``: the load rows come from guidellm (a load tester, `pip install guidellm`; not a pdecode extra)
 instead: its default streaming run against each server, closed loops of 1, 4 and ``--clients`` streams, synthetic
 prompts of ``--prompt-tokens`` asking for ``--new-tokens``, ``--requests`` per level; its benchmarks.json is kept
-under ``--out`` and read into the same table (`guidellm_rows`).
+under ``--out`` and read into the same table (`guidellm_rows`). ``--guidellm-data sharegpt``: ShareGPT's first
+human turns from conversation 12,000 on (chat messages) asking for their recorded answers' lengths (capped at
+``--new-tokens``), the fixed batches on the same prompts; ``--guidellm-rates R ...``: Poisson arrivals at each
+rate instead of the closed loops. ``--dtype`` picks the server's precision (default bfloat16 weights with float32
+activations).
 """
 
 from __future__ import annotations
@@ -208,21 +212,40 @@ def run_suite(args) -> int:
         return 2
     out = Path(args.out) if args.out else Path("docs/bench/serve")
     out.mkdir(parents=True, exist_ok=True)
-    dtype, act = "bfloat16", "float32"  # mixed precision, as the fixed-batch reference
+    # mixed precision (bfloat16 weights, float32 activations) unless --dtype names one
+    dtype, act = (args.dtype, None) if getattr(args, "dtype", None) else ("bfloat16", "float32")
     model = pdecode.load(args.model or "code-target", dtype=dtype, activation_dtype=act)
     n = args.requests
-    work = _workload(model, n, (args.prompt_min, args.prompt_tokens), (args.budget_min, args.new_tokens))
+    sharegpt = getattr(args, "guidellm_data", "synthetic") == "sharegpt"
+    if sharegpt:  # ShareGPT's first human turns and their recorded answers' lengths (guidellm's data file)
+        from infer.real_bench import sharegpt_requests
+
+        reqs = sharegpt_requests(model.tokenizer, n, args.max_prompt_tokens, args.new_tokens)
+        data_file = out / "sharegpt_requests.jsonl"
+        data_file.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "output_tokens_count")}) + "\n"
+                                     for r in reqs))
+        args.guidellm_file = data_file
+        from pdecode import chat
+
+        work = [(chat.encode_chat(model.tokenizer, chat.render(model.tokenizer, [{"role": "user",
+                                                                                   "content": r["prompt"]}])),
+                 r["output_tokens_count"]) for r in reqs]
+    else:
+        work = _workload(model, n, (args.prompt_min, args.prompt_tokens), (args.budget_min, args.new_tokens))
     bodies = [{"prompt": p, "max_tokens": b, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}} for p, b in work]
     rows, meta = [], {"model": args.model or "code-target", "requests": n, "slots": args.slots,
                       "fixed_new_tokens": args.fixed_new_tokens, "steps_per_call": args.steps_per_call,
                       "max_len": args.max_len,
                       "prompt_tokens": [args.prompt_min, args.prompt_tokens],
-                      "budgets": [args.budget_min, args.new_tokens], "rates": args.rates,
+                      "budgets": [args.budget_min, args.new_tokens], "rates": args.rates, "dtype": dtype,
+                      "activation_dtype": act,
+                      "data": "sharegpt" if sharegpt else "synthetic",
                       "date": time.strftime("%Y-%m-%d %H:%M")}
     for method in args.methods:
         name, _, optstr = method.partition(":")
-        sargs = ["--model", args.model or "code-target", "--dtype", dtype, "--activation-dtype", act, "--method", name,
+        sargs = ["--model", args.model or "code-target", "--dtype", dtype, *(["--activation-dtype", act] if act else []),
+                 "--method", name,
                  "--slots", str(args.slots), "--max-len", str(args.max_len), "--chunk", "128",
                  "--steps-per-call", str(args.steps_per_call),
                  "--log-level", "warning"]  # no access line per request: stderr is a pipe read only at exit
@@ -303,11 +326,22 @@ def _run_guidellm(url: str, args, out: Path) -> list[dict]:
     from pdecode import api
 
     out.mkdir(parents=True, exist_ok=True)
-    levels = ",".join(str(x) for x in sorted({1, 4, args.clients}))
     tok = api.resolve_path(args.model or "code-target")
-    cmd = [_guidellm(), "run", "--backend", f"kind=openai_http,target={url}", "--profile", "kind=concurrent",
-           "--override", "profile.streams", levels,
-           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.new_tokens}",
+    if tok.is_file():  # a GGUF file: guidellm's HF tokenizer written from its metadata
+        from pdecode.checkpoint.hf import copy_tokenizer
+
+        copy_tokenizer(tok, out / "tokenizer")
+        tok = out / "tokenizer"
+    rates = getattr(args, "guidellm_rates", None)
+    if rates:  # open loop: requests arrive as a Poisson process at each rate
+        profile = ["--profile", "kind=poisson", "--override", "profile.rate", ",".join(f"{r:g}" for r in rates)]
+    else:
+        profile = ["--profile", "kind=concurrent", "--override", "profile.streams",
+                   ",".join(str(x) for x in sorted({1, 4, args.clients}))]
+    data_file = getattr(args, "guidellm_file", None)
+    data = (f"kind=json_file,path={Path(data_file).resolve()}" if data_file else
+            f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.new_tokens}")
+    cmd = [_guidellm(), "run", "--backend", f"kind=openai_http,target={url}", *profile, "--data", data,
            "--tokenizer", f"kind=hf_auto,model={tok}", "--constraint", f"kind=max_requests,count={args.requests}",
            "--disable-progress"]
     print(f"[serve bench] guidellm: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
@@ -321,12 +355,14 @@ def _run_guidellm(url: str, args, out: Path) -> list[dict]:
 
 def guidellm_rows(path: Path) -> list[dict]:
     """The serve bench's rows from a guidellm benchmarks.json: one per concurrency level (its closed loop of N
-    streams): requests, failed (errored + incomplete), output tokens per second (guidellm's mean), TTFT, ITL (its
+    streams) or per Poisson arrival rate: requests, failed (errored + incomplete), output tokens per second (guidellm's mean), TTFT, ITL (its
     inter-token latency) and time per output token at p50 / p99, in seconds as the bench's own rows."""
     data = json.loads(Path(path).read_text())
     rows = []
     for b in data["benchmarks"]:
-        n = b["config"]["strategy"]["streams"]
+        strategy = b["config"]["strategy"]
+        n, rate = strategy.get("streams"), strategy.get("rate")
+        label = f"guidellm, {n} concurrent" if n is not None else f"guidellm, poisson {rate:g}/s"
         m = b["metrics"]
         tot = m["request_totals"]
 
@@ -334,7 +370,7 @@ def guidellm_rows(path: Path) -> list[dict]:
             s = m[name]["successful"]
             return None if not s.get("count") else s["percentiles"][q] / 1e3
 
-        rows.append({"row": f"guidellm, {n} concurrent", "mode": "guidellm", "clients": n, "rate": 0.0,
+        rows.append({"row": label, "mode": "guidellm", "clients": n or 0, "rate": float(rate or 0.0),
                      "requests": tot["total"], "failed": tot["errored"] + tot["incomplete"],
                      "wall_s": b["duration"], "completion_tokens": m["output_token_count"]["successful"]["total_sum"],
                      "tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],

@@ -77,6 +77,20 @@ def test_sharegpt_prompts_skip_long_ones_and_keep_indices(tmp_path):
     assert all(len(p.ids) <= 64 for p in prompts)
 
 
+def test_sharegpt_requests_ask_for_the_recorded_answer_length(tmp_path):
+    """guidellm's ShareGPT requests: the human turn, its recorded answer's length in tokens (capped), training
+    conversations never, long prompts and conversations without an answer skipped."""
+    f = write_sharegpt(tmp_path / "sg.json", long_at={12_001})
+    items = json.loads(f.read_text()[: f.read_text().rindex("},") + 1] + "]")  # (the cut file, closed by hand)
+    items[12_002]["conversations"] = items[12_002]["conversations"][:1]  # no recorded answer
+    items[12_003]["conversations"][1]["value"] = "a much longer recorded answer than the others"
+    f.write_text(json.dumps(items))
+    reqs = RB.sharegpt_requests(WordTokenizer(), 3, max_prompt_tokens=64, max_new=5, path=f)
+    assert [r["index"] for r in reqs] == [12_000, 12_003, 12_004]
+    assert reqs[0]["prompt"] == "question 12000 [about] {braces}"
+    assert [r["output_tokens_count"] for r in reqs] == [2, 5, 2] and reqs[1]["recorded_tokens"] == 8
+
+
 def test_humaneval_loader(tmp_path):
     f = write_humaneval(tmp_path / "he.jsonl", [ADD, {**ADD, "task_id": "Toy/1"}])
     ps = RB.humaneval_prompts(WordTokenizer(), path=f)

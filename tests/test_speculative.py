@@ -414,6 +414,28 @@ def test_lookup_ranks_matches_by_context_then_continuation():
     assert bool(found[0, 0]) and starts[0].tolist() == [2]  # context 2 at 2 (one token of it is the end itself)
 
 
+def test_lookup_takes_plain_steps_where_nothing_matches(models):
+    """A step where no live row's end matches anything is a plain step (one token's forward, nothing drafted): the
+    acceptance histogram (drafted steps) counts fewer steps than the loop ran; the output is AR's."""
+    from pdecode.decode.lookup import LookupDrafter
+    from pdecode.decode.speculative import Context
+
+    d = LookupDrafter()
+    seq = jnp.asarray([[5, 6, 7, 8, 0], [5, 6, 5, 6, 0]], jnp.int32)
+    both = Context(seq, jnp.asarray([4, 4]), None, None, jnp.asarray([True, True]))
+    assert bool(d.worth_drafting(None, None, both))  # row 1 ends in 6, seen at 1
+    assert not bool(d.worth_drafting(None, None, both._replace(active=jnp.asarray([True, False]))))
+    assert not bool(d.worth_drafting(None, None, both._replace(seq=seq[:1], seq_len=jnp.asarray([4]),
+                                                               active=jnp.asarray([True]))))
+    t = models["target"]
+    prompt = [list(range(30, 40))]  # no token repeats: the first steps have nothing to draft
+    ar = pdecode.generate(t, prompt, max_new_tokens=24, stop_at_eos=False)
+    out = pdecode.generate(t, prompt, method="lookup", max_new_tokens=24, stop_at_eos=False)
+    assert out.tokens == ar.tokens
+    drafted = sum(out.stats["accepted_histogram"])
+    assert 0 < drafted < out.stats["target_forwards"] - 1
+
+
 def test_static_tree_from_choices():
     tr = tree_lib.from_choices([[0, 1], [1]])  # prefix [0] is added
     assert tr.parents == (-1, 0, 0, 1) and tr.ranks == (0, 0, 1, 1)

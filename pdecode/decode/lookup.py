@@ -79,6 +79,12 @@ class LookupDrafter(StaticTreeShape, Drafter):
     def follow(self, dparams, dstate, ctx: Context):
         return dstate
 
+    def worth_drafting(self, dparams, dstate, ctx: Context):
+        # a step drafts when some live row's end matches somewhere: on SmolLM2's outputs a third of the steps have
+        # no match (a token new to the row), and a plain step costs one token's forward, not 1 + gamma tokens'
+        _, found = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, 1, self.gamma)
+        return jnp.any(found[:, 0] & ctx.active)
+
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         b, s_max = ctx.seq.shape
         g = self.gamma

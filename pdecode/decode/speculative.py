@@ -102,6 +102,14 @@ class Drafter:
     def update(self, dparams, dstate, ctx: Context, ver: Verified, hidden_BND, layers_nBND):
         return dstate
 
+    def worth_drafting(self, dparams, dstate, ctx: Context):
+        """Not overridden: every step drafts. Overridden: a scalar bool, whether this step drafts at all. A drafter
+        that knows it has nothing to propose for any live row (lookup with no match) lets `generate`'s loop take a
+        plain step instead, which costs one token's forward instead of the whole tree's and yields the same one
+        token; it must set ``follows``. The answer must depend on the sequence alone (each kind of step is lossless
+        given it)."""
+        return None
+
     def follow(self, dparams, dstate, ctx: Context):
         """The state after a *plain* step (``make_step(plain=True)``: the target took one token alone, nothing was
         drafted), for drafters that set ``follows``; ``ctx`` holds the sequence with that token appended."""
@@ -386,11 +394,29 @@ def generate(params, prompt_BP, prompt_len_B, key, warp, stops=None, *, cfg: Mod
                   cache_dtype=cache_dtype, shared_prefix=shared_prefix)
     step = make_step(tparams, dparams, warp, cfg=cfg, drafter=drafter, max_len=max_len, eos_ids=eos_ids, samp=samp,
                      mesh=mesh, pipe=pipe)
+    step = _gated(step, tparams, dparams, warp, cfg=cfg, drafter=drafter, max_len=max_len, eos_ids=eos_ids,
+                  samp=samp, mesh=mesh, pipe=pipe)
     # a verify pass writes the whole tree at slots lengths .. lengths + N - 1
     state = common.phased_while_loop(lambda s: ~jnp.all(s.out.done), step, state, lengths,
                                      fresh=drafter.tree_size, mesh=mesh)
     return state.out, {"target_forwards": state.forwards, "draft_forwards": state.draft_forwards,
                        "accepted_histogram": state.acc_hist}
+
+
+def _gated(step, tparams, dparams, warp, **kw):
+    """``step``, or, for a drafter whose `Drafter.worth_drafting` answers, a step that takes a plain step (the
+    target alone, one token a row) where no live row has anything to draft."""
+    drafter = kw["drafter"]
+    if not drafter.follows or type(drafter).worth_drafting is Drafter.worth_drafting:
+        return step
+    plain = make_step(tparams, dparams, warp, plain=True, **kw)
+
+    def gated(s: SpecState) -> SpecState:
+        ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, ~s.out.done, tparams, cache=s.cache,
+                      gstate=s.gstate)
+        return jax.lax.cond(drafter.worth_drafting(dparams, s.dstate, ctx), step, plain, s)
+
+    return gated
 
 
 PIPE = "pipe"  # the mesh axis of a pipeline placement: device 0 verifies, device 1 drafts
