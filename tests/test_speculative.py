@@ -414,19 +414,25 @@ def test_lookup_ranks_matches_by_context_then_continuation():
     assert bool(found[0, 0]) and starts[0].tolist() == [2]  # context 2 at 2 (one token of it is the end itself)
 
 
-def test_lookup_takes_plain_steps_where_nothing_matches(models):
-    """A step where no live row's end matches anything is a plain step (one token's forward, nothing drafted): the
-    acceptance histogram (drafted steps) counts fewer steps than the loop ran; the output is AR's."""
+def test_lookup_takes_plain_steps_where_drafting_does_not_pay(models, monkeypatch):
+    """A step drafts when some live row's end matches and the rows' expected tokens (1 + the decayed mean accepted
+    from matches of that context length) reach the verify's cost; otherwise it is a plain step (one token's
+    forward, nothing drafted). The acceptance histogram (drafted steps) then counts fewer steps than the loop ran;
+    the output is AR's either way."""
     from pdecode.decode.lookup import LookupDrafter
     from pdecode.decode.speculative import Context
 
     d = LookupDrafter()
     seq = jnp.asarray([[5, 6, 7, 8, 0], [5, 6, 5, 6, 0]], jnp.int32)
+    st = d.init(None, None, seq, jnp.asarray([4, 4]), None, 8)
     both = Context(seq, jnp.asarray([4, 4]), None, None, jnp.asarray([True, True]))
-    assert bool(d.worth_drafting(None, None, both))  # row 1 ends in 6, seen at 1
-    assert not bool(d.worth_drafting(None, None, both._replace(active=jnp.asarray([True, False]))))
-    assert not bool(d.worth_drafting(None, None, both._replace(seq=seq[:1], seq_len=jnp.asarray([4]),
-                                                               active=jnp.asarray([True]))))
+    assert bool(d.worth_drafting(None, st, both))  # row 1 ends in 6, seen at 1
+    assert not bool(d.worth_drafting(None, st, both._replace(active=jnp.asarray([True, False]))))  # row 0: no match
+    # a verify costing 4 tokens: drafts from a 2-token context pay while they are expected to accept 3 or more
+    dear = LookupDrafter(cost=4.0)
+    assert bool(dear.worth_drafting(None, st, both))  # (optimistic until measured: gamma)
+    poor = st.replace(accepted=st.accepted.at[2].set(0.5))
+    assert not bool(dear.worth_drafting(None, poor, both))  # (1 + 0.5 + 1) / 2 rows < 4
     t = models["target"]
     prompt = [list(range(30, 40))]  # no token repeats: the first steps have nothing to draft
     ar = pdecode.generate(t, prompt, max_new_tokens=24, stop_at_eos=False)
@@ -434,6 +440,11 @@ def test_lookup_takes_plain_steps_where_nothing_matches(models):
     assert out.tokens == ar.tokens
     drafted = sum(out.stats["accepted_histogram"])
     assert 0 < drafted < out.stats["target_forwards"] - 1
+    # a verify priced at 50 tokens never pays: every step is plain, as ar
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:50")
+    out = pdecode.generate(t, PROMPTS[:3], method="lookup", max_new_tokens=24, stop_at_eos=False)
+    assert out.tokens == pdecode.generate(t, PROMPTS[:3], max_new_tokens=24, stop_at_eos=False).tokens
+    assert out.stats["verify_cost"] == 50 and out.stats["tokens_per_forward"] == 1.0
 
 
 def test_static_tree_from_choices():

@@ -56,7 +56,7 @@ def _prepare_tree(model, draft, opts, samp):
     return _spec_plan(model, draft.params, drafter, opts)
 
 
-def _prepare_lookup(model, draft, opts, samp):
+def _prepare_lookup(model, draft, opts, samp, batch=None, context=None):
     from pdecode.decode.lookup import NGRAM_MAX_LIMIT, LookupDrafter
 
     g, nmax, nmin, br = (_int_opt(opts, k) for k in ("gamma", "ngram_max", "ngram_min", "branches"))
@@ -64,7 +64,11 @@ def _prepare_lookup(model, draft, opts, samp):
         raise ConfigError(f"ngram_min ({nmin}) must not exceed ngram_max ({nmax})")
     if nmax > NGRAM_MAX_LIMIT:
         raise ConfigError(f"ngram_max must be <= {NGRAM_MAX_LIMIT}, got {nmax}")
-    return _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br), opts)
+    from pdecode.decode import cost
+
+    c = 1.0 if _unmeasurable(model, batch) else cost.verify_cost(model, batch, 1 + g * br, context or cost.CONTEXT)
+    plan = _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br, cost=c), opts)
+    return _add_stats(plan, {"verify_cost": round(c, 3)})
 
 
 register(Method("ar", _prepare_ar, options=dict(PHASES),
@@ -90,7 +94,7 @@ register(Method("tree", _prepare_tree, needs_draft=True, needs="draft model",
                          **TREE_OPTS, **PHASES},
                 summary="a draft model's token tree (dynamic or static) verified in one forward, several candidates "
                         "per depth"))
-register(Method("lookup", _prepare_lookup,
+register(Method("lookup", _prepare_lookup, wants_batch=True,
                 options={"gamma": Option(10, "int", "tokens drafted after the best match"),
                          "ngram_max": Option(8, "int", "the longest context (tokens before a match) compared "
                                                            "with the row's end"),
@@ -107,26 +111,35 @@ JACOBI_BLOCKS = (1, 2, 4, 8)  # block="auto": the largest of these a verify can 
 LOOKAHEAD_SIZES = (1, 2, 3, 5, 7)  # window="auto": W (and G when auto too) from these
 
 
+def _unmeasurable(model, batch) -> bool:
+    """No batch given, or a model of abstract shapes (`infer.plan`): nothing to time a verify with."""
+    return batch is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model.params))
+
+
 def _sized(model, batch, context, candidates, what):
-    """`cost.choose` on a model with weights; a model of abstract shapes (`infer.plan`) gets the largest candidate."""
+    """`cost.choose` on a model with weights; an unmeasurable one gets the largest candidate."""
     from pdecode.decode import cost
 
-    if batch is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model.params)):
+    if _unmeasurable(model, batch):
         size, tokens = max(candidates, key=lambda c: c[1])
         return cost.Sizing(size, tokens, None, f"{what} {size}: nothing measured (abstract weights)")
     return cost.choose(model, batch, candidates, context or cost.CONTEXT, what)
 
 
+def _add_stats(plan, extra: dict):
+    """``plan`` whose stats also hold ``extra`` (after the plan's own finishing)."""
+    own = plan.finish_stats or (lambda st: st)
+    return dataclasses.replace(plan, finish_stats=lambda st: {**own(st), **extra})
+
+
 def _as_ar(model, opts, samp, sizing):
     """A free-draft method whose smallest window does not pay on this device: AR's plan, its stats saying why."""
     plan = _prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp)
-    return dataclasses.replace(plan, finish_stats=lambda st: {**st, "window": 0, "window_note": sizing.note})
+    return _add_stats(plan, {"window": 0, "window_note": sizing.note})
 
 
 def _with_window(plan, sizing, value):
-    note = sizing.note if sizing is not None else None
-    return dataclasses.replace(plan, finish_stats=lambda st: {**st, "window": value,
-                                                              **({"window_note": note} if note else {})})
+    return _add_stats(plan, {"window": value, **({"window_note": sizing.note} if sizing is not None else {})})
 
 
 def _auto_int(opts, name):

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
@@ -30,7 +31,7 @@ AVAIL_RANKED = 63  # continuations longer than this rank alike
 
 
 def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: int, n_best: int,
-                 gamma: int = 1):
+                 gamma: int = 1, with_context: bool = False):
     """Start of the continuation after the best ``n_best`` matches per row.
 
     A candidate start s (1 <= s < seq_len: at least one known token follows) matches with context l when the l
@@ -42,7 +43,8 @@ def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: 
     latest match of the longest n-gram up to 3 gave 2.62 and 2.43, and transformers' first match of a 2-gram 2.78
     and 2.29 (docs/methods.md#prompt-lookup).
 
-    Returns (starts [B, n_best], found [B, n_best]).
+    Returns (starts [B, n_best], found [B, n_best]), and ``with_context`` the matches' context lengths [B, n_best]
+    (0 where not found).
     """
     b, s_max = seq.shape
     pos = jnp.arange(s_max)[None, :]
@@ -60,37 +62,76 @@ def find_matches(seq: jax.Array, seq_len: jax.Array, ngram_max: int, ngram_min: 
     score = (context * (cap + 1) + avail) * s_max + pos  # < 2**31 while ngram_max <= NGRAM_MAX_LIMIT
     top, start = jax.lax.top_k(jnp.where(ok, score, -1), n_best)
     found = top >= 0
+    if with_context:
+        return jnp.where(found, start, 0), found, jnp.where(found, top // s_max // (cap + 1), 0)
     return jnp.where(found, start, 0), found
+
+
+@struct.dataclass
+class LookupState:
+    accepted: jax.Array  # [ngram_max + 1] float32: decayed mean tokens accepted per drafted row, by match context
+    context: jax.Array  # [B] int32: the context of the match each row drafted from this step (0: none)
+
+
+EMA = 0.2  # weight of a step's acceptance in the decayed means
 
 
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(StaticTreeShape, Drafter):
+    """``cost``: what the step's verify forward (1 + gamma x branches tokens) costs against a one-token forward on
+    the device at the generation's batch (`pdecode.decode.cost`, measured when the method is prepared). A step
+    drafts when the rows' expected tokens from it, 1 + the decayed mean of what drafts from a match of each row's
+    context length accepted (optimistic, gamma, until measured), reach ``cost``; otherwise it is a plain step (one
+    token's forward, one token: `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1:
+    every step with a match drafts."""
+
     gamma: int = 10
     ngram_max: int = 8
     ngram_min: int = 1
     branches: int = 1
+    cost: float = 1.0
 
     @property
     def tree(self) -> tree_lib.StaticTree:
         return broom(self.branches, self.gamma)
 
-    follows = True  # no state of its own: it reads the sequence (and the target's root hidden state) afresh
+    follows = True  # its state (acceptance means) stays right across a plain step: nothing was drafted
+
+    def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=None,
+             shared_prefix: int = 0):
+        return LookupState(accepted=jnp.full((self.ngram_max + 1,), float(self.gamma), jnp.float32).at[0].set(0.0),
+                           context=jnp.zeros(prompt_BP.shape[:1], jnp.int32))
 
     def follow(self, dparams, dstate, ctx: Context):
         return dstate
 
-    def worth_drafting(self, dparams, dstate, ctx: Context):
-        # a step drafts when some live row's end matches somewhere: on SmolLM2's outputs a third of the steps have
-        # no match (a token new to the row), and a plain step costs one token's forward, not 1 + gamma tokens'
-        _, found = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, 1, self.gamma)
-        return jnp.any(found[:, 0] & ctx.active)
+    def worth_drafting(self, dparams, dstate: LookupState, ctx: Context):
+        # on SmolLM2's outputs a third of the steps have no match at all (a token new to the row), and a match of one
+        # token of context accepts about one token: a (1 + gamma)-token forward is worth it where it costs about one
+        _, found, context = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, 1, self.gamma,
+                                         with_context=True)
+        live = found[:, 0] & ctx.active
+        expected = jnp.where(ctx.active, 1.0 + dstate.accepted[context[:, 0]], 0.0)
+        rows = jnp.maximum(jnp.sum(ctx.active), 1)
+        return jnp.any(live) & (jnp.sum(expected) >= self.cost * rows)
+
+    def update(self, dparams, dstate: LookupState, ctx: Context, ver, hidden_BND, layers_nBND):
+        n = self.ngram_max + 1
+        drafted = ctx.active & (dstate.context > 0)
+        got = jax.ops.segment_sum(jnp.where(drafted, ver.n_accepted, 0).astype(jnp.float32), dstate.context, n)
+        rows = jax.ops.segment_sum(drafted.astype(jnp.float32), dstate.context, n)
+        seen = rows > 0
+        mean = got / jnp.maximum(rows, 1.0)
+        accepted = jnp.where(seen, (1 - EMA) * dstate.accepted + EMA * mean, dstate.accepted).at[0].set(0.0)
+        return dstate.replace(accepted=accepted)
 
     def propose(self, dparams, dstate, ctx: Context, key, samp, warp):
         b, s_max = ctx.seq.shape
         g = self.gamma
         # more candidates than branches, so branches can skip matches that repeat an earlier first token
         n_cand = min(s_max, 4 * self.branches)
-        starts, found = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, n_cand, g)
+        starts, found, context = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, n_cand, g,
+                                              with_context=True)
         idx = starts[:, :, None] + jnp.arange(g)[None, None, :]  # [B, C, g]
         toks = jnp.take_along_axis(ctx.seq, jnp.clip(idx, 0, s_max - 1).reshape(b, -1), axis=1).reshape(b, n_cand, g)
         tok_ok = found[:, :, None] & (idx < ctx.seq_len[:, None, None])
@@ -107,5 +148,6 @@ class LookupDrafter(StaticTreeShape, Drafter):
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
         tokens = jnp.concatenate([root, toks.reshape(b, -1)], axis=1)
         valid = jnp.concatenate([jnp.ones((b, 1), bool), tok_ok.reshape(b, -1)], axis=1)
+        used = jnp.where(jnp.any(tok_ok[:, :, 0], axis=1), context[:, 0], 0)  # (the best match leads the branches)
         return Proposal(tokens=tokens, parents=self.tree, valid=valid, q=None, draft_forwards=jnp.int32(0),
-                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC)), dstate
+                        rule=rule_for(samp, Rule.TREE_DETERMINISTIC)), dstate.replace(context=used)

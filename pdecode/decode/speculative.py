@@ -106,8 +106,8 @@ class Drafter:
         """Not overridden: every step drafts. Overridden: a scalar bool, whether this step drafts at all. A drafter
         that knows it has nothing to propose for any live row (lookup with no match) lets `generate`'s loop take a
         plain step instead, which costs one token's forward instead of the whole tree's and yields the same one
-        token; it must set ``follows``. The answer must depend on the sequence alone (each kind of step is lossless
-        given it)."""
+        token; it must set ``follows``. The answer may depend on anything before this step (the sequence, the
+        drafter's state), never on this step's draws: each kind of step is lossless given the past."""
         return None
 
     def follow(self, dparams, dstate, ctx: Context):
