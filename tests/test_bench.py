@@ -187,6 +187,42 @@ def test_dico_tuning_picks_the_cheapest_setting_near_the_best(tmp_path, monkeypa
     assert (tmp_path / "t" / "dico_tuning.json").exists()
 
 
+def test_guidellm_poisson_rows_and_command(tmp_path, monkeypatch):
+    """guidellm's Poisson runs (--guidellm-rates): one row per arrival rate (tests/data: guidellm 0.8.1 at 2 and 4
+    requests/s against `pdecode serve --slots 4`, code-target, 2026-12-07, the per-request lists dropped); the
+    command asks for Poisson rates and reads a data file when one is given."""
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from infer import serve_bench
+
+    rows = serve_bench.guidellm_rows(Path(__file__).parent / "data" / "guidellm_poisson_benchmarks.json")
+    assert [(r["row"], r["rate"], r["clients"]) for r in rows] == [("guidellm, poisson 2/s", 2.0, 0),
+                                                                   ("guidellm, poisson 4/s", 4.0, 0)]
+    assert [(r["requests"], r["failed"]) for r in rows] == [(6, 0)] * 2
+    assert [round(r["tokens_per_s"], 1) for r in rows] == [186.6, 338.3]  # guidellm's console table
+    assert all(0 < r["ttft_p50"] <= r["ttft_p99"] and 0 < r["itl_p50"] <= r["itl_p99"] for r in rows)
+    seen = []
+
+    def fake_run(cmd, cwd, **kw):
+        seen.append(cmd)
+        (Path(cwd) / "benchmarks.json").write_text(
+            (Path(__file__).parent / "data" / "guidellm_poisson_benchmarks.json").read_text())
+        return SimpleNamespace(stdout="", stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(serve_bench, "_guidellm", lambda: "guidellm")
+    data = tmp_path / "reqs.jsonl"
+    data.write_text('{"prompt": "hi", "output_tokens_count": 3}\n')
+    args = SimpleNamespace(model="code-target", guidellm_rates=[0.5, 1.0], guidellm_file=data, clients=16,
+                           prompt_tokens=64, new_tokens=96, requests=8)
+    got = serve_bench._run_guidellm("http://127.0.0.1:1", args, tmp_path / "out")
+    cmd = " ".join(seen[0])
+    assert "--profile kind=poisson --override profile.rate 0.5,1" in cmd
+    assert f"--data kind=json_file,path={data.resolve()}" in cmd and len(got) == 2
+
+
 def test_guidellm_rows_from_its_benchmarks_json(tmp_path, monkeypatch):
     """The serve bench's guidellm driver reads guidellm's benchmarks.json into its own rows: tests/data holds the
     metrics of a real run (guidellm 0.8.1's default streaming run against `pdecode serve --slots 16`, ar, 2026-12-05;

@@ -80,8 +80,8 @@ def test_sharegpt_prompts_skip_long_ones_and_keep_indices(tmp_path):
 def test_sharegpt_requests_ask_for_the_recorded_answer_length(tmp_path):
     """guidellm's ShareGPT requests: the human turn, its recorded answer's length in tokens (capped), training
     conversations never, long prompts and conversations without an answer skipped."""
-    f = write_sharegpt(tmp_path / "sg.json", long_at={12_001})
-    items = json.loads(f.read_text()[: f.read_text().rindex("},") + 1] + "]")  # (the cut file, closed by hand)
+    f = write_sharegpt(tmp_path / "sg.json", long_at={12_001}, cut=False)
+    items = json.loads(f.read_text())
     items[12_002]["conversations"] = items[12_002]["conversations"][:1]  # no recorded answer
     items[12_003]["conversations"][1]["value"] = "a much longer recorded answer than the others"
     f.write_text(json.dumps(items))
