@@ -284,6 +284,12 @@ def test_verify_cost_measured_and_kept(models, monkeypatch, tmp_path):  # noqa: 
     assert not calls and list((tmp_path / "pdecode-costs").glob("verify-*.json"))
     assert cost.verify_cost(t, 3, 9, context=64, measure_fn=lambda *a: calls.append(a) or 2.5) == 2.5  # other batch
     assert len(calls) == 1
+    # a method's whole step against ar's (what block / window "auto" use): timed, then kept
+    r = cost.step_cost(t, 2, "jacobi", {"block": 1}, 2, context=64)
+    assert 0.3 < r < 30
+    monkeypatch.setattr(cost, "measure_steps", lambda *a, **k: calls.append(a) or 99.0)
+    monkeypatch.setattr(cost, "_MEMO", {})
+    assert cost.step_cost(t, 2, "jacobi", {"block": 1}, 2, context=64) == r and len(calls) == 1
 
 
 # ------------------------------------------------------------------------------------------------ layer skip

@@ -116,14 +116,15 @@ def _unmeasurable(model, batch) -> bool:
     return batch is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model.params))
 
 
-def _sized(model, batch, context, candidates, what):
-    """`cost.choose` on a model with weights; an unmeasurable one gets the largest candidate."""
+def _sized(model, batch, context, candidates, what, method, opts_of):
+    """`cost.choose` (``method``'s steps at ``opts_of(size)`` timed against ar's) on a model with weights; an
+    unmeasurable one gets the largest candidate."""
     from pdecode.decode import cost
 
     if _unmeasurable(model, batch):
         size, tokens = max(candidates, key=lambda c: c[1])
         return cost.Sizing(size, tokens, None, f"{what} {size}: nothing measured (abstract weights)")
-    return cost.choose(model, batch, candidates, context or cost.CONTEXT, what)
+    return cost.choose(model, batch, candidates, context or cost.CONTEXT, what, method, opts_of)
 
 
 def _add_stats(plan, extra: dict):
@@ -156,7 +157,8 @@ def _prepare_jacobi(model, draft, opts, samp, batch=None, context=None):
 
     block, sizing = _auto_int(opts, "block"), None
     if block is None:
-        sizing = _sized(model, batch, context, [(k, k + 1) for k in JACOBI_BLOCKS], "block")
+        sizing = _sized(model, batch, context, [(k, k + 1) for k in JACOBI_BLOCKS], "block", "jacobi",
+                        lambda k: {"block": k, "cache_phases": opts["cache_phases"]})
         if sizing.size == 0:
             return _as_ar(model, opts, samp, sizing)
         block = sizing.size
@@ -172,7 +174,9 @@ def _prepare_lookahead(model, draft, opts, samp, batch=None, context=None):
     w, g, sizing = _auto_int(opts, "window"), _auto_int(opts, "guesses"), None
     if w is None or g is None:
         cands = [(s, 1 + (n - 1) * ((w or s) + (g or s))) for s in LOOKAHEAD_SIZES]
-        sizing = _sized(model, batch, context, cands, "window")
+        sizing = _sized(model, batch, context, cands, "window", "lookahead",
+                        lambda k: {"window": w or k, "guesses": g or k, "ngram": n, "seed_prompt": opts["seed_prompt"],
+                                   "cache_phases": opts["cache_phases"]})
         if sizing.size == 0:
             return _as_ar(model, opts, samp, sizing)
         w, g = w or sizing.size, g or sizing.size

@@ -1,20 +1,21 @@
-"""What a k-token verify costs against a one-token step, measured on the device at hand; window sizes from it.
+"""What a step that verifies k tokens costs against an AR step, measured on the device at hand; windows from it.
 
 Methods that draft for free (jacobi, lookahead) gain nothing when their guesses miss: a step then yields one token,
-as an AR step does, but pays for a forward over the whole window. Whatever their acceptance, a step yields at least
-one token, so a window whose forward costs at most 1 / `FLOOR` of a one-token forward keeps the method at
-``FLOOR`` x AR or better; every accepted guess is a gain on top. ``block="auto"`` (jacobi) and ``window="auto"``
-(lookahead) take the largest such window of their candidates, measured here; when even the smallest costs more, the
-method steps aside and runs AR's loop (its stats say so: ``window`` 0 and ``window_note``).
+as an AR step does, but pays for a forward over the whole window and the step's drafting and verifying. Whatever
+their acceptance, a step yields at least one token, so a window whose step costs at most 1 / `FLOOR` of an AR step
+keeps the method at ``FLOOR`` x AR or better; every accepted guess is a gain on top. ``block="auto"`` (jacobi) and
+``window="auto"`` (lookahead) take the largest such window of their candidates, timed here as whole steps of the
+method against ar's (`measure_steps`); when even the smallest costs more, the method steps aside and runs AR's loop
+(its stats say so: ``window`` 0 and ``window_note``). A bare forward's ratio (`measure`, `verify_cost`) prices
+lookup's verify.
 
 Where a forward is bound by reading the weights (an accelerator at small batch), a few dozen tokens cost about
 what one does and the paper's windows are kept. On a 2-core CPU a 2-token forward of SmolLM2-135M at batch 1 already
 costs 1.25x a 1-token one (docs/results.md), so there jacobi and lookahead run as AR.
 
-The ratio is timed once per (device, model shape, dtype, batch, tokens, context) with a bare forward and the LM
-head over a cache (`measure`: interleaved, medians) and kept in memory and in a file next to JAX's persistent
-compilation cache, so later processes read it back. ``PDECODE_VERIFY_COST`` = ``"2:1.25,9:1.6"`` (tokens:ratio)
-sets ratios instead (reproducible runs, tests).
+Each ratio is timed once per (device, model shape, dtype, batch, tokens, context, method and options) and kept in
+memory and in a file next to JAX's persistent compilation cache, so later processes read it back.
+``PDECODE_VERIFY_COST`` = ``"2:1.25,9:1.6"`` (tokens:ratio) sets ratios instead (reproducible runs, tests).
 """
 
 from __future__ import annotations
@@ -129,20 +130,9 @@ def measure(model, batch: int, tokens: int, context: int = CONTEXT, reps: int = 
     return float(np.median(times[tokens]) / np.median(times[1]))
 
 
-def verify_cost(model, batch: int, tokens: int, context: int = CONTEXT,
-                measure_fn: Callable[..., float] | None = None) -> float:
-    """The cost ratio of a ``tokens``-token verify against one token on this device (memoised; kept on disk next
-    to JAX's compilation cache; ``PDECODE_VERIFY_COST`` overrides)."""
-    if tokens <= 1:
-        return 1.0
-    env = _env_costs()
-    if env:
-        if tokens in env:
-            return env[tokens]
-        below = [k for k in env if k <= tokens]  # a longer verify costs at least what a shorter one does
-        return max(env[k] for k in below) if below else 1.0
-    context = max(CONTEXT, -(-context // CONTEXT) * CONTEXT)
-    key = _key(model, batch, tokens, context)
+def _kept(key: tuple, measure_now: Callable[[], float], meta: dict) -> float:
+    """A ratio memoised under ``key``, else read from its file next to JAX's compilation cache, else measured now
+    (and written there)."""
     if key in _MEMO:
         return _MEMO[key]
     path = _file(key)
@@ -151,33 +141,101 @@ def verify_cost(model, batch: int, tokens: int, context: int = CONTEXT,
     except (OSError, ValueError, TypeError, KeyError):
         got = None
     if got is None or not got > 0:
-        got = (measure_fn or measure)(model, batch, tokens, context)
+        got = measure_now()
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"ratio": got, "tokens": tokens, "batch": batch, "context": context}))
+                path.write_text(json.dumps({"ratio": got, **meta}))
             except OSError:
                 pass
     _MEMO[key] = got
     return got
 
 
+def _env_cost(tokens: int) -> float | None:
+    """``PDECODE_VERIFY_COST``'s price of a ``tokens``-token verify (None: not set)."""
+    env = _env_costs()
+    if not env:
+        return None
+    if tokens in env:
+        return env[tokens]
+    below = [k for k in env if k <= tokens]  # a longer verify costs at least what a shorter one does
+    return max(env[k] for k in below) if below else 1.0
+
+
+def _context(context: int) -> int:
+    return max(CONTEXT, -(-context // CONTEXT) * CONTEXT)
+
+
+def verify_cost(model, batch: int, tokens: int, context: int = CONTEXT,
+                measure_fn: Callable[..., float] | None = None) -> float:
+    """The cost ratio of a ``tokens``-token verify forward against one token on this device (memoised; kept on
+    disk next to JAX's compilation cache; ``PDECODE_VERIFY_COST`` overrides)."""
+    if tokens <= 1:
+        return 1.0
+    env = _env_cost(tokens)
+    if env is not None:
+        return env
+    context = _context(context)
+    return _kept(_key(model, batch, tokens, context), lambda: (measure_fn or measure)(model, batch, tokens, context),
+                 {"tokens": tokens, "batch": batch, "context": context})
+
+
+def measure_steps(model, batch: int, method: str, opts: dict, context: int = CONTEXT, new: int = 24,
+                  reps: int = 3) -> float:
+    """A step of ``method`` (with ``opts``) against a step of ar, each timed as a whole generation's wall time per
+    target forward (drafting, verifying, committing: everything a step does), at ``batch`` rows of a fixed prompt
+    of up to 256 tokens, ``new`` tokens each, greedy; the two interleaved, medians of ``reps``."""
+    import pdecode
+
+    v = model.cfg.vocab_size
+    plen = max(1, min(max(context // 2, 16), 256, model.cfg.max_position_embeddings - new - 8))
+    prompt = [[(31 * i + 17 * j) % max(v - 2, 1) + 1 for j in range(plen)] for i in range(batch)]
+
+    def per_forward(meth, o):
+        out = pdecode.generate(model, prompt, method=meth, max_new_tokens=new, stop_at_eos=False, temperature=0.0,
+                               **o)
+        return out.stats["wall_s"] / max(out.stats["target_forwards"], 1)
+
+    per_forward("ar", {})  # compile both
+    per_forward(method, opts)
+    ar, it = [], []
+    for _ in range(reps):
+        ar.append(per_forward("ar", {}))
+        it.append(per_forward(method, opts))
+    return float(np.median(it) / np.median(ar))
+
+
+def step_cost(model, batch: int, method: str, opts: dict, tokens: int, context: int = CONTEXT) -> float:
+    """The cost ratio of one step of ``method`` (``opts``; its verify holds ``tokens`` tokens) against one ar step on
+    this device (`measure_steps`; memoised, kept on disk; ``PDECODE_VERIFY_COST`` prices it by ``tokens``)."""
+    env = _env_cost(tokens)
+    if env is not None:
+        return env
+    context = _context(context)
+    key = _key(model, batch, tokens, context) + (method, repr(sorted(opts.items())), "measure_steps")
+    return _kept(key, lambda: measure_steps(model, batch, method, opts, context),
+                 {"tokens": tokens, "batch": batch, "context": context, "method": method})
+
+
 def choose(model, batch: int, candidates: Sequence[tuple[int, int]], context: int = CONTEXT,
-           what: str = "window") -> Sizing:
-    """The largest candidate ``(size, tokens)`` whose ``tokens``-token verify costs at most 1 / `FLOOR` of one
-    token; candidates are tried from the smallest verify up, so a device where even the smallest does not pay
-    measures one ratio. Size 0 when none pays."""
+           what: str = "window", method: str | None = None, opts_of: Callable[[int], dict] | None = None) -> Sizing:
+    """The largest candidate ``(size, tokens)`` whose step costs at most 1 / `FLOOR` of one AR step: with ``method``
+    the method's whole step at ``opts_of(size)`` against ar's (`step_cost`), else a ``tokens``-token verify forward
+    against one token's (`verify_cost`). Candidates are tried from the smallest verify up, so a device where even
+    the smallest does not pay measures one. Size 0 when none pays."""
     best, cost_seen = None, None
     for size, tokens in sorted(candidates, key=lambda c: c[1]):
-        c = verify_cost(model, batch, tokens, context)
+        c = (step_cost(model, batch, method, opts_of(size), tokens, context) if method is not None
+             else verify_cost(model, batch, tokens, context))
         cost_seen = (tokens, c)
         if c > 1 / FLOOR:
             break
-        best = Sizing(size, tokens, c, f"{what} {size}: a {tokens}-token verify costs {c:.2f}x one token at batch "
-                                       f"{batch} on {jax.devices()[0].device_kind}")
+        best = Sizing(size, tokens, c, f"{what} {size}: a step verifying {tokens} tokens costs {c:.2f}x an ar step at "
+                                       f"batch {batch} on {jax.devices()[0].device_kind}")
     if best is not None:
         return best
     tokens, c = cost_seen
-    return Sizing(0, 1, c, f"{what} 0 (ran as ar): a {tokens}-token verify costs {c:.2f}x one token at batch {batch} "
-                           f"on {jax.devices()[0].device_kind}, more than 1/{FLOOR} (an unlucky step would be slower "
-                           "than ar's)")
+    return Sizing(0, 1, c, f"{what} 0 (ran as ar): a step verifying {tokens} tokens costs {c:.2f}x an ar step at batch "
+                           f"{batch} on {jax.devices()[0].device_kind}, more than 1/{FLOOR} (an unlucky step would be "
+                           "slower than ar's)")
