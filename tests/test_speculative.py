@@ -263,7 +263,9 @@ def test_drafters_set_their_rule(models):
     for samp, lookup_rule, chain_rule in ((sampling.Sampling(), Rule.GREEDY, Rule.GREEDY),
                                           (sampling.Sampling(greedy=False), Rule.TREE_DETERMINISTIC,
                                            Rule.CHAIN_SAMPLING)):
-        prop, _ = LookupDrafter(gamma=2).propose(None, (), ctx, key, samp, sampling.Warp.of(1.0))
+        lk = LookupDrafter(gamma=2)
+        prop, _ = lk.propose(None, lk.init(None, None, ctx.seq, ctx.seq_len, None, 8), ctx, key, samp,
+                             sampling.Warp.of(1.0))
         assert prop.rule is lookup_rule and prop.q is None
         prop, _ = chain.propose(dp, state, ctx, key, samp, sampling.Warp.of(1.0))
         assert prop.rule is chain_rule and (prop.q is None) == samp.greedy

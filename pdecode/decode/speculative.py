@@ -407,7 +407,8 @@ def _gated(step, tparams, dparams, warp, **kw):
     """``step``, or, for a drafter whose `Drafter.worth_drafting` answers, a step that takes a plain step (the
     target alone, one token a row) where no live row has anything to draft."""
     drafter = kw["drafter"]
-    if not drafter.follows or type(drafter).worth_drafting is Drafter.worth_drafting:
+    own = getattr(getattr(drafter, "worth_drafting", None), "__func__", Drafter.worth_drafting)
+    if not getattr(drafter, "follows", False) or own is Drafter.worth_drafting:
         return step
     plain = make_step(tparams, dparams, warp, plain=True, **kw)
 
