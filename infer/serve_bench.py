@@ -244,8 +244,8 @@ def run_suite(args) -> int:
                       "date": time.strftime("%Y-%m-%d %H:%M")}
     for method in args.methods:
         name, _, optstr = method.partition(":")
-        sargs = ["--model", args.model or "code-target", "--dtype", dtype, *(["--activation-dtype", act] if act else []),
-                 "--method", name,
+        sargs = ["--model", args.model or "code-target", "--dtype", dtype,
+                 *(["--activation-dtype", act] if act else []), "--method", name,
                  "--slots", str(args.slots), "--max-len", str(args.max_len), "--chunk", "128",
                  "--steps-per-call", str(args.steps_per_call),
                  "--log-level", "warning"]  # no access line per request: stderr is a pipe read only at exit
@@ -355,8 +355,10 @@ def _run_guidellm(url: str, args, out: Path) -> list[dict]:
 
 def guidellm_rows(path: Path) -> list[dict]:
     """The serve bench's rows from a guidellm benchmarks.json: one per concurrency level (its closed loop of N
-    streams) or per Poisson arrival rate: requests, failed (errored + incomplete), output tokens per second (guidellm's mean), TTFT, ITL (its
-    inter-token latency) and time per output token at p50 / p99, in seconds as the bench's own rows."""
+    streams) or per Poisson arrival rate: requests, failed (errored + incomplete), output tokens per second
+    (guidellm's mean), TTFT, ITL (its inter-token latency) and time per output token at p50 / p99, in seconds as the
+    bench's own rows.
+    """
     data = json.loads(Path(path).read_text())
     rows = []
     for b in data["benchmarks"]:

@@ -102,8 +102,8 @@ register(Method("lookup", _prepare_lookup, wants_batch=True,
                          "branches": Option(1, "int", "candidate continuations verified together (a tree; 1: a "
                                                       "chain)"),
                          **PHASES},
-                summary="prompt lookup: drafts what followed the best match of the row's end in its own prompt and output; no "
-                        "extra model"))
+                summary="prompt lookup: drafts what followed the best match of the row's end in its own prompt and "
+                        "output; no extra model"))
 
 
 
@@ -123,7 +123,7 @@ def _sized(model, batch, context, candidates, what, method, opts_of):
 
     if _unmeasurable(model, batch):
         size, tokens = max(candidates, key=lambda c: c[1])
-        return cost.Sizing(size, tokens, None, f"{what} {size}: nothing measured (abstract weights)")
+        return cost.Sizing(size, tokens, None, f"{what} {size}: nothing measured (no batch, or abstract weights)")
     return cost.choose(model, batch, candidates, context or cost.CONTEXT, what, method, opts_of)
 
 
@@ -186,7 +186,7 @@ def _prepare_lookahead(model, draft, opts, samp, batch=None, context=None):
                         sizing, {"window": w, "guesses": g})
 
 
-AUTO_HELP = ("; 'auto': the largest whose verify costs at most 1/0.95 of one token on this device (measured), "
+AUTO_HELP = ("; 'auto': the largest whose step costs at most 1/0.95 of an ar step on this device (measured), "
              "none: the method runs as ar (pdecode.decode.cost)")
 register(Method("jacobi", _prepare_jacobi, wants_batch=True,
                 options={"block": Option("auto", "int | str", "guessed tokens iterated toward the fixed point per "
