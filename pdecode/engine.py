@@ -287,7 +287,7 @@ class Engine:
                                       grammar=self.pool is not None)
         self.fast = sampling.Sampling(greedy=True)  # every live slot greedy, no penalty, no logprobs
         plan = meth.prepare(model, draft, opts, self.full,
-                            **({"batch": slots, "context": max_len} if meth.wants_batch else {}))
+                            **({"batch": slots, "context": max_len, "engine": True} if meth.wants_batch else {}))
         if plan.engine is None:
             raise not_here
         self.drafter = plan.static["drafter"] if plan.engine == "draft_verify" else None

@@ -447,6 +447,27 @@ def test_lookup_takes_plain_steps_where_drafting_does_not_pay(models, monkeypatc
     out = pdecode.generate(t, PROMPTS[:3], method="lookup", max_new_tokens=24, stop_at_eos=False)
     assert out.tokens == pdecode.generate(t, PROMPTS[:3], max_new_tokens=24, stop_at_eos=False).tokens
     assert out.stats["verify_cost"] == 50 and out.stats["tokens_per_forward"] == 1.0
+    # given outright (no measuring): the same; 0 drafts whenever a row has a match
+    monkeypatch.delenv("PDECODE_VERIFY_COST")
+    out = pdecode.generate(t, PROMPTS[:3], method="lookup", draft_cost=50, max_new_tokens=24, stop_at_eos=False)
+    assert out.stats["verify_cost"] == 50 and out.stats["tokens_per_forward"] == 1.0
+    with pytest.raises(pdecode.PdecodeError, match="draft_cost must be a number >= 0 or 'auto'"):
+        pdecode.generate(t, PROMPTS[:1], method="lookup", draft_cost="dear")
+    # 'auto': lookup's whole step timed against ar's on a prompt that repeats (so it drafts), at the generation's
+    # batch, always drafting while timed; the engine, which times its own step calls, measures nothing
+    from pdecode.decode import cost
+    from pdecode.engine import Engine
+
+    calls = []
+    monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(cost, "_cache_dir", lambda: None)
+    monkeypatch.setattr(cost, "measure_steps", lambda m, b, meth, o, c, repeat=False: calls.append((b, meth, o, repeat))
+                        or 50.0)
+    out = pdecode.generate(t, PROMPTS[:3], method="lookup", max_new_tokens=24, stop_at_eos=False)
+    assert out.stats["verify_cost"] == 50 and out.stats["tokens_per_forward"] == 1.0
+    assert [(b, meth, o["draft_cost"], o["gamma"], r) for b, meth, o, r in calls] == [(3, "lookup", 0.0, 10, True)]
+    Engine(t, method="lookup", slots=2, max_len=64, chunk=32)
+    assert len(calls) == 1
 
 
 def test_static_tree_from_choices():

@@ -56,7 +56,7 @@ def _prepare_tree(model, draft, opts, samp):
     return _spec_plan(model, draft.params, drafter, opts)
 
 
-def _prepare_lookup(model, draft, opts, samp, batch=None, context=None):
+def _prepare_lookup(model, draft, opts, samp, batch=None, context=None, engine=False):
     from pdecode.decode.lookup import NGRAM_MAX_LIMIT, LookupDrafter
 
     g, nmax, nmin, br = (_int_opt(opts, k) for k in ("gamma", "ngram_max", "ngram_min", "branches"))
@@ -66,7 +66,16 @@ def _prepare_lookup(model, draft, opts, samp, batch=None, context=None):
         raise ConfigError(f"ngram_max must be <= {NGRAM_MAX_LIMIT}, got {nmax}")
     from pdecode.decode import cost
 
-    c = 1.0 if _unmeasurable(model, batch) else cost.verify_cost(model, batch, 1 + g * br, context or cost.CONTEXT)
+    c = opts["draft_cost"]
+    if c == "auto":
+        # the engine keeps its own speculation policy (it times its step calls while serving): nothing to measure
+        c = 1.0 if engine or _unmeasurable(model, batch) else cost.step_cost(
+            model, batch, "lookup", {"gamma": g, "ngram_max": nmax, "ngram_min": nmin, "branches": br,
+                                     "draft_cost": 0.0, "cache_phases": opts["cache_phases"]},
+            1 + g * br, context or cost.CONTEXT, repeat=True)
+    elif isinstance(c, str) or not c >= 0:
+        raise ConfigError(f"draft_cost must be a number >= 0 or 'auto' (measured), got {c!r}")
+    c = float(c)
     plan = _spec_plan(model, None, LookupDrafter(gamma=g, ngram_max=nmax, ngram_min=nmin, branches=br, cost=c), opts)
     return _add_stats(plan, {"verify_cost": round(c, 3)})
 
@@ -101,6 +110,11 @@ register(Method("lookup", _prepare_lookup, wants_batch=True,
                          "ngram_min": Option(1, "int", "the shortest context that counts as a match"),
                          "branches": Option(1, "int", "candidate continuations verified together (a tree; 1: a "
                                                       "chain)"),
+                         "draft_cost": Option("auto", "float | str",
+                                              "a drafted step's cost in plain steps: a step drafts when the rows' "
+                                              "expected tokens reach it (0: whenever a row has a match); 'auto': "
+                                              "measured on this device at the generation's batch (pdecode.decode."
+                                              "cost)"),
                          **PHASES},
                 summary="prompt lookup: drafts what followed the best match of the row's end in its own prompt and "
                         "output; no extra model"))
@@ -152,7 +166,7 @@ def _auto_int(opts, name):
     return _int_opt(opts, name)
 
 
-def _prepare_jacobi(model, draft, opts, samp, batch=None, context=None):
+def _prepare_jacobi(model, draft, opts, samp, batch=None, context=None, engine=False):
     from pdecode.decode.jacobi import JacobiDrafter
 
     block, sizing = _auto_int(opts, "block"), None
@@ -165,7 +179,7 @@ def _prepare_jacobi(model, draft, opts, samp, batch=None, context=None):
     return _with_window(_spec_plan(model, None, JacobiDrafter(block=block), opts), sizing, block)
 
 
-def _prepare_lookahead(model, draft, opts, samp, batch=None, context=None):
+def _prepare_lookahead(model, draft, opts, samp, batch=None, context=None, engine=False):
     from pdecode.decode.lookahead import LookaheadDrafter
 
     n = _int_opt(opts, "ngram")

@@ -6,8 +6,9 @@ their acceptance, a step yields at least one token, so a window whose step costs
 keeps the method at ``FLOOR`` x AR or better; every accepted guess is a gain on top. ``block="auto"`` (jacobi) and
 ``window="auto"`` (lookahead) take the largest such window of their candidates, timed here as whole steps of the
 method against ar's (`measure_steps`); when even the smallest costs more, the method steps aside and runs AR's loop
-(its stats say so: ``window`` 0 and ``window_note``). A bare forward's ratio (`measure`, `verify_cost`) prices
-lookup's verify.
+(its stats say so: ``window`` 0 and ``window_note``). Lookup's drafted step is priced the same way, as a whole step
+against ar's, timed on a prompt that repeats so every step drafts (``draft_cost="auto"``); a bare forward's ratio
+(`measure`, `verify_cost`) is what the benchmarks print.
 
 Where a forward is bound by reading the weights (an accelerator at small batch), a few dozen tokens cost about
 what one does and the paper's windows are kept. On a 2-core CPU a 2-token forward of SmolLM2-135M at batch 1 already
@@ -141,6 +142,13 @@ def _kept(key: tuple, measure_now: Callable[[], float], meta: dict) -> float:
     except (OSError, ValueError, TypeError, KeyError):
         got = None
     if got is None or not got > 0:
+        import sys
+
+        where = f"; kept in {path.parent}" if path is not None else ""
+        what = (f"{meta['method']}'s step ({meta['tokens']} tokens) against ar's" if "method" in meta
+                else f"a {meta['tokens']}-token forward against a 1-token one")
+        print(f"pdecode: timing {what} at batch {meta['batch']} on {jax.devices()[0].device_kind} (once per device, "
+              f"model and shape{where}) ...", file=sys.stderr, flush=True)
         got = measure_now()
         if path is not None:
             try:
@@ -181,23 +189,34 @@ def verify_cost(model, batch: int, tokens: int, context: int = CONTEXT,
                  {"tokens": tokens, "batch": batch, "context": context})
 
 
-def measure_steps(model, batch: int, method: str, opts: dict, context: int = CONTEXT, new: int = 24,
-                  reps: int = 3) -> float:
+PERIOD = 12  # a ``repeat`` prompt's period: every suffix of it has a match, so lookup drafts every step
+
+
+def measure_steps(model, batch: int, method: str, opts: dict, context: int = CONTEXT, new: int = 16,
+                  reps: int = 3, repeat: bool = False) -> float:
     """A step of ``method`` (with ``opts``) against a step of ar, each timed as a whole generation's wall time per
     target forward (drafting, verifying, committing: everything a step does), at ``batch`` rows of a fixed prompt
-    of up to 256 tokens, ``new`` tokens each, greedy; the two interleaved, medians of ``reps``."""
+    of up to 256 tokens (``repeat``: a phrase of `PERIOD` tokens over and over, so a lookup drafter always finds a
+    match), greedy. The prefill is taken out: a step's time is the difference between generations of ``new`` and
+    4 x ``new`` tokens over the difference in their forwards. The two methods interleaved, medians of ``reps``."""
     import pdecode
 
     v = model.cfg.vocab_size
-    plen = max(1, min(max(context // 2, 16), 256, model.cfg.max_position_embeddings - new - 8))
-    prompt = [[(31 * i + 17 * j) % max(v - 2, 1) + 1 for j in range(plen)] for i in range(batch)]
+    long = 4 * new
+    plen = max(1, min(max(context // 2, 16), 256, model.cfg.max_position_embeddings - long - 8))
+    prompt = [[(31 * i + 17 * (j % PERIOD if repeat else j)) % max(v - 2, 1) + 1 for j in range(plen)]
+              for i in range(batch)]
+
+    def run(meth, o, n):
+        out = pdecode.generate(model, prompt, method=meth, max_new_tokens=n, stop_at_eos=False, temperature=0.0,
+                               **o)
+        return out.stats["wall_s"], out.stats["target_forwards"]
 
     def per_forward(meth, o):
-        out = pdecode.generate(model, prompt, method=meth, max_new_tokens=new, stop_at_eos=False, temperature=0.0,
-                               **o)
-        return out.stats["wall_s"] / max(out.stats["target_forwards"], 1)
+        (w1, f1), (w2, f2) = run(meth, o, new), run(meth, o, long)
+        return max(w2 - w1, 1e-9) / max(f2 - f1, 1)
 
-    per_forward("ar", {})  # compile both
+    per_forward("ar", {})  # compile both lengths of both
     per_forward(method, opts)
     ar, it = [], []
     for _ in range(reps):
@@ -206,15 +225,17 @@ def measure_steps(model, batch: int, method: str, opts: dict, context: int = CON
     return float(np.median(it) / np.median(ar))
 
 
-def step_cost(model, batch: int, method: str, opts: dict, tokens: int, context: int = CONTEXT) -> float:
+def step_cost(model, batch: int, method: str, opts: dict, tokens: int, context: int = CONTEXT,
+              repeat: bool = False) -> float:
     """The cost ratio of one step of ``method`` (``opts``; its verify holds ``tokens`` tokens) against one ar step on
-    this device (`measure_steps`; memoised, kept on disk; ``PDECODE_VERIFY_COST`` prices it by ``tokens``)."""
+    this device (`measure_steps`, ``repeat`` its prompt; memoised, kept on disk; ``PDECODE_VERIFY_COST`` prices it by
+    ``tokens``)."""
     env = _env_cost(tokens)
     if env is not None:
         return env
     context = _context(context)
-    key = _key(model, batch, tokens, context) + (method, repr(sorted(opts.items())), "measure_steps")
-    return _kept(key, lambda: measure_steps(model, batch, method, opts, context),
+    key = _key(model, batch, tokens, context) + (method, repr(sorted(opts.items())), "measure_steps", repeat)
+    return _kept(key, lambda: measure_steps(model, batch, method, opts, context, repeat=repeat),
                  {"tokens": tokens, "batch": batch, "context": context, "method": method})
 
 

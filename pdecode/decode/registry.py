@@ -97,7 +97,7 @@ class Method:
     needs_draft: bool = False
     summary: str = ""  # one line: what the method does
     wants_max_new: bool = False  # prepare() also takes max_new (diffusion: the canvas length)
-    wants_batch: bool = False  # prepare() also takes batch and context (rows and cache slots; sizing by cost)
+    wants_batch: bool = False  # prepare() also takes batch, context (rows, cache slots: sizing by cost) and engine
     needs: str = "nothing"  # what it needs beyond the target: "draft model", "medusa heads", "diffusion model", ...
     lossless: str = "yes"  # "yes" (output distribution = AR's), or why not
     target: str = "causal"  # the model it decodes with: "causal" (autoregressive) or "masked" (masked diffusion)
