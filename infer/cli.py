@@ -431,7 +431,8 @@ def cmd_zoo(args) -> int:
     return 0
 
 
-TRAINERS = {"zoo": "train.zoo", "heads": "train.heads", "draft": "train.draft", "dllm": "train.dllm"}
+TRAINERS = {"zoo": "train.zoo", "heads": "train.heads", "draft": "train.draft", "dllm": "train.dllm",
+            "data": "train.chat_data"}
 
 
 def cmd_train(args, rest: list[str]) -> int:
@@ -545,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zoo: code-target and code-draft (train.zoo); heads: Medusa / EAGLE / EAGLE-3 / MTP heads, the "
                         "zoo's recipes or --base DIR --kind K --data FILES for your own model (train.heads); draft: "
                         "distil a draft for --base DIR from --data FILES (train.draft); dllm: code-dllm, the "
-                        "masked-diffusion model (train.dllm)")
+                        "masked-diffusion model (train.dllm); data: a chat model's own answers to ShareGPT "
+                        "conversations below 12,000, the drafters' training data (train.chat_data)")
     t.set_defaults(train_parser=t)
 
     c = sub.add_parser("convert", help="convert between HF safetensors, orbax and GGUF (read only): "

