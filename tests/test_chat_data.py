@@ -74,5 +74,12 @@ def test_answers_are_the_models_own_and_a_stopped_run_resumes(sharegpt, tmp_path
     assert calls == [2] and CD.read(out)[3:5] == rows[3:5]
     with pytest.raises(pdecode.PdecodeError, match="other settings"):
         CD.generate_data(m, out, **{**kw, "new_tokens": 7})
+    # the heads' and draft's trainers read the directory as a token stream: each example, then EOS unless it ended so
+    from train import data
+
+    tr, va = data.user_streams(m.tokenizer, [out], seq_len=4, val_fraction=0.1)
+    eos = m.tokenizer.eos_ids
+    want = [t for r in CD.read(out) for t in r["ids"] + ([] if r["ids"][-1] in eos else [eos[0]])]
+    assert np.concatenate([tr, va]).tolist() == want
     z = np.load(out / "shard-t0.7-00000.npz")
     assert z["tokens"].dtype == np.int32 and z["offsets"][-1] == len(z["tokens"])

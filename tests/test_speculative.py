@@ -430,13 +430,17 @@ def test_lookup_takes_plain_steps_where_drafting_does_not_pay(models, monkeypatc
     both = Context(seq, jnp.asarray([4, 4]), None, None, jnp.asarray([True, True]))
     assert bool(d.worth_drafting(None, st, both))  # row 1 ends in 6, seen at 1
     assert not bool(d.worth_drafting(None, st, both._replace(active=jnp.asarray([True, False]))))  # row 0: no match
-    # a drafted step costing 2 plain ones: drafts from a 2-token context pay while they are expected to accept 2 or
-    # more (until measured: the context's length), the other row's plain token counted too
+    # a drafted step costing 2 plain ones pays when every row furthest from its end (the most tokens left, within
+    # gamma) is expected to take 2 or more: 1 + what drafts from its context length accepted (until measured: the
+    # context's length). A row left behind with nothing to draft sets the batch's end whatever the others take.
     dear = LookupDrafter(cost=2.0)
     assert st.accepted.tolist()[:4] == [0, 1, 2, 3]
-    assert bool(dear.worth_drafting(None, st, both))  # (1 + 2) + (1 + 0) >= 2 x 2 rows
-    poor = st.replace(accepted=st.accepted.at[2].set(1.5))
-    assert not bool(dear.worth_drafting(None, poor, both))  # (1 + 1.5) + 1 < 4
+    assert not bool(dear.worth_drafting(None, st, both))  # row 0 (no match) as far from its end as row 1
+    ahead = both._replace(remaining=jnp.asarray([5, 30]))  # row 0 within 5 of its end: row 1 alone sets the end
+    assert bool(dear.worth_drafting(None, st, ahead))  # 1 + 2 >= 2
+    assert not bool(dear.worth_drafting(None, st, both._replace(remaining=jnp.asarray([25, 30]))))  # within gamma
+    poor = st.replace(accepted=st.accepted.at[2].set(0.5))
+    assert not bool(dear.worth_drafting(None, poor, ahead))  # 1 + 0.5 < 2
     t = models["target"]
     prompt = [list(range(30, 40))]  # no token repeats: the first steps have nothing to draft
     ar = pdecode.generate(t, prompt, max_new_tokens=24, stop_at_eos=False)

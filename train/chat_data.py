@@ -110,6 +110,15 @@ def _write_shard(path: Path, rows: list[tuple[int, int, list[int], list[int]]]) 
     os.replace(tmp, path)
 
 
+def is_data_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory this module wrote (its manifest names the held-out boundary)."""
+    f = Path(path) / MANIFEST
+    try:
+        return f.is_file() and "held_out_from" in json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def read(out: str | Path) -> list[dict]:
     """Every example of a data directory: dicts of ``ids`` (prompt + answer), ``prompt_len``, ``conversation``,
     ``turn`` and ``temperature``, in shard order."""

@@ -197,8 +197,11 @@ def measure_steps(model, batch: int, method: str, opts: dict, context: int = CON
     """A step of ``method`` (with ``opts``) against a step of ar, each timed as a whole generation's wall time per
     target forward (drafting, verifying, committing: everything a step does), at ``batch`` rows of a fixed prompt
     of up to 256 tokens (``repeat``: a phrase of `PERIOD` tokens over and over, so a lookup drafter always finds a
-    match), greedy. The prefill is taken out: a step's time is the difference between generations of ``new`` and
-    4 x ``new`` tokens over the difference in their forwards. The two methods interleaved, medians of ``reps``."""
+    match), greedy. The prefill is taken out: ar's step is the difference between its generations of ``new`` and 4 x
+    ``new`` tokens over the difference in their forwards, what else the longer one spent is the prefill's (and fixed)
+    time, and the method's step is its 4 x ``new``-token generation less that, over its forwards (a method that
+    accepts much takes few: differencing two of its own lengths would be noisy). Rounds interleaved, medians of
+    ``reps``."""
     import pdecode
 
     v = model.cfg.vocab_size
@@ -212,16 +215,22 @@ def measure_steps(model, batch: int, method: str, opts: dict, context: int = CON
                                **o)
         return out.stats["wall_s"], out.stats["target_forwards"]
 
-    def per_forward(meth, o):
-        (w1, f1), (w2, f2) = run(meth, o, new), run(meth, o, long)
-        return max(w2 - w1, 1e-9) / max(f2 - f1, 1)
+    def ar_round():
+        (w1, f1), (w2, f2) = run("ar", {}, new), run("ar", {}, long)
+        step = max(w2 - w1, 1e-9) / max(f2 - f1, 1)
+        return step, max(w2 - f2 * step, 0.0)  # (the prefill and fixed costs: what the long run spends besides steps)
 
-    per_forward("ar", {})  # compile both lengths of both
-    per_forward(method, opts)
+    def method_step(fixed):
+        w, f = run(method, opts, long)
+        return max(w - fixed, 1e-9) / max(f, 1)
+
+    ar_round()  # compile them all
+    run(method, opts, long)
     ar, it = [], []
     for _ in range(reps):
-        ar.append(per_forward("ar", {}))
-        it.append(per_forward(method, opts))
+        step, fixed = ar_round()
+        ar.append(step)
+        it.append(method_step(fixed))
     return float(np.median(it) / np.median(ar))
 
 

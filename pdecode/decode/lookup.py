@@ -78,12 +78,13 @@ EMA = 0.2  # weight of a step's acceptance in the decayed means
 
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(StaticTreeShape, Drafter):
-    """``cost``: what the step's verify forward (1 + gamma x branches tokens) costs against a one-token forward on
-    the device at the generation's batch (`pdecode.decode.cost`, measured when the method is prepared). A step
-    drafts when the rows' expected tokens from it, 1 + the decayed mean of what drafts from a match of each row's
-    context length accepted (until measured: the context's length, at most gamma), reach ``cost``; otherwise it is a plain step (one
-    token's forward, one token: `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1:
-    every step with a match drafts."""
+    """``cost``: what a drafted step (finding the match, verifying 1 + gamma x branches tokens, committing) costs
+    against a plain step on the device at the generation's batch (`pdecode.decode.cost`, measured when the method is prepared). A step
+    drafts when every row that sets the batch's end (the most tokens left, within gamma) expects from it at least
+    ``cost`` tokens: 1 + the decayed mean of what drafts from a match of the row's context length accepted (until
+    measured: the context's length, at most gamma); otherwise it is a plain step (one token's forward, one token:
+    `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1: every step with a match
+    drafts."""
 
     gamma: int = 10
     ngram_max: int = 8
@@ -110,13 +111,20 @@ class LookupDrafter(StaticTreeShape, Drafter):
 
     def worth_drafting(self, dparams, dstate: LookupState, ctx: Context):
         # on SmolLM2's outputs a third of the steps have no match at all (a token new to the row), and a match of one
-        # token of context accepts about one token: a (1 + gamma)-token forward is worth it where it costs about one
+        # token of context accepts about one token: a (1 + gamma)-token forward is worth it where it costs about one.
+        # A batch ends with its last row, so a step pays when it moves the rows furthest from their end (those within
+        # gamma tokens of the most remaining): the least any of them is expected to take must reach the step's cost
+        # (a row ahead that drafts well only finishes earlier and waits)
         _, found, context = find_matches(ctx.seq, ctx.seq_len, self.ngram_max, self.ngram_min, 1, self.gamma,
                                          with_context=True)
         live = found[:, 0] & ctx.active
-        expected = jnp.where(ctx.active, 1.0 + dstate.accepted[context[:, 0]], 0.0)
-        rows = jnp.maximum(jnp.sum(ctx.active), 1)
-        return jnp.any(live) & (jnp.sum(expected) >= self.cost * rows)
+        expected = 1.0 + jnp.where(live, dstate.accepted[context[:, 0]], 0.0)
+        behind = ctx.active
+        if ctx.remaining is not None:
+            most = jnp.max(jnp.where(ctx.active, ctx.remaining, jnp.iinfo(jnp.int32).min))
+            behind = behind & (ctx.remaining >= most - self.gamma)
+        least = jnp.min(jnp.where(behind, expected, jnp.inf))
+        return jnp.any(live) & (least >= self.cost)
 
     def update(self, dparams, dstate: LookupState, ctx: Context, ver, hidden_BND, layers_nBND):
         n = self.ngram_max + 1

@@ -43,6 +43,7 @@ class Context(NamedTuple):
     cache: Any = None  # the target's KV cache (`propose` only): self-speculative drafters run the target's layers
     side: Any = None  # what the proposal's ``side`` work returned (`update` only; None without side work)
     gstate: Any = None  # [B] each row's grammar state after the root (structured output), or None
+    remaining: jax.Array | None = None  # [B] tokens each row may still take (`Drafter.worth_drafting` only), or None
 
 
 class Proposal(NamedTuple):
@@ -413,8 +414,9 @@ def _gated(step, tparams, dparams, warp, **kw):
     plain = make_step(tparams, dparams, warp, plain=True, **kw)
 
     def gated(s: SpecState) -> SpecState:
+        budget = s.out.limit if s.out.limit is not None else s.out.tokens.shape[1]
         ctx = Context(s.seq, s.seq_len, s.root_hidden, s.root_layers, ~s.out.done, tparams, cache=s.cache,
-                      gstate=s.gstate)
+                      gstate=s.gstate, remaining=budget - s.out.count)
         return jax.lax.cond(drafter.worth_drafting(dparams, s.dstate, ctx), step, plain, s)
 
     return gated
