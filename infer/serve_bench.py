@@ -242,6 +242,9 @@ def run_suite(args) -> int:
                       "activation_dtype": act,
                       "data": "sharegpt" if sharegpt else "synthetic",
                       "date": time.strftime("%Y-%m-%d %H:%M")}
+    if sharegpt:  # the requests' own spans: chat-rendered prompt tokens, recorded answers' lengths (capped)
+        meta.update(prompt_tokens=[min(len(p) for p, _ in work), max(len(p) for p, _ in work)],
+                    budgets=[min(b for _, b in work), max(b for _, b in work)])
     for method in args.methods:
         name, _, optstr = method.partition(":")
         sargs = ["--model", args.model or "code-target", "--dtype", dtype,
@@ -400,7 +403,10 @@ def _fmt(x, nd=3):
 
 
 def to_markdown(rows, meta) -> str:
-    lines = [f"{meta['requests']} requests per row, prompts of {meta['prompt_tokens'][0]}-{meta['prompt_tokens'][1]} "
+    what = ("ShareGPT first human turns from conversation 12,000 (chat template), each asking for its recorded "
+            "answer's length: " if meta.get("data") == "sharegpt" else "")
+    lines = [f"{what}{meta['requests']} requests per row, prompts of {meta['prompt_tokens'][0]}-"
+             f"{meta['prompt_tokens'][1]} "
              f"tokens, budgets {meta['budgets'][0]}-{meta['budgets'][1]} new tokens, greedy, streamed; "
              f"{meta['slots']} slots; {meta['date']}.", "",
              "| method | load | failed | tok/s | x one at a time | x fixed batch | TTFT p50 / p99 s "

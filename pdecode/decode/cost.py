@@ -15,7 +15,8 @@ what one does and the paper's windows are kept. On a 2-core CPU a 2-token forwar
 costs 1.25x a 1-token one (docs/results.md), so there jacobi and lookahead run as AR.
 
 Each ratio is timed once per (device, model shape, dtype, batch, tokens, context, method and options) and kept in
-memory and in a file next to JAX's persistent compilation cache, so later processes read it back.
+memory and in a file next to JAX's persistent compilation cache (or, without one, under ``~/.cache/pdecode``), so
+later processes read it back.
 ``PDECODE_VERIFY_COST`` = ``"2:1.25,9:1.6"`` (tokens:ratio) sets ratios instead (reproducible runs, tests).
 """
 
@@ -69,7 +70,12 @@ def _key(model, batch: int, tokens: int, context: int) -> tuple:
 
 
 def _cache_dir():
-    return jax.config.jax_compilation_cache_dir
+    """JAX's persistent compilation cache directory when one is set, else pdecode's own under the user's cache
+    (``$XDG_CACHE_HOME/pdecode`` or ``~/.cache/pdecode``): a ratio is timed once per machine, not once per process."""
+    d = jax.config.jax_compilation_cache_dir
+    if d:
+        return d
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pdecode")
 
 
 def _file(key: tuple) -> Path | None:
