@@ -111,8 +111,9 @@ register(Method("lookup", _prepare_lookup, wants_batch=True,
                          "branches": Option(1, "int", "candidate continuations verified together (a tree; 1: a "
                                                       "chain)"),
                          "draft_cost": Option("auto", "float | str",
-                                              "a drafted step's cost in plain steps: a step drafts when the rows' "
-                                              "expected tokens reach it (0: whenever a row has a match); 'auto': "
+                                              "a drafted step's cost in plain steps: a step drafts when each row "
+                                              "furthest from its end expects that many tokens (0: whenever a row "
+                                              "has a match); 'auto': "
                                               "measured on this device at the generation's batch (pdecode.decode."
                                               "cost)"),
                          **PHASES},
