@@ -114,28 +114,39 @@ def is_data_dir(path: str | Path) -> bool:
     """Whether ``path`` is a directory this module wrote (its manifest names the held-out boundary)."""
     f = Path(path) / MANIFEST
     try:
-        return f.is_file() and "held_out_from" in json.loads(f.read_text())
-    except (OSError, ValueError):
+        return f.is_file() and "held_out_from" in json.loads(f.read_text()).get("settings", {})
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def _shards(out: Path):
+    """(temperature, shard arrays) of every shard a data directory holds, in shard order."""
+    man = json.loads((out / MANIFEST).read_text())
+    for t in man["settings"]["temperatures"]:
+        for k in range(man["shards"]):
+            f = out / _shard_name(t, k)
+            if f.exists():
+                yield t, np.load(f)
 
 
 def read(out: str | Path) -> list[dict]:
     """Every example of a data directory: dicts of ``ids`` (prompt + answer), ``prompt_len``, ``conversation``,
     ``turn`` and ``temperature``, in shard order."""
-    out = Path(out)
-    man = json.loads((out / MANIFEST).read_text())
-    rows = []
-    for t in man["temperatures"]:
-        for k in range(man["shards"]):
-            f = out / _shard_name(t, k)
-            if not f.exists():
-                continue
-            z = np.load(f)
-            for i in range(len(z["prompt_len"])):
-                rows.append({"ids": z["tokens"][z["offsets"][i]: z["offsets"][i + 1]].tolist(),
-                             "prompt_len": int(z["prompt_len"][i]), "conversation": int(z["conversation"][i]),
-                             "turn": int(z["turn"][i]), "temperature": t})
-    return rows
+    return [{"ids": z["tokens"][z["offsets"][i]: z["offsets"][i + 1]].tolist(), "prompt_len": int(z["prompt_len"][i]),
+             "conversation": int(z["conversation"][i]), "turn": int(z["turn"][i]), "temperature": t}
+            for t, z in _shards(Path(out)) for i in range(len(z["prompt_len"]))]
+
+
+def token_parts(out: str | Path, eos_ids: tuple[int, ...]) -> list[np.ndarray]:
+    """Every example's ids (prompt + answer) as int32 arrays, each ended by ``eos_ids[0]`` unless it ends with one
+    of ``eos_ids`` already (the answers that stopped): a training stream's pieces (`train.data.user_streams`)."""
+    parts = []
+    for _, z in _shards(Path(out)):
+        for a, b in zip(z["offsets"][:-1], z["offsets"][1:]):
+            ids = z["tokens"][a:b].astype(np.int32)
+            ended = not eos_ids or (len(ids) and int(ids[-1]) in eos_ids)
+            parts.append(ids if ended else np.append(ids, np.int32(eos_ids[0])))
+    return parts
 
 
 def generate_data(model, out: str | Path, conversations: int = 2000, start: int = 0,
@@ -161,9 +172,9 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
     exs, info = examples(model.tokenizer, sharegpt, start, conversations, max_prompt_tokens)
     if not exs:
         raise InputError(f"no ShareGPT human turn from conversation {start} fits {max_prompt_tokens} prompt tokens")
-    settings = {"base": str(base_name or getattr(model, "name", "") or "model"), "start": start, "conversations": conversations,
-                "temperatures": [float(t) for t in temperatures], "new_tokens": new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "shard": shard, "seed": seed,
+    settings = {"base": str(base_name or getattr(model, "name", "") or "model"), "start": start,
+                "conversations": conversations, "temperatures": [float(t) for t in temperatures],
+                "new_tokens": new_tokens, "max_prompt_tokens": max_prompt_tokens, "shard": shard, "seed": seed,
                 "held_out_from": held_out_from()}
     n_shards = -(-len(exs) // shard)
     man_path = out / MANIFEST
@@ -173,7 +184,7 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
             raise InputError(f"{out} holds data made with other settings ({old.get('settings')}); pass another --out "
                              "or the same settings to resume")
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"settings": settings, **settings, "shards": n_shards, **info}
+    manifest = {"settings": settings, "shards": n_shards, **info}
     man_path.write_text(json.dumps(manifest, indent=1))
     todo = [(t, k) for t in temperatures for k in range(n_shards) if not (out / _shard_name(t, k)).exists()]
     total = len(temperatures) * n_shards
@@ -185,7 +196,6 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
               f"{n_shards} shards each; {done} done already", file=stream, flush=True)
     for t, k in todo:
         part = exs[k * shard: (k + 1) * shard]
-        rows = []
         # longest first within a shard, so a batch's rows are of similar length (less padding)
         order = sorted(range(len(part)), key=lambda i: -len(part[i][2]))
         answers: dict[int, list[int]] = {}
@@ -196,9 +206,7 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
             for i, toks in zip(sel, res.tokens):
                 answers[i] = list(toks)
                 tokens_made += len(toks)
-        for i, (c, turn, ids) in enumerate(part):
-            rows.append((c, turn, ids, answers[i]))
-        _write_shard(out / _shard_name(t, k), rows)
+        _write_shard(out / _shard_name(t, k), [(c, turn, ids, answers[i]) for i, (c, turn, ids) in enumerate(part)])
         done += 1
         prog.update(done, total - len(todo), tokens_made // max(done - (total - len(todo)), 1))
     manifest["generated_s"] = round(time.perf_counter() - t0, 1)

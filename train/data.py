@@ -103,29 +103,23 @@ def user_files(paths: list) -> list[Path]:
 def user_streams(tok, paths: list, seq_len: int, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) token streams of user text files, tokenized with ``tok`` (a `pdecode.Tokenizer`), each
     file followed by the tokenizer's end-of-sequence id, and of `pdecode train data` directories (each example's
-    prompt and answer ids, ended by that id too: `train.chat_data`); the last ``val_fraction`` of the stream (at least two
-    windows) is held out."""
+    prompt and answer ids, ended by that id too: `train.chat_data`); the last ``val_fraction`` of the stream (at least
+    two windows) is held out."""
     from train import chat_data
 
     sep = tok.eos_ids[0] if tok.eos_ids else None
-    parts = []
-    texts = []
-    for p in map(Path, paths):  # a `pdecode train data` directory: its examples' token ids, as they are
-        if chat_data.is_data_dir(p):
-            parts += [np.asarray(e["ids"] + ([sep] if sep is not None and (not e["ids"] or e["ids"][-1] not in
-                                                                             tok.eos_ids) else []), np.int32)
-                      for e in chat_data.read(p)]
-        else:
-            texts.append(p)
-    files = user_files(texts) if texts else []
+    dirs = [p for p in map(Path, paths) if chat_data.is_data_dir(p)]
+    parts = [x for d in dirs for x in chat_data.token_parts(d, tuple(tok.eos_ids or ()))]
+    texts = [p for p in paths if Path(p) not in dirs]
+    files = user_files(texts) if texts or not dirs else []
     for ids in tok.encode_batch([read_text(f) for f in files], add_special_tokens=False) if files else []:
         parts.append(np.asarray(ids + ([sep] if sep is not None else []), np.int32))
     stream = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
     n_val = max(int(len(stream) * val_fraction), 2 * (seq_len + 1))
     if len(stream) - n_val <= 2 * (seq_len + 1):
-        raise InputError(f"--data: {len(stream)} tokens in {len(parts)} file(s) or examples is too little to train on windows of "
-                         f"{seq_len + 1} tokens with a held-out part (need more than {n_val + 2 * (seq_len + 1)}); "
-                         "add text or lower --seq-len")
+        raise InputError(f"--data: {len(stream)} tokens in {len(parts)} file(s) or examples is too little to train on "
+                         f"windows of {seq_len + 1} tokens with a held-out part (need more than "
+                         f"{n_val + 2 * (seq_len + 1)}); add text or lower --seq-len")
     return stream[:-n_val], stream[-n_val:]
 
 

@@ -79,12 +79,12 @@ EMA = 0.2  # weight of a step's acceptance in the decayed means
 @dataclasses.dataclass(frozen=True)
 class LookupDrafter(StaticTreeShape, Drafter):
     """``cost``: what a drafted step (finding the match, verifying 1 + gamma x branches tokens, committing) costs
-    against a plain step on the device at the generation's batch (`pdecode.decode.cost`, measured when the method is prepared). A step
-    drafts when every row that sets the batch's end (the most tokens left, within gamma) expects from it at least
-    ``cost`` tokens: 1 + the decayed mean of what drafts from a match of the row's context length accepted (until
-    measured: the context's length, at most gamma); otherwise it is a plain step (one token's forward, one token:
-    `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1: every step with a match
-    drafts."""
+    against a plain step on the device at the generation's batch (`pdecode.decode.cost`, measured when the method
+    is prepared). A step drafts when every row that sets the batch's end (the most tokens left, within gamma)
+    expects from it at least ``cost`` tokens: 1 + the decayed mean of what drafts from a match of the row's context
+    length accepted (until measured: the context's length, at most gamma); otherwise it is a plain step (one
+    token's forward, one token: `Drafter.worth_drafting`). No match in any live row: always plain. ``cost`` 1:
+    every step with a match drafts."""
 
     gamma: int = 10
     ngram_max: int = 8
