@@ -125,8 +125,8 @@ def trained_base():
     return params
 
 
-@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "mtp-posthoc", "mtp-parallel",
-                                  "mtp-native"])
+@pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "eagle3-vocab", "mtp-posthoc",
+                                  "mtp-parallel", "mtp-native"])
 def test_objective_decreases(trained_base, name):
     from train.loop import TrainConfig, train
     from train.objectives import eagle_loss, medusa_loss, mtp_loss
@@ -139,6 +139,14 @@ def test_objective_decreases(trained_base, name):
             obj, trainable, frozen = medusa_loss(CFG, mcfg), heads, trained_base
         else:
             obj, trainable, frozen = medusa_loss(CFG, mcfg, joint=True), {"base": trained_base, "heads": heads}, None
+    elif name == "eagle3-vocab":  # a draft vocabulary of the 12 tokens the pattern uses most (maps frozen)
+        ecfg = H.EagleConfig(fuse_layers=(0, 1), draft_vocab=12)
+        obj = eagle_loss(CFG, ecfg, ttt_steps=3)
+        ids, cover = H.most_frequent_tokens(_pattern_batches().stream, 12, CFG.vocab_size)
+        assert set(range(8)) <= set(ids.tolist()) and cover > 0.9
+        ep = init_from_specs(ecfg.specs(CFG), key)
+        trainable = {k: v for k, v in ep.items() if k not in H.VOCAB_MAPS}
+        frozen = (trained_base, {k: jnp.asarray(v) for k, v in H.draft_vocab_maps(ids, CFG.vocab_size).items()})
     elif name.startswith("eagle"):
         ecfg = H.EagleConfig(fuse_layers=(0, 1)) if name == "eagle3" else H.EagleConfig()
         obj = eagle_loss(CFG, ecfg, ttt_steps=3 if name == "eagle3" else 1)
@@ -158,6 +166,32 @@ def test_objective_decreases(trained_base, name):
                        TrainConfig(steps=40, lr=1e-2, warmup=4, eval_every=1000, ckpt_every=1000, log_every=20))
     after = float(obj(trained, frozen, probe, None)[0])
     assert after < 0.7 * before, (before, after)
+
+
+def test_draft_vocabulary_maps_and_logits(trained_base):
+    """EAGLE-3's reduced vocabulary: d2t offsets and the t2d mask as released checkpoints carry them; the head reads
+    only the draft rows and its logits come back over the target's ids, -inf outside the draft vocabulary."""
+    ids = np.array([30, 2, 7, 5])
+    maps = H.draft_vocab_maps(ids, CFG.vocab_size)
+    np.testing.assert_array_equal(np.arange(4) + maps["d2t"], [2, 5, 7, 30])  # sorted, target id = draft id + d2t
+    assert maps["t2d"].dtype == bool and maps["t2d"].sum() == 4 and maps["t2d"][[2, 5, 7, 30]].all()
+    with pytest.raises(pdecode.ConfigError, match="distinct"):
+        H.draft_vocab_maps([3, 3], CFG.vocab_size)
+    top, cover = H.most_frequent_tokens(np.array([5, 5, 5, 1, 1, 9, 2, 2]), 2, CFG.vocab_size)
+    assert top.tolist() == [1, 5] and cover == pytest.approx(5 / 8)
+    ecfg = H.EagleConfig(fuse_layers=(0, 1), draft_vocab=4)
+    with pytest.raises(pdecode.ConfigError, match="draft_vocab must be in 1..32"):
+        H.EagleConfig(draft_vocab=33).specs(CFG)
+    ep = {**init_from_specs(ecfg.specs(CFG), jax.random.PRNGKey(3)), **maps}
+    assert ep["lm_head"].shape == (CFG.hidden_size, 4)
+    b, t = 2, 5
+    args = (jnp.zeros((b, t), jnp.int32), jax.random.normal(jax.random.PRNGKey(4), (b, t, CFG.hidden_size)),
+            jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0))
+    full, _, _ = H.eagle_step(ep, ecfg, CFG, trained_base, *args)
+    small, _, _ = H.eagle_step(ep, ecfg, CFG, trained_base, *args, draft_space=True)
+    assert full.shape == (b, t, CFG.vocab_size) and small.shape == (b, t, 4)
+    np.testing.assert_array_equal(np.asarray(full[..., [2, 5, 7, 30]]), np.asarray(small))
+    assert np.isneginf(np.delete(np.asarray(full), [2, 5, 7, 30], axis=-1)).all()
 
 
 def test_head_shapes_at_scale():

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
+import numpy as np
 import pytest
 
 import pdecode
@@ -39,10 +40,18 @@ def test_train_heads_for_own_base_on_mesh(base_dir, tmp_path):
     out = tmp_path / "eagle3"
     rc = cli.main(["train", "heads", "--base", str(base_dir), "--kind", "eagle3", "--data", *DATA, "--out", str(out),
                    "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--mesh", "2x2", "--fsdp", "--accum", "2",
-                   "--work", str(tmp_path / "work")])
+                   "--draft-vocab", "300", "--work", str(tmp_path / "work")])
     assert rc in (0, None)
     meta = json.loads((out / "heads.json").read_text())
     assert meta["kind"] == "eagle" and meta["config"]["fuse_layers"] == [1, 3, 5]
+    assert meta["config"]["draft_vocab"] == 300
+    from pdecode.checkpoint.safetensors_io import read_safetensors
+
+    stored = read_safetensors(out / "heads.safetensors")  # EAGLE-3's released layout of the vocabulary maps
+    assert stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == bool and stored["t2d"].sum() == 300
+    assert stored["lm_head"].shape == (256, 300)
+    ids = np.arange(300) + stored["d2t"]
+    assert (np.diff(ids) > 0).all() and stored["t2d"][ids].all()
     assert Path(meta["base_model"]) == base_dir.resolve()
     info = json.loads((out / "train_info.json").read_text())
     assert info["steps"] == 3 and info["train_config"]["accum"] == 2 and "pdecode train heads" in info["command"]
@@ -50,6 +59,7 @@ def test_train_heads_for_own_base_on_mesh(base_dir, tmp_path):
     assert "eagle" in m.extras
     got = pdecode.generate(m, PROMPTS, method="eagle", max_new_tokens=12)
     assert got.tokens == _ar(m)
+    assert info["draft_vocab"] == 300 and 0.5 < info["draft_vocab_coverage"] <= 1
 
 
 def test_train_medusa_heads_calibrates_a_tree(base_dir, tmp_path):
@@ -85,6 +95,10 @@ def test_train_draft_for_own_base(base_dir, tmp_path):
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--val-fraction", "1.5"],
      "--val-fraction must be between 0 and 1"),
     (["draft", "--data", "x", "--out", "o"], "--base DIR is required"),
+    (["heads", "--base", "code-target", "--kind", "eagle3", "--data", "x", "--out", "o", "--draft-vocab", "many"],
+     "--draft-vocab takes a number of tokens or auto"),
+    (["heads", "--base", "code-target", "--kind", "eagle", "--data", "x", "--out", "o", "--draft-vocab", "100"],
+     "--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not eagle"),
 ])
 def test_train_cli_rejects_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

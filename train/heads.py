@@ -83,13 +83,15 @@ EVAL_BATCH = 8  # held-out windows per evaluation batch; fewer held-out windows 
 EVAL_WINDOWS = 96  # held-out windows the metric reads at most
 
 
-def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
+def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray, maps: dict | None = None):
     """Held-out metric of the heads: top-1 agreement with the target's own greedy next-next token (Medusa head 0,
-    EAGLE / MTP depth 1), i.e. the depth-1 acceptance rate under greedy verification."""
+    EAGLE / MTP depth 1), i.e. the depth-1 acceptance rate under greedy verification. ``maps``: a draft
+    vocabulary's d2t / t2d (kept out of the trained params)."""
     from pdecode.model.attention import padded_self_mask
 
     @jax.jit
-    def agree(hp, tparams, w):
+    def agree(hp, tparams, maps, w):
+        hp = {**hp, **maps} if maps else hp
         x = w[:, :-1]
         b, t = x.shape
         h, lh = causal_hidden(tparams, cfg, x, r.hcfg.fuse_layers if r.kind == "eagle" else (cfg.num_layers - 1,))
@@ -109,7 +111,8 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray):
         return jnp.mean(jnp.argmax(lg, -1) == t_next[:, 1:])
 
     def eval_fn(hp):
-        vals = [float(agree(hp, tparams, np.asarray(w, np.int32))) for w in data.eval_batches(windows, EVAL_BATCH)]
+        vals = [float(agree(hp, tparams, maps, np.asarray(w, np.int32)))
+                for w in data.eval_batches(windows, EVAL_BATCH)]
         return {"depth1_agreement": float(np.mean(vals))}
 
     return eval_fn
@@ -124,17 +127,29 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     hp = init_from_specs(r.hcfg.specs(cfg), jax.random.PRNGKey(tc.seed))
     if r.kind == "medusa":
         hp = H.medusa_init_zero(hp)
+    maps, vocab_note = None, {}
+    if getattr(r.hcfg, "draft_vocab", 0):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens
+        ids, cover = H.most_frequent_tokens(tr, r.hcfg.draft_vocab, cfg.vocab_size)
+        maps = {k: jnp.asarray(v) for k, v in H.draft_vocab_maps(ids, cfg.vocab_size).items()}
+        hp = {k: v for k, v in hp.items() if k not in H.VOCAB_MAPS}
+        # the draft head starts as the target's head restricted to those tokens (EAGLE-3 trains it from there)
+        w = tparams["embed"][ids].T if cfg.tie_word_embeddings else tparams["lm_head"][:, ids]
+        hp["lm_head"] = jnp.asarray(w, hp["lm_head"].dtype)
+        vocab_note = {"draft_vocab": r.hcfg.draft_vocab, "draft_vocab_coverage": round(cover, 4)}
+        print(f"{desc}: draft vocabulary of {r.hcfg.draft_vocab} tokens covers {cover:.1%} of the training tokens",
+              file=sys.stderr)
     batches = data.TokenBatches(tr, r.seq_len, r.batch_size, seed=tc.seed)
     val_windows = data.TokenBatches(va, r.seq_len, 1).fixed_eval(EVAL_WINDOWS) if len(va) > r.seq_len + 1 else []
     if not len(val_windows):
         raise InputError(f"the held-out part is {len(va)} tokens, less than one window of {r.seq_len + 1}: add text "
                          "or lower --seq-len")
-    eval_fn = _eval_heads(r, cfg, tparams, val_windows)
+    eval_fn = _eval_heads(r, cfg, tparams, val_windows, maps)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(hp))
     print(f"{desc}: {r.kind} heads, {n_params / 1e6:.2f}M params on frozen {base_model}, {tc.steps} steps of "
           f"{r.batch_size}x{r.seq_len}", file=sys.stderr)
     t0 = time.perf_counter()
-    hp, hist = train(_objective(r, cfg), hp, tparams, batches.batch, tc, ckpt_dir=ckpt_dir, eval_fn=eval_fn,
+    hp, hist = train(_objective(r, cfg), hp, tparams if maps is None else (tparams, maps), batches.batch, tc,
+                     ckpt_dir=ckpt_dir, eval_fn=eval_fn,
                      desc=desc, mesh_plan=mesh_plan, local_batch_fn=batches.batch)
     wall = time.perf_counter() - t0
     info = {"name": out.name, "command": command, "kind": r.kind, "params": n_params, "base_model": base_model,
@@ -142,11 +157,11 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
             "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
             "evals": hist["eval"], "loss_curve": {"step": hist["step"], "loss": hist["loss"]},
             "train_config": dataclasses.asdict(tc), "seq_len": r.seq_len, "batch_size": r.batch_size,
-            "ttt_steps": r.ttt_steps}
+            "ttt_steps": r.ttt_steps, **vocab_note}
     from pdecode import distributed
     from pdecode.api import to_host
 
-    host = jax.tree.map(to_host, hp)  # (gathered from every process's devices on a multi-process mesh)
+    host = jax.tree.map(to_host, hp if maps is None else {**hp, **maps})  # (gathered from every process's devices on a multi-process mesh)
     if distributed.is_main():  # one writer of a multi-process run
         save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, host, base_model=base_model,
                    dtype=ml_dtypes.bfloat16, compress=True)
@@ -177,10 +192,27 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self
 KINDS = ("medusa", "eagle", "eagle3", "mtp")
 
 
-def head_config(kind: str, cfg) -> tuple[object, int]:
+DRAFT_VOCAB_AUTO = 8192  # EAGLE-3's draft vocabulary for bases whose vocabulary exceeds twice this
+
+
+def draft_vocab_for(kind: str, cfg, draft_vocab: int | str = "auto") -> int:
+    """The draft vocabulary an EAGLE-3 head gets: "auto" is 8192 tokens for a vocabulary over 16384 (the head's
+    matmul then reads a small part of the target's), else the whole vocabulary (0); a number is taken as given
+    (0: the whole vocabulary). Other kinds have none."""
+    if draft_vocab == "auto":
+        return DRAFT_VOCAB_AUTO if kind == "eagle3" and cfg.vocab_size > 2 * DRAFT_VOCAB_AUTO else 0
+    n = int(draft_vocab)
+    if n and kind != "eagle3":
+        raise InputError(f"--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not {kind}")
+    if not 0 <= n <= cfg.vocab_size:
+        raise InputError(f"--draft-vocab must be 0 (the whole vocabulary) up to the base's {cfg.vocab_size}, got {n}")
+    return 0 if n == cfg.vocab_size else n
+
+
+def head_config(kind: str, cfg, draft_vocab: int = 0) -> tuple[object, int]:
     """(head config, EAGLE-3 training-time-test depth) of a head kind for a base: the zoo recipes' shapes (Medusa:
-    4 heads of 1 residual layer; EAGLE: one decoder layer; EAGLE-3: fusing layers 1, L/2 and L-1, 3 test steps;
-    MTP: one DeepSeek-V3 module)."""
+    4 heads of 1 residual layer; EAGLE: one decoder layer; EAGLE-3: fusing layers 1, L/2 and L-1, 3 test steps,
+    ``draft_vocab`` tokens in its own head; MTP: one DeepSeek-V3 module)."""
     if kind == "medusa":
         return H.MedusaConfig(num_heads=4, num_layers=1), 1
     if kind == "eagle":
@@ -189,7 +221,7 @@ def head_config(kind: str, cfg) -> tuple[object, int]:
         n = cfg.num_layers
         if n < 3:
             raise InputError(f"--kind eagle3 fuses three of the base's layers; it has {n}")
-        return H.EagleConfig(fuse_layers=(1, n // 2, n - 1)), 3
+        return H.EagleConfig(fuse_layers=(1, n // 2, n - 1), draft_vocab=draft_vocab), 3
     if kind == "mtp":
         return H.MTPConfig(num_modules=1), 1
     raise InputError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -199,7 +231,7 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                     seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, self_distill: int = 0,
                     mesh=None, fsdp: bool = False, accum: int = 1, compute_dtype: str | None = None,
                     base_dtype: str = "auto", seed: int = 0, calibrate: bool = True, val_fraction: float = 0.05,
-                    command: str | None = None, calibration_prompts: int = 96) -> dict:
+                    command: str | None = None, calibration_prompts: int = 96, draft_vocab: int | str = "auto") -> dict:
     """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
     user's text files (``data_paths``; the base's tokenizer; the last ``val_fraction`` held out), or on
     ``self_distill`` tokens of the base's own continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``)
@@ -217,7 +249,7 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
         m = dataclasses.replace(m, cfg=cfg0, params=p0, _sharded={}, _placed=None, _source_cfg=None)
     if m.tokenizer is None:
         raise InputError(f"--base {base}: no tokenizer.json next to the weights; training reads text through it")
-    hcfg, ttt = head_config(kind, m.cfg)
+    hcfg, ttt = head_config(kind, m.cfg, draft_vocab_for(kind, m.cfg, draft_vocab))
     tc = TrainConfig(steps=steps, lr=lr, warmup=max(1, min(30, steps // 10)), eval_every=max(1, steps // 2),
                      ckpt_every=max(1, min(100, steps)), log_every=max(1, min(10, steps)), seed=seed, accum=accum,
                      compute_dtype=compute_dtype)
@@ -231,7 +263,11 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
         tr = data.self_distillation_stream(m, tr, self_distill, batch=min(64, batch_size * 4),
                                            temperature=data.SELF_DISTILL_TEMPERATURE, seed=seed)
     base_model = str(base) if not Path(base).is_dir() else str(Path(base).resolve())
-    mesh_plan = MeshPlan(mesh, hcfg.specs(m.cfg), param_specs(m.cfg), fsdp) if mesh is not None else None
+    specs, frozen_specs = hcfg.specs(m.cfg), param_specs(m.cfg)
+    if getattr(hcfg, "draft_vocab", 0):  # the vocabulary maps ride with the frozen base (not trained)
+        frozen_specs = (frozen_specs, {k: specs[k] for k in H.VOCAB_MAPS})
+        specs = {k: v for k, v in specs.items() if k not in H.VOCAB_MAPS}
+    mesh_plan = MeshPlan(mesh, specs, frozen_specs, fsdp) if mesh is not None else None
     held = (val_fraction,) if val_fraction != 0.05 else ()  # (the default keeps earlier runs' checkpoint names)
     sig = hashlib.sha1(repr((r, base_model, [str(p) for p in data_paths], self_distill) + held
                             ).encode()).hexdigest()[:10]
@@ -241,7 +277,8 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                                val_fraction=val_fraction, self_distill=self_distill, mesh=mesh, fsdp=fsdp,
                                accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype,
                                calibration_prompts=calibration_prompts if kind == "medusa" and
-                               calibration_prompts != 96 else None)
+                               calibration_prompts != 96 else None,
+                               draft_vocab=None if draft_vocab == "auto" else draft_vocab)
     out = Path(out)
     info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model, command,
                         f"heads:{kind}", mesh_plan)
@@ -439,6 +476,11 @@ def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3)
                    help="the part of --data's tokens held out for the validation metric (at least two windows' worth)")
     g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
     if what == "heads":
+        g.add_argument("--draft-vocab", default="auto", metavar="N|auto",
+                       help="(--kind eagle3) EAGLE-3's reduced vocabulary: the N most frequent tokens of the training "
+                            "data get the drafter's own head, with d2t / t2d maps as EAGLE-3 releases carry them; "
+                            f"auto: {DRAFT_VOCAB_AUTO} when the base's vocabulary exceeds {2 * DRAFT_VOCAB_AUTO}, "
+                            "0: the whole vocabulary")
         g.add_argument("--calibration-prompts", type=int, default=96, metavar="N",
                        help="(--kind medusa) training-stream prompts whose greedy continuations calibrate the shipped "
                             "tree (default 96)")
@@ -502,6 +544,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _draft_vocab_arg(ap, args):
+    if args.draft_vocab == "auto":
+        return "auto"
+    try:
+        n = int(args.draft_vocab)
+    except ValueError:
+        ap.error(f"--draft-vocab takes a number of tokens or auto, got {args.draft_vocab!r}")
+    if n and args.kind != "eagle3":
+        ap.error(f"--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not {args.kind}")
+    return n
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = build_parser()
@@ -528,7 +582,8 @@ def main(argv=None):
                                self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
                                compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                                val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
-                               calibration_prompts=args.calibration_prompts)
+                               calibration_prompts=args.calibration_prompts,
+                               draft_vocab=_draft_vocab_arg(ap, args))
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):

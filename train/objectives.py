@@ -173,16 +173,25 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
     EAGLE-3 training-time test (``ttt_steps = n``): step j feeds the drafter's own outputs of step j-1 (as at
     decode time) and attends to the true-feature pass of step 0 for the prefix and to its own chain for the
     drafted positions; loss sum_j decay^j soft CE against the target's distribution of token i+j+2.
+    With a draft vocabulary (``ecfg.draft_vocab``) ``frozen`` is ``(target params, {"d2t", "t2d"})`` (the maps are
+    not trained): the target's distribution is taken over the draft vocabulary's ids, renormalised, and positions
+    whose target argmax lies outside it are left out of the loss (EAGLE-3's rule).
     """
     from pdecode.model import attention
     from pdecode.model import cache as kvc
-    from pdecode.model.heads import eagle_feature, eagle_step
+    from pdecode.model.heads import draft_ids, eagle_feature, eagle_step
 
-    def loss(ep, tparams, batch, rng):
+    def loss(ep, frozen, batch, rng):
         del rng
         x = batch[:, :-1]
         b, t = x.shape
+        tparams = frozen[0] if ecfg.draft_vocab else frozen
         h, lh, t_logits = _target_pass(tparams, cfg, x, ecfg.fuse_layers)
+        keep = None
+        if ecfg.draft_vocab:
+            ep = {**ep, **frozen[1]}
+            keep = jnp.take(frozen[1]["t2d"], jnp.argmax(t_logits, -1)).astype(jnp.float32)  # [B, T]
+            t_logits = jnp.take(t_logits, draft_ids(ep), axis=-1)
         t_probs = jax.nn.softmax(t_logits, axis=-1)
         feat = jax.lax.stop_gradient(eagle_feature(ep, ecfg, h, lh)) if not ecfg.is_eagle3 else \
             eagle_feature(ep, ecfg, h, lh)
@@ -203,9 +212,9 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
             tok_j = jnp.take_along_axis(x, jnp.minimum(i + 1 + j, t - 1)[None, :].repeat(b, 0), axis=1)
             pos = jnp.broadcast_to(i + j, (b, n))
             logits, out, cache = eagle_step(ep, ecfg, cfg, tparams, tok_j, f_in, pos, mask, cache,
-                                            jnp.full((b,), j * n, jnp.int32))
+                                            jnp.full((b,), j * n, jnp.int32), draft_space=True)
             tgt = t_probs[:, 1 + j: 1 + j + m]  # distribution of token i+j+2
-            ce = soft_cross_entropy(logits[:, :m], tgt)
+            ce = soft_cross_entropy(logits[:, :m], tgt, None if keep is None else keep[:, 1 + j: 1 + j + m])
             total = total + (decay ** j) * (ce_weight if not ecfg.is_eagle3 and steps == 1 else 1.0) * ce
             metrics[f"ce{j}"] = ce
             if j == 0 and not ecfg.is_eagle3:

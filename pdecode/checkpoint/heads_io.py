@@ -94,7 +94,9 @@ def save_heads(out_dir: str | Path, kind: str, hcfg, params, base_model: str, dt
     out.mkdir(parents=True, exist_ok=True)
     flat = _flatten(params)
     if dtype is not None:
-        flat = {k: v.astype(dtype) for k, v in flat.items()}
+        flat = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in flat.items()}
+    # integer buffers (EAGLE-3's d2t) as released EAGLE-3 checkpoints store them: int64; t2d stays bool
+    flat = {k: v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v for k, v in flat.items()}
     write_safetensors(out / "heads.safetensors", flat, metadata={"format": "pdecode-heads"}, compress=compress)
     meta = {"kind": kind, "config": dataclasses.asdict(hcfg), "base_model": base_model, **(extra or {})}
     (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -123,8 +125,18 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
                               f"{f' ({base!r})' if base and base != '.' else ''}, not this {cfg.family} model "
                               f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers); train heads for it with "
                               f"`pdecode train heads --base <this model>`") from None
-    params = jax.tree.map(lambda a: np.asarray(a, dtype), params)
+    params = jax.tree.map(lambda a: _as_dtype(a, dtype), params)
     return kind, hcfg, params, meta
+
+
+def _as_dtype(a, dtype):
+    """A float tensor in ``dtype``; integer / bool buffers (vocabulary maps) as int32 / bool."""
+    a = np.asarray(a)
+    if a.dtype == bool:
+        return a
+    if np.issubdtype(a.dtype, np.integer):
+        return a.astype(np.int32)
+    return a.astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ public layouts

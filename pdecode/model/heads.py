@@ -81,6 +81,7 @@ class EagleConfig:
     fuse_layers: tuple[int, ...] = ()  # EAGLE-3: target layers fused into the feature, e.g. (1, 3, 5)
     own_head: bool = False
     fc_bias: bool = False  # EAGLE-1 releases carry a bias on fc
+    draft_vocab: int = 0  # EAGLE-3's reduced vocabulary: an own LM head over this many target tokens (0: the target's)
 
     @property
     def is_eagle3(self) -> bool:
@@ -97,9 +98,52 @@ class EagleConfig:
         if self.is_eagle3:
             s["fuse"] = ParamSpec((len(self.fuse_layers) * d, d), (None, "embed"))
             s["norm"] = ParamSpec((d,), (None,), "ones")
-        if self.own_head:
+        if self.draft_vocab:
+            if self.own_head:
+                raise ConfigError("an EAGLE drafter with a draft vocabulary owns its (reduced) LM head: own_head is "
+                                  "implied, leave it False")
+            if not 0 < self.draft_vocab <= cfg.vocab_size:
+                raise ConfigError(f"draft_vocab must be in 1..{cfg.vocab_size} (the target's vocabulary), got "
+                                  f"{self.draft_vocab}")
+            # EAGLE-3's maps, in its released layout: target id = draft id + d2t[draft id]; t2d marks the target
+            # ids the draft vocabulary holds
+            s["lm_head"] = ParamSpec((d, self.draft_vocab), ("embed", "vocab"))
+            s["d2t"] = ParamSpec((self.draft_vocab,), (None,), "index")
+            s["t2d"] = ParamSpec((cfg.vocab_size,), (None,), "flag")
+        elif self.own_head:
             s["lm_head"] = ParamSpec((d, cfg.vocab_size), ("embed", "vocab"))
         return s
+
+
+VOCAB_MAPS = ("d2t", "t2d")  # the drafter's integer buffers (not trained)
+
+
+def draft_vocab_maps(token_ids, vocab_size: int) -> dict:
+    """EAGLE-3's maps for a draft vocabulary of the target ids ``token_ids`` (any order; kept sorted): ``d2t``
+    [Vd] int offsets (target id = draft id + d2t) and ``t2d`` [V] bool."""
+    import numpy as np
+
+    ids = np.unique(np.asarray(token_ids, np.int64))
+    if ids.size != len(token_ids) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ConfigError(f"draft vocabulary ids must be distinct and in 0..{vocab_size - 1}")
+    t2d = np.zeros((vocab_size,), bool)
+    t2d[ids] = True
+    return {"d2t": (ids - np.arange(ids.size)).astype(np.int32), "t2d": t2d}
+
+
+def most_frequent_tokens(tokens, count: int, vocab_size: int):
+    """The ``count`` most frequent ids of a token stream (ties: the lower id), sorted: EAGLE-3's draft vocabulary
+    from the training data; (draft vocabulary ids, the share of the stream's tokens they cover)."""
+    import numpy as np
+
+    freq = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size)[:vocab_size]
+    top = np.sort(np.argsort(-freq, kind="stable")[:count])
+    return top, float(freq[top].sum() / max(1, freq.sum()))
+
+
+def draft_ids(ep: dict) -> jax.Array:
+    """[Vd] target ids of a reduced draft vocabulary."""
+    return jnp.arange(ep["d2t"].shape[0], dtype=jnp.int32) + ep["d2t"].astype(jnp.int32)
 
 
 def eagle_feature(ep: dict, ecfg: EagleConfig, h_BTD: jax.Array, layer_h_nBTD: jax.Array | None) -> jax.Array:
@@ -111,15 +155,21 @@ def eagle_feature(ep: dict, ecfg: EagleConfig, h_BTD: jax.Array, layer_h_nBTD: j
 
 
 def eagle_step(ep: dict, ecfg: EagleConfig, cfg: ModelConfig, target_params, tokens_BT, feat_BTD, positions_BT,
-               mask_BTS, cache: kvc.KVCache | None = None, write_at_B=None):
-    """One drafter pass: (next-token logits [B,T,V], predicted features [B,T,D], cache)."""
+               mask_BTS, cache: kvc.KVCache | None = None, write_at_B=None, draft_space: bool = False):
+    """One drafter pass: (next-token logits [B,T,V], predicted features [B,T,D], cache). With a draft vocabulary
+    the head reads only its Vd rows; the logits come back over the target's ids (-inf outside the draft
+    vocabulary), or over the draft ids themselves with ``draft_space`` (training)."""
     emb = jnp.take(target_params["embed"], tokens_BT, axis=0)
     x = jnp.concatenate([emb, feat_BTD.astype(emb.dtype)], axis=-1) @ ep["fc"]
     if "fc_b" in ep:
         x = x + ep["fc_b"]
     out, cache, _ = run_layers(ecfg.block_cfg(cfg), ep["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
     h = rms_norm(out, ep["norm"], cfg.rms_norm_eps) if ecfg.is_eagle3 else out
-    return _lm_head(target_params, cfg, h, ep.get("lm_head")), out, cache
+    logits = _lm_head(target_params, cfg, h, ep.get("lm_head"))
+    if ecfg.draft_vocab and not draft_space:
+        full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
+        logits = full.at[..., draft_ids(ep)].set(logits, unique_indices=True, indices_are_sorted=True)
+    return logits, out, cache
 
 
 # ------------------------------------------------------------------------------------------------ MTP

@@ -99,7 +99,7 @@ def layout_of(params) -> Layout:
 class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, one per dim
-    init: str = "normal"  # normal | ones | zeros
+    init: str = "normal"  # normal | ones | zeros | index (int32 zeros) | flag (bool False): buffers, not weights
 
 
 def layer_specs(cfg: ModelConfig, num_layers: int) -> dict[str, ParamSpec]:
@@ -171,6 +171,10 @@ def init_from_specs(specs, key: jax.Array, dtype=jnp.float32, std: float = 0.02)
             out.append(jnp.ones(spec.shape, dtype))
         elif spec.init == "zeros":
             out.append(jnp.zeros(spec.shape, dtype))
+        elif spec.init == "index":
+            out.append(jnp.zeros(spec.shape, jnp.int32))
+        elif spec.init == "flag":
+            out.append(jnp.zeros(spec.shape, bool))
         else:
             out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
