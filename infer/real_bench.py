@@ -556,8 +556,17 @@ def check_args(args) -> list[tuple[str, str, dict]]:
         name, opts = parse_method(spec)
         method, other = split_model(name)
         meth = registry.get(method)
-        if other:
-            raise InputError(f"--methods {spec}: --suite real runs every method on --model itself (no @model)")
+        if other:  # heads for --model itself (a heads directory or zoo name), attached for this row
+            from pdecode.api import resolve_path
+            from pdecode.checkpoint.heads_io import is_heads_dir
+
+            try:
+                where = resolve_path(other)
+            except Exception:
+                where = None
+            if where is None or not Path(where).is_dir() or not is_heads_dir(Path(where)):
+                raise InputError(f"--methods {spec}: --suite real runs every method on --model itself; after @ it "
+                                 f"takes drafting heads for it (a heads directory or zoo name), and {other} is not one")
         if "dtype" in opts or "activation_dtype" in opts:
             raise InputError(f"--methods {spec}: --suite real sets the precision with --dtype; drop dtype keys")
         if meth.target != "causal":
@@ -566,9 +575,9 @@ def check_args(args) -> list[tuple[str, str, dict]]:
         if meth.needs_draft and not args.draft:
             raise InputError(f"--methods {spec}: {method} needs a draft model: add --draft (same tokenizer)")
         registry.resolve_options(meth, opts)
-        out.append((spec, method, opts))
-    if not any(spec == "ar" for spec, _, _ in out):
-        out.insert(0, ("ar", "ar", {}))
+        out.append((spec, method, opts, other))
+    if not any(spec == "ar" for spec, *_ in out):
+        out.insert(0, ("ar", "ar", {}, None))
     out.sort(key=lambda x: x[0] != "ar")
     return out
 
@@ -640,13 +649,13 @@ class Suite:
         self.sets = list(dict.fromkeys(args.prompt_sets))
         self.peer_names = [] if args.no_peers else list(dict.fromkeys(args.peer or PEERS))
         self.model_name = args.model or MODEL
-        meta = {"model": self.model_name, "methods": [s for s, _, _ in specs], "dtypes": self.dtypes,
+        meta = {"model": self.model_name, "methods": [s for s, *_ in specs], "dtypes": self.dtypes,
                 "batches": self.batches, "new_tokens": args.new_tokens, "repeats": args.repeats, "greedy": True,
                 "stop_at_eos": True, "prompt_sets": self.sets, "peers": self.peer_names,
                 "pass_timeout_s": args.pass_timeout, "humaneval_stops": list(HUMANEVAL_STOPS),
                 "command": "pdecode " + " ".join(sys.argv[1:])}
         self.res = Results(Path(args.out), meta)
-        self.models: dict[str, Any] = {}
+        self.models: dict[Any, Any] = {}
         self.drafts: dict[str, Any] = {}
         self.peers: dict[str, Any] = {}
         self.hf: HFModel | None = None
@@ -664,6 +673,17 @@ class Suite:
             self.log(f"loading {self.model_name} in {dt} ...")
             self.models[dt] = pdecode.load(self.model_name, dtype=dt)
         return self.models[dt]
+
+    def with_heads(self, dt: str, heads: str | None):
+        """The model in ``dt`` with the heads ``heads`` attached (checked against it), or the model itself."""
+        import pdecode
+
+        if heads is None:
+            return self.model(dt)
+        if (dt, heads) not in self.models:
+            self.log(f"attaching {heads} ...")
+            self.models[dt, heads] = pdecode.attach_heads(self.model(dt), heads)
+        return self.models[dt, heads]
 
     def draft(self, dt: str):
         import pdecode
@@ -755,9 +775,9 @@ class Suite:
         """The block's rows: AR first, the other methods, then (at float32) the peers that run at this batch."""
         from pdecode.decode import registry
 
-        out: list[Any] = [PdecodeRow(self.model(dt), spec, method, opts,
+        out: list[Any] = [PdecodeRow(self.with_heads(dt, heads), spec, method, opts,
                                      draft=self.draft(dt) if registry.get(method).needs_draft else None)
-                          for spec, method, opts in self.specs]
+                          for spec, method, opts, heads in self.specs]
         for name in self.peer_names if dt == "float32" else []:
             r = self.peer(name)
             if r is not None and b > 1 and r.batch1_only:

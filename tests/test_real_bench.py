@@ -129,6 +129,8 @@ def test_pass_at_1_runner_sandboxed():
     (["--peer", "transformers-bf16"], "--peer"),
     (["--humaneval-file", "/no/such/he.jsonl"], "no such file"),
     (["--repeats", "0"], "--repeats"),
+    (["--methods", "eagle@code-target"], "takes drafting heads for it"),
+    (["--methods", "eagle@/no/such/heads"], "takes drafting heads for it"),
 ])
 def test_real_suite_checks_arguments_before_loading(tmp_path, monkeypatch, flags, msg):
     import pdecode
@@ -194,6 +196,32 @@ def test_real_suite_end_to_end(tmp_path):
     assert (out / "x_ar.png").stat().st_size > 1000
     lines = (out / "completions.jsonl").read_text().splitlines()
     assert len(lines) == len(rows) * 2
+
+
+def test_real_suite_attaches_heads_per_row(tmp_path):
+    """``eagle@HEADS``: heads trained for --model, attached for that row only; greedy output stays AR's."""
+    import jax
+
+    import pdecode
+    from pdecode.checkpoint.heads_io import save_heads
+    from pdecode.model import heads as H
+    from pdecode.model.transformer import init_from_specs
+
+    model = tiny_hf(tmp_path / "tiny")
+    cfg = pdecode.load(model).cfg
+    hcfg = H.EagleConfig(fuse_layers=(0, 1), draft_vocab=cfg.vocab_size // 2)
+    hp = init_from_specs(hcfg.specs(cfg), jax.random.PRNGKey(0))
+    hp.update(H.draft_vocab_maps(range(0, cfg.vocab_size, 2), cfg.vocab_size))
+    save_heads(tmp_path / "heads", "eagle", hcfg, hp, base_model=model)
+    he, sg = synthetic_sets(tmp_path)
+    out = tmp_path / "r"
+    rc = bench_main(["--suite", "real", "--model", model, "--prompt-sets", "humaneval", "--humaneval-file", str(he),
+                     "--prompts", "2", "--new-tokens", "8", "--batch", "1", "--dtype", "float32", "--repeats", "1",
+                     "--methods", f"eagle@{tmp_path / 'heads'}", "--no-peers", "--out", str(out)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"ar", f"eagle@{tmp_path / 'heads'}"}
+    assert rows[f"eagle@{tmp_path / 'heads'}"]["identical"] == 2
 
 
 def test_real_suite_keeps_what_it_measured_when_stopped(tmp_path, monkeypatch):

@@ -186,7 +186,8 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"settings": settings, "shards": n_shards, **info}
     man_path.write_text(json.dumps(manifest, indent=1))
-    todo = [(t, k) for t in temperatures for k in range(n_shards) if not (out / _shard_name(t, k)).exists()]
+    # shard by shard, every temperature for each: a run stopped early holds the same conversations at each
+    todo = [(t, k) for k in range(n_shards) for t in temperatures if not (out / _shard_name(t, k)).exists()]
     total = len(temperatures) * n_shards
     prog = Progress(total, f"chat data ({settings['base']})", 1, stream)
     done, tokens_made, t0 = total - len(todo), 0, time.perf_counter()
