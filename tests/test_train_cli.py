@@ -87,6 +87,28 @@ def test_train_draft_for_own_base(base_dir, tmp_path):
     assert pdecode.generate(base, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(base)
 
 
+def test_train_draft_from_the_bases_layers(base_dir, tmp_path, capsys):
+    out = tmp_path / "draft-from-base"
+    cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(out), "--steps", "2",
+              "--seq-len", "64", "--batch-size", "4", "--from-base-layers", "auto", "--layers", "2",
+              "--work", str(tmp_path / "work")])
+    d, base = pdecode.load(out), pdecode.load(base_dir)
+    assert d.cfg.num_layers == 2 and d.cfg.hidden_size == base.cfg.hidden_size == 256
+    info = json.loads((out / "train_info.json").read_text())
+    assert info["from_base_layers"] == [0, base.cfg.num_layers - 1] and "--from-base-layers auto" in info["command"]
+    # started from the base: after two small steps its last layer is still close to the base's last one
+    a = np.asarray(d.params["layers"]["w_up"][1], np.float32)
+    b = np.asarray(base.params["layers"]["w_up"][-1], np.float32)
+    assert np.abs(a - b).mean() < 0.2 * np.abs(b).mean()
+    assert pdecode.generate(base, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(base)
+    for flags, msg in ((["--from-base-layers", "3,1"], "distinct increasing indices in 0..5"),
+                       (["--from-base-layers", "auto", "--hidden", "64"], "keeps the base's width"),
+                       (["--from-base-layers", "0,5", "--layers", "3"], "--layers 3 disagrees")):
+        rc = cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(tmp_path / "x"),
+                       "--steps", "1", *flags])
+        assert rc == 2 and msg in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["heads", "--base", "code-target", "--data", "x"], "--base needs --out and --kind"),
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--fsdp"], "--fsdp needs --mesh"),
