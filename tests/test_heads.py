@@ -35,6 +35,8 @@ HEAD_CASES = [
     ("eagle", H.EagleConfig(), {"tree_top_k": 3, "depth": 4, "total_tokens": 10}),
     ("eagle", H.EagleConfig(fuse_layers=(0, 2, 3)), {"tree_top_k": 2, "depth": 3, "total_tokens": 5}),
     ("eagle", H.EagleConfig(fc_bias=True), {"tree_top_k": 1, "depth": 3, "total_tokens": 3}),
+    # EAGLE-3 with a reduced draft vocabulary (the first 8 ids): drafts only those, verified over the whole vocabulary
+    ("eagle", H.EagleConfig(fuse_layers=(0, 1), draft_vocab=8), {"tree_top_k": 3, "depth": 3, "total_tokens": 6}),
     ("mtp", H.MTPConfig(num_modules=1), {}),
     ("mtp", H.MTPConfig(num_modules=2, emb_first=True), {"tree_top_k": 3, "depth": 2, "total_tokens": 6}),
     ("mtp", H.MTPConfig(num_modules=1), {"depth": 3}),  # a chain of 3: total_tokens follows depth
@@ -66,7 +68,8 @@ def test_heads_that_copy_the_target_are_accepted(target):
     assert out.tokens == pdecode.generate(target, [prompt], max_new_tokens=24, stop_at_eos=False).tokens
 
 
-@pytest.mark.parametrize("kind,hcfg,opts", [HEAD_CASES[0], HEAD_CASES[2], HEAD_CASES[6]], ids=["medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("kind,hcfg,opts", [HEAD_CASES[0], HEAD_CASES[2], HEAD_CASES[5], HEAD_CASES[7]],
+                         ids=["medusa", "eagle", "eagle3-vocab", "mtp"])
 def test_sampling_is_lossless(tmp_path, kind, hcfg, opts):
     from tests.test_speculative import _exact_marginals
 
