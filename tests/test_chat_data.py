@@ -83,3 +83,23 @@ def test_answers_are_the_models_own_and_a_stopped_run_resumes(sharegpt, tmp_path
     assert np.concatenate([tr, va]).tolist() == want
     z = np.load(out / "shard-t0.7-00000.npz")
     assert z["tokens"].dtype == np.int32 and z["offsets"][-1] == len(z["tokens"])
+
+
+def test_recorded_answers_instead_of_generating(sharegpt, tmp_path, monkeypatch):
+    """``--recorded``: the conversations' own answers (capped, EOS-ended unless cut), nothing generated."""
+    m = pdecode.load(tiny_hf(tmp_path / "tiny"))
+    monkeypatch.setattr(pdecode, "generate", lambda *a, **k: pytest.fail("recorded answers generate nothing"))
+    out = tmp_path / "rec"
+    man = CD.generate_data(m, out, conversations=4, new_tokens=3, max_prompt_tokens=64, shard=3, sharegpt=sharegpt,
+                           recorded=True, stream=open("/dev/null", "w"))
+    assert man["settings"]["answers"] == "recorded" and man["settings"]["temperatures"] == []
+    rows = CD.read(out)
+    assert [r["temperature"] for r in rows] == [None] * 5 and (out / "shard-recorded-00001.npz").exists()
+    eos = m.tokenizer.eos_ids[0]
+    for r, (i, t, _, reply) in zip(rows, CD.conversation_turns(sharegpt, 0, 4, with_reply=True)):
+        ans = m.tokenizer.encode(reply, add_special_tokens=False)
+        assert (r["conversation"], r["turn"]) == (i, t) and reply == f"answer {i} {t}"
+        assert r["ids"][r["prompt_len"]:] == (ans[:3] if len(ans) >= 3 else ans + [eos])
+    assert CD.is_data_dir(out) and CD.main(["--base", str(tmp_path / "tiny"), "--out", str(out), "--conversations",
+                                            "4", "--new-tokens", "3", "--max-prompt-tokens", "64", "--shard", "3",
+                                            "--sharegpt-file", str(sharegpt), "--recorded"])["examples"] == 5

