@@ -1,6 +1,6 @@
 """Is sampling with trained heads lossless on the real model? A two-sample chi-square test against AR's samples.
 
-    python scripts/lossless_check.py --heads smollm2-135m-instruct-eagle3 [--method eagle] [--rows 1200]
+    python scripts/lossless_check.py --heads smollm2-135m-instruct-eagle3 [--method eagle] [--rows 900]
         [--temperature 0.7] [--tokens 3] [--prompt-index 0] [--out docs/bench/lossless_eagle3]
 
 One held-out prompt (ShareGPT from index 12,000, through the chat template), ``--rows`` copies of it sampled at
@@ -79,8 +79,9 @@ def main():
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--heads", required=True, help="heads directory or zoo name trained for --model")
     ap.add_argument("--method", default="eagle", choices=["eagle", "mtp"])
-    ap.add_argument("--rows", type=int, default=1200)
-    ap.add_argument("--chunk", type=int, default=300, help="rows per generate call")
+    ap.add_argument("--rows", type=int, default=900)
+    ap.add_argument("--chunk", type=int, default=25, help="rows per generate call (a sampled EAGLE-2 tree keeps the "
+                    "draft distribution of its whole candidate pool: rows x 610 nodes x the vocabulary's floats)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--prompt-index", type=int, default=0, help="which held-out ShareGPT prompt")

