@@ -559,12 +559,13 @@ def check_args(args) -> list[tuple[str, str, dict]]:
         if other:  # heads for --model itself (a heads directory or zoo name), attached for this row
             from pdecode.api import resolve_path
             from pdecode.checkpoint.heads_io import is_heads_dir
+            from pdecode.errors import PdecodeError
 
             try:
-                where = resolve_path(other)
-            except Exception:
-                where = None
-            if where is None or not Path(where).is_dir() or not is_heads_dir(Path(where)):
+                heads_here = is_heads_dir(resolve_path(other))
+            except PdecodeError:  # neither a directory nor a zoo name
+                heads_here = False
+            if not heads_here:
                 raise InputError(f"--methods {spec}: --suite real runs every method on --model itself; after @ it "
                                  f"takes drafting heads for it (a heads directory or zoo name), and {other} is not one")
         if "dtype" in opts or "activation_dtype" in opts:

@@ -36,7 +36,7 @@ def counts_test(a: np.ndarray, b: np.ndarray, floor: int = 10) -> dict:
     chi2, p, dof, _ = stats.chi2_contingency(table)
     top = keys[np.argmax(ca + cb)]
     return {"p": float(p), "chi2": round(float(chi2), 2), "bins": int(table.shape[1]),
-            "top_token": int(top), "top_share": [round(float((a == top).mean()), 4), round(float((b == top).mean()), 4)]}
+            "top_token": int(top), "top_share": [round(float((x == top).mean()), 4) for x in (a, b)]}
 
 
 def sample(m, prompt, rows: int, chunk: int, method: str, temperature: float, tokens: int, seed: int, **opts):

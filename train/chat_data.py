@@ -72,14 +72,15 @@ def conversation_turns(path: str | Path | None = None, start: int = 0, count: in
                 break
             msgs.append({"role": "user" if want == "human" else "assistant", "content": value})
             if want == "human":
-                nxt = turns[k + 1] if k + 1 < len(turns) else None
-                reply = nxt.get("value") if isinstance(nxt, dict) and nxt.get("from") == "gpt" else None
                 if not with_reply:
                     used = True
                     yield idx, turn, list(msgs)
-                elif isinstance(reply, str) and reply.strip():
-                    used = True
-                    yield idx, turn, list(msgs), reply
+                else:
+                    nxt = turns[k + 1] if k + 1 < len(turns) else None
+                    reply = nxt.get("value") if isinstance(nxt, dict) and nxt.get("from") == "gpt" else None
+                    if isinstance(reply, str) and reply.strip():
+                        used = True
+                        yield idx, turn, list(msgs), reply
                 turn += 1
         seen += used
 

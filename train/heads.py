@@ -131,7 +131,7 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     if getattr(r.hcfg, "draft_vocab", 0):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens
         ids, cover = H.most_frequent_tokens(tr, r.hcfg.draft_vocab, cfg.vocab_size)
         maps = {k: jnp.asarray(v) for k, v in H.draft_vocab_maps(ids, cfg.vocab_size).items()}
-        hp = {k: v for k, v in hp.items() if k not in H.VOCAB_MAPS}
+        hp, _ = H.split_vocab_maps(hp)
         # the draft head starts as the target's head restricted to those tokens (EAGLE-3 trains it from there)
         w = tparams["embed"][ids].T if cfg.tie_word_embeddings else tparams["lm_head"][:, ids]
         hp["lm_head"] = jnp.asarray(w, hp["lm_head"].dtype)
@@ -161,7 +161,8 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     from pdecode import distributed
     from pdecode.api import to_host
 
-    host = jax.tree.map(to_host, hp if maps is None else {**hp, **maps})  # (gathered from every process's devices on a multi-process mesh)
+    # (gathered from every process's devices on a multi-process mesh)
+    host = jax.tree.map(to_host, hp if maps is None else {**hp, **maps})
     if distributed.is_main():  # one writer of a multi-process run
         save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, host, base_model=base_model,
                    dtype=ml_dtypes.bfloat16, compress=True)
@@ -195,15 +196,27 @@ KINDS = ("medusa", "eagle", "eagle3", "mtp")
 DRAFT_VOCAB_AUTO = 8192  # EAGLE-3's draft vocabulary for bases whose vocabulary exceeds twice this
 
 
+def draft_vocab_arg(kind: str, draft_vocab: int | str) -> int | str:
+    """``--draft-vocab`` as given ("auto" or a number of tokens), checked against the head kind before any model
+    loads."""
+    if draft_vocab == "auto":
+        return "auto"
+    try:
+        n = int(draft_vocab)
+    except (TypeError, ValueError):
+        raise InputError(f"--draft-vocab takes a number of tokens or auto, got {draft_vocab!r}") from None
+    if n and kind != "eagle3":
+        raise InputError(f"--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not {kind}")
+    return n
+
+
 def draft_vocab_for(kind: str, cfg, draft_vocab: int | str = "auto") -> int:
     """The draft vocabulary an EAGLE-3 head gets: "auto" is 8192 tokens for a vocabulary over 16384 (the head's
     matmul then reads a small part of the target's), else the whole vocabulary (0); a number is taken as given
     (0: the whole vocabulary). Other kinds have none."""
-    if draft_vocab == "auto":
+    n = draft_vocab_arg(kind, draft_vocab)
+    if n == "auto":
         return DRAFT_VOCAB_AUTO if kind == "eagle3" and cfg.vocab_size > 2 * DRAFT_VOCAB_AUTO else 0
-    n = int(draft_vocab)
-    if n and kind != "eagle3":
-        raise InputError(f"--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not {kind}")
     if not 0 <= n <= cfg.vocab_size:
         raise InputError(f"--draft-vocab must be 0 (the whole vocabulary) up to the base's {cfg.vocab_size}, got {n}")
     return 0 if n == cfg.vocab_size else n
@@ -265,8 +278,8 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
     base_model = str(base) if not Path(base).is_dir() else str(Path(base).resolve())
     specs, frozen_specs = hcfg.specs(m.cfg), param_specs(m.cfg)
     if getattr(hcfg, "draft_vocab", 0):  # the vocabulary maps ride with the frozen base (not trained)
-        frozen_specs = (frozen_specs, {k: specs[k] for k in H.VOCAB_MAPS})
-        specs = {k: v for k, v in specs.items() if k not in H.VOCAB_MAPS}
+        specs, map_specs = H.split_vocab_maps(specs)
+        frozen_specs = (frozen_specs, map_specs)
     mesh_plan = MeshPlan(mesh, specs, frozen_specs, fsdp) if mesh is not None else None
     held = (val_fraction,) if val_fraction != 0.05 else ()  # (the default keeps earlier runs' checkpoint names)
     sig = hashlib.sha1(repr((r, base_model, [str(p) for p in data_paths], self_distill) + held
@@ -544,18 +557,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _draft_vocab_arg(ap, args):
-    if args.draft_vocab == "auto":
-        return "auto"
-    try:
-        n = int(args.draft_vocab)
-    except ValueError:
-        ap.error(f"--draft-vocab takes a number of tokens or auto, got {args.draft_vocab!r}")
-    if n and args.kind != "eagle3":
-        ap.error(f"--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not {args.kind}")
-    return n
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = build_parser()
@@ -567,6 +568,10 @@ def main(argv=None):
             ap.error("--base trains heads for your own model; --only / --eval-only / --calibrate-tree are for the "
                      "zoo recipes")
         check_base_arguments(ap, args, ("kind",))
+        try:  # (before the base loads)
+            draft_vocab = draft_vocab_arg(args.kind, args.draft_vocab)
+        except InputError as e:
+            ap.error(str(e))
         import pdecode
         from pdecode.sharding import make_mesh, mesh_from_spec
 
@@ -583,7 +588,7 @@ def main(argv=None):
                                compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                                val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
                                calibration_prompts=args.calibration_prompts,
-                               draft_vocab=_draft_vocab_arg(ap, args))
+                               draft_vocab=draft_vocab)
 
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):

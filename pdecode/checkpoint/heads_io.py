@@ -92,11 +92,7 @@ def save_heads(out_dir: str | Path, kind: str, hcfg, params, base_model: str, dt
                extra: dict | None = None, compress: bool = False) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    flat = _flatten(params)
-    if dtype is not None:
-        flat = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in flat.items()}
-    # integer buffers (EAGLE-3's d2t) as released EAGLE-3 checkpoints store them: int64; t2d stays bool
-    flat = {k: v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v for k, v in flat.items()}
+    flat = {k: _stored(v, dtype) for k, v in _flatten(params).items()}
     write_safetensors(out / "heads.safetensors", flat, metadata={"format": "pdecode-heads"}, compress=compress)
     meta = {"kind": kind, "config": dataclasses.asdict(hcfg), "base_model": base_model, **(extra or {})}
     (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -127,6 +123,14 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=np.float32):
                               f"`pdecode train heads --base <this model>`") from None
     params = jax.tree.map(lambda a: _as_dtype(a, dtype), params)
     return kind, hcfg, params, meta
+
+
+def _stored(a: np.ndarray, dtype):
+    """A tensor as written: floats in ``dtype`` (None: as they are); integer buffers as released EAGLE-3 checkpoints
+    store their d2t (int64); bool buffers (t2d) as they are."""
+    if np.issubdtype(a.dtype, np.integer):
+        return a.astype(np.int64)
+    return a.astype(dtype) if dtype is not None and np.issubdtype(a.dtype, np.floating) else a
 
 
 def _as_dtype(a, dtype):

@@ -118,6 +118,13 @@ class EagleConfig:
 VOCAB_MAPS = ("d2t", "t2d")  # the drafter's integer buffers (not trained)
 
 
+def split_vocab_maps(tree: dict) -> tuple[dict, dict]:
+    """(the drafter's trained entries, its vocabulary maps) of an EAGLE params or specs dict: the trainers keep the
+    maps beside the frozen base, out of the optimiser's reach."""
+    return ({k: v for k, v in tree.items() if k not in VOCAB_MAPS},
+            {k: v for k, v in tree.items() if k in VOCAB_MAPS})
+
+
 def draft_vocab_maps(token_ids, vocab_size: int) -> dict:
     """EAGLE-3's maps for a draft vocabulary of the target ids ``token_ids`` (any order; kept sorted): ``d2t``
     [Vd] int offsets (target id = draft id + d2t) and ``t2d`` [V] bool."""
