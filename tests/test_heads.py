@@ -273,6 +273,41 @@ def test_medusa_uses_the_tree_calibrated_in_heads_json(target, tmp_path):
         pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=4, tree="calibrated")
 
 
+def test_eagle_tree_sized_by_the_measured_cost(target, tmp_path, monkeypatch):
+    """total_tokens="auto": the heads' calibrated trees (tokens per forward) weighed against each step's cost on
+    the device (here set with PDECODE_VERIFY_COST, by verify tokens): the best rate wins, none above ar's runs ar."""
+    hcfg = H.EagleConfig()
+    m = _with_heads(target, "eagle", hcfg)
+    trees = [{"tree_top_k": 1, "depth": 1, "total_tokens": 1, "tokens_per_forward": 1.2},
+             {"tree_top_k": 2, "depth": 2, "total_tokens": 3, "tokens_per_forward": 1.6},
+             {"tree_top_k": 3, "depth": 3, "total_tokens": 8, "tokens_per_forward": 2.0}]
+    heads_io.save_heads(tmp_path / "h", "eagle", hcfg, m.extras["eagle"][1], base_model=str(target.path),
+                        extra={"tree_sizes": {"trees": trees}})
+    m2 = pdecode.load(tmp_path / "h")
+    ref = pdecode.generate(target, PROMPTS, max_new_tokens=16, stop_at_eos=False)
+
+    def run(**kw):
+        out = pdecode.generate(m2, PROMPTS, method="eagle", max_new_tokens=16, stop_at_eos=False, **kw)
+        assert out.tokens == ref.tokens
+        return out
+
+    # rates 1.2 / 1.1, 1.6 / 1.2 and 2.0 / 2.5: the 3-node tree (its verify holds 4 tokens)
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.1,4:1.2,9:2.5")
+    out = run(total_tokens="auto")
+    assert out.stats["tree"] == {"tree_top_k": 2, "depth": 2, "total_tokens": 3}
+    assert "tree 3:" in out.stats["tree_note"] and len(out.stats["accepted_histogram"]) == 3
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.0,9:1.05")  # an accelerator's flat cost: the biggest tree
+    assert run(total_tokens="auto").stats["tree"]["total_tokens"] == 8
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.5,4:2,9:3")  # no tree beats ar: ar runs, and says why
+    out = run(total_tokens="auto")
+    assert out.stats["tree"] == 0 and "ran as ar" in out.stats["tree_note"]
+    assert out.stats["tokens_per_forward"] == 1.0
+    with pytest.raises(pdecode.ConfigError, match="calibrate-only"):  # heads without the calibration
+        pdecode.generate(m, PROMPTS, method="eagle", max_new_tokens=4, total_tokens="auto")
+    with pytest.raises(pdecode.ConfigError, match="'auto'"):
+        pdecode.generate(m2, PROMPTS, method="eagle", max_new_tokens=4, total_tokens="many")
+
+
 def test_import_public_medusa_layout(target):
     rng = np.random.default_rng(0)
     d, v, k, n = target.cfg.hidden_size, target.cfg.vocab_size, 3, 1

@@ -17,6 +17,7 @@ import pytest
 
 import pdecode
 from infer import cli
+from train import heads as train_heads
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = [str(ROOT / "pdecode" / "decode"), str(ROOT / "pdecode" / "model")]  # Python text the base tokenizes
@@ -40,11 +41,11 @@ def test_train_heads_for_own_base_on_mesh(base_dir, tmp_path):
     out = tmp_path / "eagle3"
     rc = cli.main(["train", "heads", "--base", str(base_dir), "--kind", "eagle3", "--data", *DATA, "--out", str(out),
                    "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--mesh", "2x2", "--fsdp", "--accum", "2",
-                   "--draft-vocab", "300", "--work", str(tmp_path / "work")])
+                   "--draft-vocab", "300", "--calibration-prompts", "0", "--work", str(tmp_path / "work")])
     assert rc in (0, None)
     meta = json.loads((out / "heads.json").read_text())
     assert meta["kind"] == "eagle" and meta["config"]["fuse_layers"] == [1, 3, 5]
-    assert meta["config"]["draft_vocab"] == 300
+    assert meta["config"]["draft_vocab"] == 300 and "tree_sizes" not in meta  # (--calibration-prompts 0)
     from pdecode.checkpoint.safetensors_io import read_safetensors
 
     stored = read_safetensors(out / "heads.safetensors")  # EAGLE-3's released layout of the vocabulary maps
@@ -135,6 +136,9 @@ def test_train_heads_missing_data_is_one_line(tmp_path, capsys):
     assert rc == 2 and err == f"error: --data {tmp_path / 'nope'}: no such file or directory"
 
 
+SMALL_LADDER = ((1, 1, 1), (2, 2, 2), (2, 3, 4))
+
+
 @pytest.fixture(scope="module")
 def small_corpus_run(tmp_path_factory):
     """`pdecode train heads` on ~8 KB of Python: its held-out 5% is fewer windows than one evaluation batch.
@@ -144,10 +148,13 @@ def small_corpus_run(tmp_path_factory):
     (d / "corpus" / "pkg").mkdir(parents=True)
     (d / "corpus" / "pkg" / "a.py").write_text(text[:8000])
     argv = ["--base", "code-target", "--kind", "eagle", "--data", str(d / "corpus"), "--out", str(d / "heads"),
-            "--steps", "2", "--seq-len", "64", "--batch-size", "4", "--lr", "0.002", "--work", str(d / "work")]
+            "--steps", "2", "--seq-len", "64", "--batch-size", "4", "--lr", "0.002", "--work", str(d / "work"),
+            "--calibration-prompts", "4"]
     err = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err), \
+            pytest.MonkeyPatch.context() as mp:
         warnings.simplefilter("always")
+        mp.setattr(train_heads, "TREE_LADDER", SMALL_LADDER)  # (three small trees: a test compiles each)
         rc = cli.main(["train", "heads", *argv])
     return SimpleNamespace(argv=argv, rc=rc, err=err.getvalue(), warnings=[str(w.message) for w in caught],
                            info=json.loads((d / "heads" / "train_info.json").read_text()), corpus=d / "corpus")
@@ -164,6 +171,34 @@ def test_small_held_out_part_is_measured_and_named(small_corpus_run):
     assert len(warn) == 1 and err.index(warn[0]) < err.index("eval at step")
     assert re.search(r"is \d+ tokens, [1-7] window\(s\) of 65 tokens", warn[0]), warn[0]
     assert "--seq-len" in warn[0] and "--val-fraction" in warn[0]
+
+
+def test_eagle_heads_calibrate_their_tree_sizes(small_corpus_run, capsys, monkeypatch):
+    """After training, EAGLE heads carry each tree size's measured tokens per forward (what total_tokens="auto"
+    weighs); --calibrate-only redoes it for heads already trained, without training."""
+    monkeypatch.setattr(train_heads, "TREE_LADDER", SMALL_LADDER)
+    heads = Path(small_corpus_run.argv[small_corpus_run.argv.index("--out") + 1])
+    cal = json.loads((heads / "heads.json").read_text())["tree_sizes"]
+    assert [(t["tree_top_k"], t["depth"], t["total_tokens"]) for t in cal["trees"]] == list(SMALL_LADDER)
+    assert all(1.0 <= t["tokens_per_forward"] <= 1 + t["depth"] for t in cal["trees"])
+    assert "pdecode train heads" in cal["command"] and "training-stream prompts" in cal["data"]
+    assert "tree sizes [3/3]" in small_corpus_run.err
+    before = (heads / "heads.safetensors").read_bytes() if (heads / "heads.safetensors").exists() else None
+    argv = list(small_corpus_run.argv)
+    del argv[argv.index("--steps"): argv.index("--steps") + 2]
+    rc = cli.main(["train", "heads", *argv, "--calibrate-only"])
+    assert rc in (0, None)
+    cal2 = json.loads((heads / "heads.json").read_text())["tree_sizes"]
+    assert "--calibrate-only" in cal2["command"] and cal2["trees"] == cal["trees"]  # the same heads, data, prompts
+    if before is not None:
+        assert (heads / "heads.safetensors").read_bytes() == before  # nothing trained
+    m = pdecode.load(heads)
+    out = pdecode.generate(m, PROMPTS, method="eagle", total_tokens="auto", max_new_tokens=12)
+    assert out.tokens == _ar(m) and out.stats["tree"]  # (the tests' flat verify cost: the biggest tree)
+    argv[argv.index("--kind") + 1] = "mtp"
+    capsys.readouterr()
+    assert cli.main(["train", "heads", *argv, "--calibrate-only"]) == 2
+    assert "MTP heads carry no tree calibration" in capsys.readouterr().err
 
 
 def test_suggested_val_fraction_gives_a_full_evaluation_batch(small_corpus_run):

@@ -244,7 +244,9 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                     seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, self_distill: int = 0,
                     mesh=None, fsdp: bool = False, accum: int = 1, compute_dtype: str | None = None,
                     base_dtype: str = "auto", seed: int = 0, calibrate: bool = True, val_fraction: float = 0.05,
-                    command: str | None = None, calibration_prompts: int = 96, draft_vocab: int | str = "auto") -> dict:
+                    command: str | None = None, calibration_prompts: int | None = None,
+                    draft_vocab: int | str = "auto",
+                    calibrate_only: bool = False) -> dict:
     """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
     user's text files (``data_paths``; the base's tokenizer; the last ``val_fraction`` held out), or on
     ``self_distill`` tokens of the base's own continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``)
@@ -289,17 +291,34 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                                steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
                                val_fraction=val_fraction, self_distill=self_distill, mesh=mesh, fsdp=fsdp,
                                accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype,
-                               calibration_prompts=calibration_prompts if kind == "medusa" and
-                               calibration_prompts != 96 else None,
+                               calibration_prompts=calibration_prompts,
                                draft_vocab=None if draft_vocab == "auto" else draft_vocab)
     out = Path(out)
-    info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model, command,
-                        f"heads:{kind}", mesh_plan)
+    if calibrate_only:  # heads trained before: only their tree calibration, on the same data
+        if kind == "mtp":
+            raise InputError("--calibrate-only: MTP heads carry no tree calibration (Medusa's tree, EAGLE's tree "
+                             "sizes)")
+        stored = json.loads((out / "heads.json").read_text()).get("kind") if (out / "heads.json").is_file() else None
+        if stored != ("eagle" if kind == "eagle3" else kind):
+            raise InputError(f"--calibrate-only calibrates {kind} heads already at --out; {out} holds "
+                             f"{'no heads.json' if stored is None else stored + ' heads'}")
+        info, when = {}, ""
+    else:
+        info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model,
+                            command, f"heads:{kind}", mesh_plan)
+        when = " (tree calibrated after training)"
+    if calibration_prompts is None:
+        calibration_prompts = 96 if kind == "medusa" else SIZE_CALIBRATION_PROMPTS
+    calibrate = calibrate and calibration_prompts > 0
+    if calibrate_only and not calibrate:
+        raise InputError("--calibrate-only with --calibration-prompts 0 calibrates nothing: give a number of prompts")
     if kind == "medusa" and calibrate:
         hcfg_l, hp, meta = _load_saved(out, m.cfg)
         info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
-                                                   command + " (tree calibrated after training)", calibration_prompts,
-                                                   mesh=mesh)
+                                                   command + when, calibration_prompts, mesh=mesh)
+    elif kind in ("eagle", "eagle3") and calibrate:
+        info["tree_sizes"] = calibrate_tree_sizes(out, m, tr, seq_len, command + when, calibration_prompts,
+                                                  mesh=mesh)
     return info
 
 
@@ -441,6 +460,44 @@ def _calibrate_tree(out: Path, r: HeadRecipe, cfg, tparams, tr: np.ndarray, hcfg
     return meta["tree_calibration"]
 
 
+# total_tokens="auto" picks one of these (tree_top_k, depth, total_tokens) by tokens per unit of time on the device
+# at hand: from a chain of one token to EAGLE-2's default tree (60 nodes)
+TREE_LADDER = ((1, 1, 1), (2, 2, 2), (4, 3, 4), (4, 4, 8), (6, 5, 16), (8, 6, 32), (10, 7, 60))
+SIZE_CALIBRATION_PROMPTS = 16
+SIZE_CALIBRATION_TOKENS = 48
+
+
+def calibrate_tree_sizes(out: Path, model, tr: np.ndarray, seq_len: int, command: str,
+                         prompts_n: int = SIZE_CALIBRATION_PROMPTS, new_tokens: int = SIZE_CALIBRATION_TOKENS,
+                         mesh=None, method: str = "eagle") -> dict:
+    """Tokens per forward of each tree of `TREE_LADDER`, measured by decoding greedily with the heads at ``out``
+    (attached to the base ``model``) ``new_tokens`` tokens after ``prompts_n`` training-stream prompts of
+    `CALIBRATION_PROMPT` tokens; stored in heads.json as ``tree_sizes``, where ``total_tokens="auto"`` weighs them
+    against each tree's step cost measured on the device that decodes."""
+    import pdecode
+    from pdecode import distributed
+
+    prompts = data.TokenBatches(tr, seq_len, 1).fixed_eval(prompts_n)[:, :CALIBRATION_PROMPT]
+    m = pdecode.attach_heads(model, out)
+    trees, t0 = [], time.perf_counter()
+    for i, (k, d, n) in enumerate(TREE_LADDER):
+        res = pdecode.generate(m, [list(map(int, p)) for p in prompts], method=method, tree_top_k=k, depth=d,
+                               total_tokens=n, max_new_tokens=new_tokens, stop_at_eos=False, mesh=mesh)
+        trees.append({"tree_top_k": k, "depth": d, "total_tokens": n,
+                      "tokens_per_forward": round(float(res.stats["tokens_per_forward"]), 4)})
+        print(f"{out.name}: tree sizes [{i + 1}/{len(TREE_LADDER)}] {n} nodes (top-k {k}, depth {d}): "
+              f"{trees[-1]['tokens_per_forward']:.3f} tokens per forward ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+    cal = {"trees": trees, "data": f"greedy decoding of {len(prompts)} training-stream prompts "
+                                   f"({CALIBRATION_PROMPT} + {new_tokens} tokens)", "command": command}
+    meta = json.loads((out / "heads.json").read_text())
+    meta["tree_sizes"] = cal
+    if distributed.is_main():
+        (out / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    distributed.barrier("tree sizes calibrated")
+    return cal
+
+
 def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float = 0.3) -> dict:
     """code-target's recipe (same config, data, steps, seed) with one sequential MTP module trained jointly."""
     base = LM_RECIPES["code-target"]
@@ -494,9 +551,10 @@ def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3)
                             "data get the drafter's own head, with d2t / t2d maps as EAGLE-3 releases carry them; "
                             f"auto: {DRAFT_VOCAB_AUTO} when the base's vocabulary exceeds {2 * DRAFT_VOCAB_AUTO}, "
                             "0: the whole vocabulary")
-        g.add_argument("--calibration-prompts", type=int, default=96, metavar="N",
-                       help="(--kind medusa) training-stream prompts whose greedy continuations calibrate the shipped "
-                            "tree (default 96)")
+        g.add_argument("--calibration-prompts", type=int, default=None, metavar="N",
+                       help="training-stream prompts whose greedy decoding calibrates the heads' trees after training "
+                            "(Medusa: the shipped static tree, default 96; EAGLE: the tokens per forward of each tree "
+                            f"size that total_tokens='auto' weighs, default {SIZE_CALIBRATION_PROMPTS}); 0: none")
     g.add_argument("--seed", type=int, default=0, help="initialization and batch order")
     g.add_argument("--mesh", default=None, metavar="DATAxMODEL", help="train on a mesh: data-parallel over DATA, "
                    "the base tensor-parallel over MODEL")
@@ -547,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-only", action="store_true", help="re-measure saved heads' depth-1 agreement")
     ap.add_argument("--calibrate-tree", type=int, default=None, metavar="NODES",
                     help="(Medusa heads) only calibrate and store a static tree of NODES nodes in heads.json")
+    ap.add_argument("--calibrate-only", action="store_true",
+                    help="(with --base) calibrate the heads already at --out on --data instead of training them: "
+                         "Medusa's static tree, EAGLE's tree sizes (what total_tokens='auto' weighs)")
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="train heads on N tokens generated by the target itself instead of the corpus")
     ap.add_argument("--kind", choices=KINDS, help="(with --base) which heads to train")
@@ -568,6 +629,8 @@ def main(argv=None):
             ap.error("--base trains heads for your own model; --only / --eval-only / --calibrate-tree are for the "
                      "zoo recipes")
         check_base_arguments(ap, args, ("kind",))
+        if args.calibration_prompts is not None and args.calibration_prompts < 0:
+            ap.error(f"--calibration-prompts must be >= 0 (0: no calibration), got {args.calibration_prompts}")
         try:  # (before the base loads)
             draft_vocab = draft_vocab_arg(args.kind, args.draft_vocab)
         except InputError as e:
@@ -588,8 +651,10 @@ def main(argv=None):
                                compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                                val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
                                calibration_prompts=args.calibration_prompts,
-                               draft_vocab=draft_vocab)
+                               draft_vocab=draft_vocab, calibrate_only=args.calibrate_only)
 
+    if args.calibrate_only:
+        ap.error("--calibrate-only calibrates heads trained for your own base: give --base, --kind, --data and --out")
     zoo = args.zoo or zoo_dir()
     for name in args.only or list(RECIPES):
         if args.calibrate_tree is not None:

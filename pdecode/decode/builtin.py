@@ -404,11 +404,45 @@ def _tree_opts(opts):
     return k, d, n
 
 
-def _prepare_eagle(model, draft, opts, samp):
+def _sized_tree(model, batch, context, method: str, opts):
+    """``total_tokens="auto"``: the tree of the heads' calibrated ladder (heads.json ``tree_sizes``: each tree's
+    tokens per step, measured on the drafter's calibration data) with the most expected tokens per unit of time, its
+    step timed here against ar's (`cost.choose_rate`); (None, sizing) when none beats ar. Returns (opts, sizing)."""
+    from pdecode.decode import cost
+
+    cal = (model.extras.get(f"{method}_meta") or {}).get("tree_sizes")
+    if not cal:
+        raise ConfigError(f"total_tokens='auto' sizes the tree from the heads' tree-size calibration (heads.json "
+                          f"'tree_sizes'), which these heads lack: calibrate them (pdecode train heads --base BASE "
+                          f"--kind KIND --data FILES --out HEADS --calibrate-only) or give total_tokens")
+    cands = [({**opts, "tree_top_k": t["tree_top_k"], "depth": t["depth"], "total_tokens": t["total_tokens"]},
+              t["total_tokens"] + 1, float(t["tokens_per_forward"])) for t in cal["trees"]]
+    if _unmeasurable(model, batch):
+        o, tokens, tpf = max(cands, key=lambda c: c[2])
+        return o, cost.Sizing(tokens - 1, tokens, None, f"tree {tokens - 1}: the calibrated tree accepting most "
+                                                        "(nothing measured: no batch, or abstract weights)")
+    return cost.choose_rate(model, batch, cands, context or cost.CONTEXT, "tree", method)
+
+
+def _prepare_eagle(model, draft, opts, samp, batch=None, context=None, engine=False):
     from pdecode.decode.eagle import EagleDrafter
 
     ecfg, ep = _heads(model, "eagle")
-    return _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)), opts)
+    sizing = None
+    if opts["total_tokens"] == "auto":
+        sized, sizing = _sized_tree(model, batch, context, "eagle", opts)
+        if sized is None:  # no tree pays on this device: ar's plan, its stats saying why
+            return _add_stats(_prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp),
+                              {"tree": 0, "tree_note": sizing.note})
+        opts = sized
+    elif isinstance(opts["total_tokens"], str):
+        raise ConfigError(f"total_tokens must be an integer >= 1 or 'auto' (the calibrated tree with the most "
+                          f"tokens per unit of time on this device), got {opts['total_tokens']!r}")
+    plan = _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)), opts)
+    if sizing is None:
+        return plan
+    return _add_stats(plan, {"tree": {k: opts[k] for k in ("tree_top_k", "depth", "total_tokens")},
+                             "tree_note": sizing.note})
 
 
 def _prepare_mtp(model, draft, opts, samp):
@@ -434,10 +468,14 @@ register(Method("medusa", _prepare_medusa, needs="Medusa heads", lossless="yes (
                          "typical_delta": Option(0.3, "float", "typical acceptance: entropy scale delta"),
                          **PHASES},
                 summary="Medusa heads on the target's last hidden state propose a static tree of their top-k"))
-register(Method("eagle", _prepare_eagle, needs="EAGLE heads",
+register(Method("eagle", _prepare_eagle, needs="EAGLE heads", wants_batch=True,
                 options={"tree_top_k": Option(10, "int", "children expanded per node (EAGLE-2's top_k)"),
                          "depth": Option(7, "int", "draft steps (the tree's depth)"),
-                         "total_tokens": Option(60, "int", "nodes kept for verification"),
+                         "total_tokens": Option(60, "int | str", "nodes kept for verification; 'auto': tree_top_k, "
+                                                                 "depth and total_tokens of the heads' calibrated tree "
+                                                                 "with the most expected tokens per unit of time, its "
+                                                                 "step measured on this device (none beats ar: the "
+                                                                 "method runs as ar)"),
                          **PHASES},
                 summary="EAGLE-1/2 or EAGLE-3-style feature drafter growing EAGLE-2 dynamic trees"))
 register(Method("mtp", _prepare_mtp, needs="MTP module",

@@ -274,3 +274,26 @@ def choose(model, batch: int, candidates: Sequence[tuple[int, int]], context: in
     return Sizing(0, 1, c, f"{what} 0 (ran as ar): a step verifying {tokens} tokens costs {c:.2f}x an ar step at batch "
                            f"{batch} on {jax.devices()[0].device_kind}, more than 1/{FLOOR} (an unlucky step would be "
                            "slower than ar's)")
+
+
+def choose_rate(model, batch: int, candidates: Sequence[tuple[dict, int, float]], context: int, what: str,
+                method: str) -> tuple[dict | None, Sizing]:
+    """The candidate ``(opts, tokens, tokens_per_step)`` that makes the most tokens per unit of time: its expected
+    tokens per step (measured on the drafter's calibration data) over the cost of its whole step against an ar step
+    (`step_cost`; its verify holds ``tokens`` tokens). Every candidate is timed (a bigger tree accepts more and costs
+    more: the rate need not rise or fall with the size). (None, size 0) when even the best rate is below ar's (one
+    token per ar step): the method then runs as ar."""
+    dev = jax.devices()[0].device_kind
+    rated = []
+    for opts, tokens, tpf in candidates:
+        c = step_cost(model, batch, method, opts, tokens, context)
+        rated.append((tpf / c, opts, tokens, tpf, c))
+    rate, opts, tokens, tpf, c = max(rated, key=lambda r: r[0])
+    table = ", ".join(f"{t - 1}: {p:.2f}/{k:.2f}" for _, _, t, p, k in rated)
+    if rate <= 1.0:
+        return None, Sizing(0, 1, c, f"{what} 0 (ran as ar): no tree's expected tokens per step pays for its step's "
+                                     f"cost at batch {batch} on {dev} (best {tokens - 1} nodes: {tpf:.2f} tokens per "
+                                     f"step at {c:.2f}x an ar step; nodes: tokens/cost {table})")
+    return opts, Sizing(tokens - 1, tokens, c, f"{what} {tokens - 1}: {tpf:.2f} expected tokens per step at {c:.2f}x an "
+                                               f"ar step ({rate:.2f}x ar) at batch {batch} on {dev}; nodes: "
+                                               f"tokens/cost {table}")
