@@ -89,6 +89,63 @@ def test_sampling_is_lossless(tmp_path, kind, hcfg, opts):
         assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
 
 
+def _exit_adapter(m, exit_layer, seed=0, scale=0.3):
+    """``m`` with a random early-exit adapter attached (W2 random too: the adapter changes the draft)."""
+    xcfg = H.ExitConfig(exit_layer=exit_layer)
+    xp = init_from_specs(xcfg.specs(m.cfg), jax.random.PRNGKey(seed), std=scale)
+    xp["w2"] = scale * jax.random.normal(jax.random.PRNGKey(seed + 1), xp["w2"].shape)
+    return pdecode.Model(cfg=m.cfg, params=m.params, tokenizer=m.tokenizer, extras={"layerskip": (xcfg, xp)})
+
+
+def test_exit_adapter_drafts_for_layerskip(target, tmp_path):
+    """An early-exit adapter (layerskip heads): untrained it is the plain early exit; attached, layerskip drafts
+    through it, greedy output equal to ar; it round-trips through a heads directory; options that contradict it are
+    refused."""
+    from pdecode.model.transformer import final_norm, init_from_specs as init, unembed
+    from train.objectives import causal_hidden
+
+    xcfg = H.ExitConfig(exit_layer=2)
+    xp = init(xcfg.specs(target.cfg), jax.random.PRNGKey(0))
+    xp["norm"] = target.params["final_norm"]
+    tok = jnp.asarray([PROMPTS[2]])
+    _, lh = causal_hidden(target.params, target.cfg, tok, (1,))
+    plain = unembed(target.params, target.cfg, final_norm(target.params, target.cfg, lh[0]))
+    np.testing.assert_allclose(H.exit_logits(xp, target.cfg, target.params, lh[0]), plain, atol=1e-5)
+
+    m = _exit_adapter(target, 2)
+    ref = pdecode.generate(target, PROMPTS, max_new_tokens=20, stop_at_eos=False)
+    out = pdecode.generate(m, PROMPTS, method="layerskip", gamma=3, max_new_tokens=20, stop_at_eos=False)
+    plain = pdecode.generate(target, PROMPTS, method="layerskip", exit_layer=2, gamma=3, max_new_tokens=20,
+                             stop_at_eos=False)
+    assert out.tokens == ref.tokens == plain.tokens
+    assert out.stats["accepted_histogram"] != plain.stats["accepted_histogram"]  # the adapter drafted, not the exit
+    heads_io.save_heads(tmp_path / "x", "layerskip", H.ExitConfig(exit_layer=2), m.extras["layerskip"][1],
+                        base_model=str(target.path))
+    back = pdecode.load(tmp_path / "x")
+    again = pdecode.generate(back, PROMPTS, method="layerskip", gamma=3, max_new_tokens=20, stop_at_eos=False)
+    assert again.tokens == ref.tokens and again.stats["accepted_histogram"] == out.stats["accepted_histogram"]
+    for bad in ({"exit_layer": 3}, {"skip": [0]}):
+        with pytest.raises(pdecode.ConfigError, match="exit adapter after layer 2"):
+            pdecode.generate(m, PROMPTS, method="layerskip", max_new_tokens=4, **bad)
+    with pytest.raises(pdecode.ConfigError, match="exit_layer < 4"):
+        H.ExitConfig(exit_layer=4).specs(target.cfg)
+
+
+def test_exit_adapter_sampling_is_lossless(tmp_path):
+    from tests.test_speculative import _exact_marginals
+
+    make_hf_model("llama", tmp_path, seed=10, vocab_size=16, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=0)
+    t = pdecode.load(tmp_path)
+    m = _exit_adapter(t, 1, seed=3)
+    prompt, n = [3, 7, 3, 7, 3], 12000
+    out = pdecode.generate(m, [prompt] * n, method="layerskip", gamma=2, max_new_tokens=3, temperature=1.0, seed=2,
+                           stop_at_eos=False)
+    toks, margs = np.array(out.tokens), _exact_marginals(t, prompt, 3)
+    for i in range(3):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
 def test_typical_acceptance_is_opt_in_and_runs(target):
     m = _with_heads(target, "medusa", H.MedusaConfig(num_heads=3))
     out = pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=12, temperature=0.7, typical=True,
@@ -129,13 +186,16 @@ def trained_base():
 
 
 @pytest.mark.parametrize("name", ["medusa1", "medusa2", "eagle1", "eagle3", "eagle3-vocab", "mtp-posthoc",
-                                  "mtp-parallel", "mtp-native"])
+                                  "mtp-parallel", "mtp-native", "exit-adapter"])
 def test_objective_decreases(trained_base, name):
     from train.loop import TrainConfig, train
-    from train.objectives import eagle_loss, medusa_loss, mtp_loss
+    from train.objectives import eagle_loss, exit_loss, medusa_loss, mtp_loss
 
     key = jax.random.PRNGKey(1)
-    if name.startswith("medusa"):
+    if name == "exit-adapter":  # LayerSkip's early-exit loss on an adapter after the first block (base frozen)
+        xcfg = H.ExitConfig(exit_layer=1)
+        obj, trainable, frozen = exit_loss(CFG, xcfg), init_from_specs(xcfg.specs(CFG), key), trained_base
+    elif name.startswith("medusa"):
         mcfg = H.MedusaConfig(num_heads=2)
         heads = init_from_specs(mcfg.specs(CFG), key)
         if name == "medusa1":

@@ -74,6 +74,26 @@ def test_train_medusa_heads_calibrates_a_tree(base_dir, tmp_path):
     assert pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=12).tokens == _ar(m)
 
 
+def test_train_exit_adapter_for_layerskip(base_dir, tmp_path, capsys):
+    """--kind layerskip: an early-exit adapter after --exit-layer blocks of the frozen base; `method="layerskip"`
+    drafts through it (greedy = ar); an exit layer the base does not have is one line."""
+    out = tmp_path / "exit"
+    cli.main(["train", "heads", "--base", str(base_dir), "--kind", "layerskip", "--exit-layer", "2", "--data", *DATA,
+              "--out", str(out), "--steps", "2", "--seq-len", "64", "--batch-size", "4",
+              "--work", str(tmp_path / "work")])
+    meta = json.loads((out / "heads.json").read_text())
+    assert meta["kind"] == "layerskip" and meta["config"] == {"exit_layer": 2, "hidden": 0}
+    info = json.loads((out / "train_info.json").read_text())
+    assert "--exit-layer 2" in info["command"] and 0 <= info["final_eval"]["depth1_agreement"] <= 1
+    m = pdecode.load(out)
+    got = pdecode.generate(m, PROMPTS, method="layerskip", gamma=3, max_new_tokens=12)
+    assert got.tokens == _ar(m)
+    capsys.readouterr()
+    rc = cli.main(["train", "heads", "--base", str(base_dir), "--kind", "layerskip", "--exit-layer", "6", "--data",
+                   *DATA, "--out", str(out), "--steps", "1"])
+    assert rc == 2 and "--exit-layer must be in 1..5 (the base has 6 blocks), got 6" in capsys.readouterr().err
+
+
 def test_train_draft_for_own_base(base_dir, tmp_path):
     out = tmp_path / "draft"
     cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(out), "--steps", "3",
@@ -122,6 +142,10 @@ def test_train_draft_from_the_bases_layers(base_dir, tmp_path, capsys):
      "--draft-vocab takes a number of tokens or auto"),
     (["heads", "--base", "code-target", "--kind", "eagle", "--data", "x", "--out", "o", "--draft-vocab", "100"],
      "--draft-vocab is EAGLE-3's reduced vocabulary: it needs --kind eagle3, not eagle"),
+    (["heads", "--base", "code-target", "--kind", "eagle", "--data", "x", "--out", "o", "--exit-layer", "2"],
+     "--exit-layer places the layerskip exit adapter: it needs --kind layerskip, not eagle"),
+    (["heads", "--base", "code-target", "--kind", "medusa", "--data", "x", "--out", "o", "--calibration-prompts",
+      "-1"], "--calibration-prompts must be >= 0"),
 ])
 def test_train_cli_rejects_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -198,7 +222,7 @@ def test_eagle_heads_calibrate_their_tree_sizes(small_corpus_run, capsys, monkey
     argv[argv.index("--kind") + 1] = "mtp"
     capsys.readouterr()
     assert cli.main(["train", "heads", *argv, "--calibrate-only"]) == 2
-    assert "MTP heads carry no tree calibration" in capsys.readouterr().err
+    assert "mtp heads carry no tree calibration" in capsys.readouterr().err
 
 
 def test_suggested_val_fraction_gives_a_full_evaluation_batch(small_corpus_run):

@@ -35,7 +35,7 @@ from pdecode.model import heads as H
 from pdecode.model.transformer import init_from_specs, init_params, unembed
 from train import data
 from train.loop import TrainConfig, train
-from train.objectives import causal_hidden, cross_entropy, eagle_loss, medusa_loss, mtp_loss
+from train.objectives import causal_hidden, cross_entropy, eagle_loss, exit_loss, medusa_loss, mtp_loss
 from train.zoo import RECIPES as LM_RECIPES
 from train.zoo import ensure_tokenizer, make_eval, token_streams
 
@@ -76,6 +76,8 @@ def _objective(r: HeadRecipe, cfg):
         return medusa_loss(cfg, r.hcfg)
     if r.kind == "eagle":
         return eagle_loss(cfg, r.hcfg, ttt_steps=r.ttt_steps)
+    if r.kind == "layerskip":
+        return exit_loss(cfg, r.hcfg)
     return mtp_loss(cfg, r.hcfg)
 
 
@@ -94,8 +96,12 @@ def _eval_heads(r: HeadRecipe, cfg, tparams, windows: np.ndarray, maps: dict | N
         hp = {**hp, **maps} if maps else hp
         x = w[:, :-1]
         b, t = x.shape
-        h, lh = causal_hidden(tparams, cfg, x, r.hcfg.fuse_layers if r.kind == "eagle" else (cfg.num_layers - 1,))
+        layers = {"eagle": getattr(r.hcfg, "fuse_layers", ()),
+                  "layerskip": (getattr(r.hcfg, "exit_layer", 0) - 1,)}.get(r.kind, (cfg.num_layers - 1,))
+        h, lh = causal_hidden(tparams, cfg, x, layers)
         t_next = jnp.argmax(unembed(tparams, cfg, h), -1)  # the target's prediction of x_{i+1}
+        if r.kind == "layerskip":  # the early exit's first draft: x_{i+1} from the exit layer's state at i
+            return jnp.mean(jnp.argmax(H.exit_logits(hp, cfg, tparams, lh[0]), -1) == t_next)
         if r.kind == "medusa":
             pred = jnp.argmax(H.medusa_logits(hp, r.hcfg, tparams, cfg, h)[0], -1)  # predicts x_{i+2}
             return jnp.mean(pred[:, :-1] == t_next[:, 1:])
@@ -127,6 +133,8 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     hp = init_from_specs(r.hcfg.specs(cfg), jax.random.PRNGKey(tc.seed))
     if r.kind == "medusa":
         hp = H.medusa_init_zero(hp)
+    if r.kind == "layerskip":  # the exit's norm starts as the base's final norm: the training-free early exit
+        hp["norm"] = jnp.asarray(tparams["final_norm"], hp["norm"].dtype)
     maps, vocab_note = None, {}
     if getattr(r.hcfg, "draft_vocab", 0):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens
         ids, cover = H.most_frequent_tokens(tr, r.hcfg.draft_vocab, cfg.vocab_size)
@@ -164,7 +172,7 @@ def fit_and_save(r: HeadRecipe, cfg, tparams, tr: np.ndarray, va: np.ndarray, ou
     # (gathered from every process's devices on a multi-process mesh)
     host = jax.tree.map(to_host, hp if maps is None else {**hp, **maps})
     if distributed.is_main():  # one writer of a multi-process run
-        save_heads(out, "eagle" if r.kind == "eagle" else r.kind, r.hcfg, host, base_model=base_model,
+        save_heads(out, r.kind, r.hcfg, host, base_model=base_model,
                    dtype=ml_dtypes.bfloat16, compress=True)
         (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     distributed.barrier("heads saved")
@@ -190,7 +198,7 @@ def train_heads(name: str, zoo: Path, work: Path, steps: int | None = None, self
     return fit_and_save(r, cfg, tparams, tr, va, zoo / name, work / "ckpt" / f"{name}-{sig}", r.base, command, name)
 
 
-KINDS = ("medusa", "eagle", "eagle3", "mtp")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "layerskip")
 
 
 DRAFT_VOCAB_AUTO = 8192  # EAGLE-3's draft vocabulary for bases whose vocabulary exceeds twice this
@@ -222,10 +230,17 @@ def draft_vocab_for(kind: str, cfg, draft_vocab: int | str = "auto") -> int:
     return 0 if n == cfg.vocab_size else n
 
 
-def head_config(kind: str, cfg, draft_vocab: int = 0) -> tuple[object, int]:
+def head_config(kind: str, cfg, draft_vocab: int = 0, exit_layer: int | None = None) -> tuple[object, int]:
     """(head config, EAGLE-3 training-time-test depth) of a head kind for a base: the zoo recipes' shapes (Medusa:
     4 heads of 1 residual layer; EAGLE: one decoder layer; EAGLE-3: fusing layers 1, L/2 and L-1, 3 test steps,
-    ``draft_vocab`` tokens in its own head; MTP: one DeepSeek-V3 module)."""
+    ``draft_vocab`` tokens in its own head; MTP: one DeepSeek-V3 module; layerskip: an exit adapter after
+    ``exit_layer`` blocks, L/4 by default)."""
+    if kind == "layerskip":
+        n = cfg.num_layers
+        e = max(1, n // 4) if exit_layer is None else exit_layer
+        if not 1 <= e < n:
+            raise InputError(f"--exit-layer must be in 1..{n - 1} (the base has {n} blocks), got {e}")
+        return H.ExitConfig(exit_layer=e), 1
     if kind == "medusa":
         return H.MedusaConfig(num_heads=4, num_layers=1), 1
     if kind == "eagle":
@@ -246,7 +261,7 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                     base_dtype: str = "auto", seed: int = 0, calibrate: bool = True, val_fraction: float = 0.05,
                     command: str | None = None, calibration_prompts: int | None = None,
                     draft_vocab: int | str = "auto",
-                    calibrate_only: bool = False) -> dict:
+                    calibrate_only: bool = False, exit_layer: int | None = None) -> dict:
     """Heads of ``kind`` for any supported HF base (a directory or zoo name), trained on the frozen base over the
     user's text files (``data_paths``; the base's tokenizer; the last ``val_fraction`` held out), or on
     ``self_distill`` tokens of the base's own continuations of that text; on a ``mesh`` data-parallel (or ``fsdp``)
@@ -264,7 +279,7 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
         m = dataclasses.replace(m, cfg=cfg0, params=p0, _sharded={}, _placed=None, _source_cfg=None)
     if m.tokenizer is None:
         raise InputError(f"--base {base}: no tokenizer.json next to the weights; training reads text through it")
-    hcfg, ttt = head_config(kind, m.cfg, draft_vocab_for(kind, m.cfg, draft_vocab))
+    hcfg, ttt = head_config(kind, m.cfg, draft_vocab_for(kind, m.cfg, draft_vocab), exit_layer)
     tc = TrainConfig(steps=steps, lr=lr, warmup=max(1, min(30, steps // 10)), eval_every=max(1, steps // 2),
                      ckpt_every=max(1, min(100, steps)), log_every=max(1, min(10, steps)), seed=seed, accum=accum,
                      compute_dtype=compute_dtype)
@@ -292,11 +307,11 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                                val_fraction=val_fraction, self_distill=self_distill, mesh=mesh, fsdp=fsdp,
                                accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype,
                                calibration_prompts=calibration_prompts,
-                               draft_vocab=None if draft_vocab == "auto" else draft_vocab)
+                               draft_vocab=None if draft_vocab == "auto" else draft_vocab, exit_layer=exit_layer)
     out = Path(out)
     if calibrate_only:  # heads trained before: only their tree calibration, on the same data
-        if kind == "mtp":
-            raise InputError("--calibrate-only: MTP heads carry no tree calibration (Medusa's tree, EAGLE's tree "
+        if kind in ("mtp", "layerskip"):
+            raise InputError(f"--calibrate-only: {kind} heads carry no tree calibration (Medusa's tree, EAGLE's tree "
                              "sizes)")
         stored = json.loads((out / "heads.json").read_text()).get("kind") if (out / "heads.json").is_file() else None
         if stored != ("eagle" if kind == "eagle3" else kind):
@@ -551,6 +566,9 @@ def add_base_arguments(ap: argparse.ArgumentParser, what: str, lr: float = 3e-3)
                             "data get the drafter's own head, with d2t / t2d maps as EAGLE-3 releases carry them; "
                             f"auto: {DRAFT_VOCAB_AUTO} when the base's vocabulary exceeds {2 * DRAFT_VOCAB_AUTO}, "
                             "0: the whole vocabulary")
+        g.add_argument("--exit-layer", type=int, default=None, metavar="E",
+                       help="(--kind layerskip) the early exit's adapter reads the base's state after its first E "
+                            "blocks (default: a quarter of them)")
         g.add_argument("--calibration-prompts", type=int, default=None, metavar="N",
                        help="training-stream prompts whose greedy decoding calibrates the heads' trees after training "
                             "(Medusa: the shipped static tree, default 96; EAGLE: the tokens per forward of each tree "
@@ -629,6 +647,8 @@ def main(argv=None):
             ap.error("--base trains heads for your own model; --only / --eval-only / --calibrate-tree are for the "
                      "zoo recipes")
         check_base_arguments(ap, args, ("kind",))
+        if args.exit_layer is not None and args.kind != "layerskip":
+            ap.error(f"--exit-layer places the layerskip exit adapter: it needs --kind layerskip, not {args.kind}")
         if args.calibration_prompts is not None and args.calibration_prompts < 0:
             ap.error(f"--calibration-prompts must be >= 0 (0: no calibration), got {args.calibration_prompts}")
         try:  # (before the base loads)
@@ -651,7 +671,8 @@ def main(argv=None):
                                compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                                val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
                                calibration_prompts=args.calibration_prompts,
-                               draft_vocab=draft_vocab, calibrate_only=args.calibrate_only)
+                               draft_vocab=draft_vocab, calibrate_only=args.calibrate_only,
+                               exit_layer=args.exit_layer)
 
     if args.calibrate_only:
         ap.error("--calibrate-only calibrates heads trained for your own base: give --base, --kind, --data and --out")

@@ -227,6 +227,26 @@ def eagle_loss(cfg: ModelConfig, ecfg, ttt_steps: int = 1, decay: float = 0.8, r
     return loss
 
 
+def exit_loss(cfg: ModelConfig, xcfg):
+    """An early-exit adapter on the frozen target (``frozen`` = its params): LayerSkip's early-exit loss, taken
+    against the full model's distribution at the same position (what the layerskip drafter's tokens are verified
+    against): KL(target || the adapter's logits after ``xcfg.exit_layer`` blocks), i.e. the soft CE less the target's
+    entropy."""
+    from pdecode.model.heads import exit_logits
+
+    def loss(xp, frozen, batch, rng):
+        del rng
+        _, lh, t_logits = _target_pass(frozen, cfg, batch[:, :-1], (xcfg.exit_layer - 1,))
+        t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1)
+        t_probs = jnp.exp(t_logp)
+        # KL(target || exit): the soft CE less the target's own entropy (0 for an exit that matches it)
+        kl = soft_cross_entropy(exit_logits(xp, cfg, frozen, lh[0]), t_probs) + jnp.mean(jnp.sum(t_probs * t_logp,
+                                                                                                  -1))
+        return kl, {"kl": kl}
+
+    return loss
+
+
 def mtp_loss(cfg: ModelConfig, mcfg, native: bool = False, lam: float = 0.3):
     """DeepSeek-V3 MTP: module k at position i reads h^{k-1}_i and emb(x_{i+k}) and predicts x_{i+k+1};
     parallel heads (Gloeckle) read the trunk output h^0_i directly. Post-hoc (frozen base, ``trainable`` = the

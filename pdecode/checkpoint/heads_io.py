@@ -31,9 +31,10 @@ from pdecode.checkpoint.safetensors_io import (CheckpointTensors, Renamed, read_
                                               stored_path, write_safetensors)
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
-from pdecode.model.heads import EagleConfig, EditConfig, MedusaConfig, MTPConfig
+from pdecode.model.heads import EagleConfig, EditConfig, ExitConfig, MedusaConfig, MTPConfig
 
-KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig, "edit": EditConfig}
+KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig, "edit": EditConfig,
+         "layerskip": ExitConfig}
 
 
 def head_config(kind: str, config: dict):

@@ -226,6 +226,12 @@ def _prepare_layerskip(model, draft, opts, samp):
     from pdecode.decode.layerskip import LayerSkipDrafter
 
     n_layers = model.cfg.num_layers
+    xcfg, xp = model.extras.get("layerskip", (None, None))  # a trained early-exit adapter, when attached
+    if xcfg is not None:
+        if opts["exit_layer"] not in (None, xcfg.exit_layer) or opts["skip"]:
+            raise ConfigError(f"the attached layerskip heads are an exit adapter after layer {xcfg.exit_layer}: leave "
+                              f"exit_layer and skip unset (or decode with the base model alone)")
+        opts = {**opts, "exit_layer": xcfg.exit_layer}
     exit_layer = opts["exit_layer"] if opts["exit_layer"] is not None else max(1, n_layers // 2)
     if not isinstance(exit_layer, int) or not 1 <= exit_layer <= n_layers:
         raise ConfigError(f"exit_layer must be an integer in 1..{n_layers} (the model's layers), got {exit_layer!r}")
@@ -240,8 +246,8 @@ def _prepare_layerskip(model, draft, opts, samp):
     if not 0.0 <= thr < 1.0:
         raise ConfigError(f"threshold must be in [0, 1), got {thr}")
     d = LayerSkipDrafter(model.cfg, layers, gamma=_int_opt(opts, "gamma"), threshold=float(thr),
-                         adaptive=bool(opts["adaptive"]))
-    return _spec_plan(model, None, d, opts)
+                         adaptive=bool(opts["adaptive"]), exit_adapter=xcfg is not None)
+    return _spec_plan(model, xp, d, opts)
 
 
 register(Method("layerskip", _prepare_layerskip,
@@ -254,7 +260,7 @@ register(Method("layerskip", _prepare_layerskip,
                          "adaptive": Option(True, "bool", "adapt the threshold to the acceptance rate"),
                          **PHASES},
                 summary="layer-skip self-speculation: the target's own first layers draft, the rest verify, reusing "
-                        "the shared layers' KV; no extra weights"))
+                        "the shared layers' KV; no extra weights, or a trained early-exit adapter (layerskip heads)"))
 
 
 def _prepare_pearl(model, draft, opts, samp):

@@ -1,7 +1,8 @@
 """Layer-skip self-speculation: the target drafts with a shallow pass of its own layers and verifies with the rest.
 
 The draft is the target's blocks ``draft_layers`` (the first E for early exit, LayerSkip / Kangaroo; or all but a
-skip set, Draft & Verify), then the final norm and the shared LM head: no extra weights. Each step feeds the root and
+skip set, Draft & Verify), then the final norm and the shared LM head: no extra weights; or, for an early exit, a
+trained exit adapter (`pdecode.model.heads.ExitConfig`, attached as ``layerskip`` heads) before the shared head. Each step feeds the root and
 then each drafted token through those blocks (one token per draft forward, up to ``gamma`` tokens), writing their
 keys and values into the **target's own cache**. Drafting stops early, per row, when the draft's top-1 probability
 falls below a threshold that adapts to the row's acceptance rate (Draft & Verify's adaptive exit): the threshold
@@ -29,6 +30,7 @@ from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal, StaticTreeShape
 from pdecode.decode.verify import Rule, Verified, rule_for
 from pdecode.model import attention
+from pdecode.model.heads import exit_logits
 from pdecode.model.transformer import forward_layers, unembed
 
 
@@ -56,6 +58,7 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
     adaptive: bool = True
     target_rate: float = 0.8
     step: float = 0.05
+    exit_adapter: bool = False  # the draft's logits through a trained early-exit adapter (dparams: `ExitConfig`'s)
 
     @property
     def tree(self) -> tree_lib.StaticTree:
@@ -97,7 +100,10 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
             fo, cap = forward_layers(tp, cfg, pos, mask, cache, start + j, self.draft_layers, tokens_BT=tok,
                                      capture=reuse)
             hid = jax.lax.dynamic_update_slice_in_dim(hid, cap.astype(hid.dtype), j, axis=1)
-            logits = unembed(tp, cfg, fo.hidden[:, 0])
+            if self.exit_adapter:  # (cap: the hidden state after the exit layer, before any norm)
+                logits = exit_logits(dparams, cfg, tp, cap[:, 0])
+            else:
+                logits = unembed(tp, cfg, fo.hidden[:, 0])
             key, sub = sampling.split(key)
             if samp.greedy:
                 nxt = sampling.argmax(logits)

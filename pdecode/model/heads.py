@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from pdecode.config import ModelConfig
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import ParamSpec, layer_specs, rms_norm, run_layers, unembed
+from pdecode.model.transformer import ParamSpec, final_norm, layer_specs, rms_norm, run_layers, unembed
 
 
 def _lm_head(target_params, cfg: ModelConfig, h, own=None):
@@ -226,6 +226,35 @@ def mtp_module(mp: dict, mcfg: MTPConfig, cfg: ModelConfig, target_params, h_pre
         x = h_prev_BTD
     out, cache, _ = run_layers(mcfg.block_cfg(cfg), mp["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
     return unembed(target_params, cfg, rms_norm(out, mp["norm"], cfg.rms_norm_eps)), out, cache
+
+
+# ------------------------------------------------------------------------------------------------ early exit
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """An early-exit adapter for layer-skip self-speculation (Kangaroo's idea, LayerSkip's early-exit loss on a
+    frozen base): the hidden state after the base's first ``exit_layer`` blocks goes through ``h + W2 SiLU(W1
+    norm_in(h))`` (``hidden`` wide; 0: the base's width), its own final norm, and the base's LM head. The base's
+    blocks are untouched, so the draft's keys and values of those blocks are the full model's and are kept (the
+    layerskip drafter's cache sharing). W2 starts at zero and the norm at the base's final norm: before training the
+    adapter is the training-free early exit."""
+
+    exit_layer: int
+    hidden: int = 0
+
+    def specs(self, cfg: ModelConfig) -> dict:
+        if not 1 <= self.exit_layer < cfg.num_layers:
+            raise ConfigError(f"an early exit after {self.exit_layer} blocks needs 1 <= exit_layer < "
+                              f"{cfg.num_layers} (the base's blocks)")
+        d, f = cfg.hidden_size, self.hidden or cfg.hidden_size
+        return {"norm_in": ParamSpec((d,), (None,), "ones"), "w1": ParamSpec((d, f), ("embed", "mlp")),
+                "w2": ParamSpec((f, d), ("mlp", "embed"), "zeros"), "norm": ParamSpec((d,), (None,), "ones")}
+
+
+def exit_logits(xp: dict, cfg: ModelConfig, target_params, h_BTD: jax.Array) -> jax.Array:
+    """The adapter's logits [..., V] from the base's hidden state after its exit layer (before any final norm)."""
+    a = jax.nn.silu(jnp.einsum("...d,df->...f", rms_norm(h_BTD, xp["norm_in"], cfg.rms_norm_eps), xp["w1"]))
+    x = h_BTD + jnp.einsum("...f,fd->...d", a, xp["w2"]).astype(h_BTD.dtype)
+    return unembed(target_params, cfg, final_norm({"final_norm": xp["norm"]}, cfg, x))  # (the family's own norm)
 
 
 # ------------------------------------------------------------------------------------------------ edit heads
