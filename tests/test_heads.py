@@ -333,6 +333,27 @@ def test_medusa_uses_the_tree_calibrated_in_heads_json(target, tmp_path):
         pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=4, tree="calibrated")
 
 
+def test_medusa_tree_sized_by_the_measured_cost(target, tmp_path, monkeypatch):
+    """tree="auto": calibrated trees of 1, 2, 4, ... nodes, each's expected tokens per step from the accuracy table
+    (1.6, 1.9, 2.22, ...), weighed against each step's cost (here set by verify tokens): the best rate wins; none
+    above ar's runs ar."""
+    hcfg = H.MedusaConfig(num_heads=3)
+    m = _with_heads(target, "medusa", hcfg)
+    heads_io.save_heads(tmp_path / "h", "medusa", hcfg, m.extras["medusa"][1], base_model=str(target.path),
+                        extra={"tree_calibration": {"accuracy": [[0.6, 0.2], [0.5, 0.1], [0.4, 0.1]]}})
+    m2 = pdecode.load(tmp_path / "h")
+    ref = pdecode.generate(target, PROMPTS, max_new_tokens=16, stop_at_eos=False)
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:1.0,3:1.05,5:1.5,9:3")  # rates 1.6, 1.81, 1.48, ...
+    out = pdecode.generate(m2, PROMPTS, method="medusa", tree="auto", max_new_tokens=16, stop_at_eos=False)
+    assert out.tokens == ref.tokens and out.stats["tree"] == 2 and "1.90 expected tokens" in out.stats["tree_note"]
+    assert len(out.stats["accepted_histogram"]) == 3  # [0], [0, 0]: two deep
+    monkeypatch.setenv("PDECODE_VERIFY_COST", "2:5")
+    out = pdecode.generate(m2, PROMPTS, method="medusa", tree="auto", max_new_tokens=16, stop_at_eos=False)
+    assert out.tokens == ref.tokens and out.stats["tree"] == 0 and "ran as ar" in out.stats["tree_note"]
+    with pytest.raises(pdecode.ConfigError, match="calibrate-only"):
+        pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=4, tree="auto")
+
+
 def test_eagle_tree_sized_by_the_measured_cost(target, tmp_path, monkeypatch):
     """total_tokens="auto": the heads' calibrated trees (tokens per forward) weighed against each step's cost on
     the device (here set with PDECODE_VERIFY_COST, by verify tokens): the best rate wins, none above ar's runs ar."""

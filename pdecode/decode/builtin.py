@@ -376,12 +376,44 @@ def _heads(model, kind: str):
     return model.extras[kind]
 
 
-def _prepare_medusa(model, draft, opts, samp):
+MEDUSA_AUTO_NODES = (1, 2, 4, 8, 16, 32, 64)  # tree="auto": the calibrated tree of one of these sizes
+
+
+def _medusa_auto(model, batch, context, meta, opts):
+    """tree="auto": of the calibrated trees of `MEDUSA_AUTO_NODES` nodes (each's expected tokens per step from the
+    heads' accuracy table, Medusa's estimate), the one with the most expected tokens per unit of time, its step timed
+    here against ar's (`cost.choose_rate`). Returns (paths or None when none beats ar, sizing)."""
+    from pdecode.decode import cost
+
+    if not (meta.get("tree_calibration") or {}).get("accuracy"):
+        raise ConfigError("tree='auto' sizes the tree from the heads' calibrated accuracies (heads.json "
+                          "'tree_calibration'), which these heads lack: calibrate them (pdecode train heads --base "
+                          "BASE --kind medusa --data FILES --out HEADS --calibrate-only) or give a tree")
+    cands = []
+    for n in MEDUSA_AUTO_NODES:
+        paths, expected = tree_lib.calibrated_paths(meta["tree_calibration"]["accuracy"], n)
+        if not cands or len(paths) > len(cands[-1][0]["tree"]):  # (few heads and ranks: the trees stop growing)
+            cands.append(({**opts, "tree": paths}, len(paths) + 1, expected))
+    if _unmeasurable(model, batch):
+        o, tokens, _ = cands[-1]
+        return o["tree"], cost.Sizing(tokens - 1, tokens, None, f"tree {tokens - 1}: the largest calibrated tree "
+                                                                "(nothing measured: no batch, or abstract weights)")
+    best, sizing = cost.choose_rate(model, batch, cands, context or cost.CONTEXT, "tree", "medusa")
+    return (None if best is None else best["tree"]), sizing
+
+
+def _prepare_medusa(model, draft, opts, samp, batch=None, context=None, engine=False):
     from pdecode.decode.medusa import MedusaDrafter, check_tree
 
     mcfg, mp = _heads(model, "medusa")
     meta = model.extras.get("medusa_meta", {})
     spec = opts["tree"]
+    sizing = None
+    if spec == "auto":
+        spec, sizing = _medusa_auto(model, batch, context, meta, opts)
+        if spec is None:  # no tree pays on this device: ar's plan, its stats saying why
+            return _add_stats(_prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp),
+                              {"tree": 0, "tree_note": sizing.note})
     if spec is None:  # the tree calibrated for these heads (in heads.json), else medusa-18 cut to their depth
         spec = "calibrated" if meta.get("tree") else [p for p in tree_lib.PRESETS["medusa-18"]
                                                        if len(p) <= mcfg.num_heads]
@@ -399,7 +431,8 @@ def _prepare_medusa(model, draft, opts, samp):
     typical = None
     if opts["typical"]:
         typical = (float(opts["typical_epsilon"]), float(opts["typical_delta"]))
-    return _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical), opts)
+    plan = _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical), opts)
+    return plan if sizing is None else _add_stats(plan, {"tree": sizing.size, "tree_note": sizing.note})
 
 
 def _tree_opts(opts):
@@ -463,11 +496,14 @@ def _prepare_mtp(model, draft, opts, samp):
     return _spec_plan(model, mp, MTPDrafter(model.cfg, mcfg, *_tree_opts(opts)), opts)
 
 
-register(Method("medusa", _prepare_medusa, needs="Medusa heads", lossless="yes (typical=true: no, Medusa's typical "
-                                                                         "acceptance)",
+register(Method("medusa", _prepare_medusa, needs="Medusa heads", wants_batch=True,
+                lossless="yes (typical=true: no, Medusa's typical acceptance)",
                 options={"tree": Option(None, "str | list | tree",
                                         "static tree: None = the tree calibrated for the heads "
-                                        "(heads.json), 'calibrated:N', a preset or choice paths"),
+                                        "(heads.json), 'calibrated:N', a preset or choice paths; 'auto': the "
+                                        "calibrated tree (1 .. 64 nodes) with the most expected tokens per unit of "
+                                        "time, its step measured on this device (none beats ar: the method runs as "
+                                        "ar)"),
                          "typical": Option(False, "bool", "Medusa's typical acceptance (lossy) instead of lossless "
                                                           "verification"),
                          "typical_epsilon": Option(0.09, "float", "typical acceptance: probability floor epsilon"),
