@@ -333,6 +333,28 @@ def test_medusa_uses_the_tree_calibrated_in_heads_json(target, tmp_path):
         pdecode.generate(m, PROMPTS, method="medusa", max_new_tokens=4, tree="calibrated")
 
 
+def test_medusa_rank_accuracy_matches_a_sort(target):
+    """The calibration's accuracy table (the target token's rank in each head's order, counted without sorting)
+    equals ranks read off a full sort of each head's logits."""
+    from pdecode.model.transformer import unembed
+    from train.heads import medusa_rank_accuracy
+    from train.objectives import causal_hidden
+
+    hcfg = H.MedusaConfig(num_heads=3)
+    hp = _with_heads(target, "medusa", hcfg, scale=0.3).extras["medusa"][1]
+    w = np.asarray(jax.random.randint(jax.random.PRNGKey(4), (8, 25), 0, target.cfg.vocab_size), np.int32)
+    got = medusa_rank_accuracy(hp, hcfg, target.cfg, target.params, w, max_rank=4, start=3)
+    h, _ = causal_hidden(target.params, target.cfg, jnp.asarray(w[:, :-1]))
+    t_next = np.asarray(jnp.argmax(unembed(target.params, target.cfg, h), -1))
+    logits = np.asarray(H.medusa_logits(hp, hcfg, target.params, target.cfg, h))
+    order = np.argsort(-logits, axis=-1, kind="stable")  # larger first, ties to the lower id (top_k's order)
+    for k in range(3):
+        n = 24 - k - 1
+        want = t_next[:, 3 + k + 1:]
+        rank = np.argmax(order[k, :, 3:n] == want[..., None], axis=-1)
+        np.testing.assert_allclose(got[k], [(rank == r).mean() for r in range(4)], atol=1e-6)
+
+
 def test_medusa_tree_sized_by_the_measured_cost(target, tmp_path, monkeypatch):
     """tree="auto": calibrated trees of 1, 2, 4, ... nodes, each's expected tokens per step from the accuracy table
     (1.6, 1.9, 2.22, ...), weighed against each step's cost (here set by verify tokens): the best rate wins; none

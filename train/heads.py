@@ -422,11 +422,17 @@ def medusa_rank_accuracy(hp, hcfg, cfg, tparams, windows: np.ndarray, max_rank: 
         b, t = x.shape
         h, _ = causal_hidden(tparams, cfg, x)
         t_next = jnp.argmax(unembed(tparams, cfg, h), -1)
-        _, top = jax.lax.top_k(H.medusa_logits(hp, hcfg, tparams, cfg, h), max_rank)  # [K, B, T, R]
+        logits = H.medusa_logits(hp, hcfg, tparams, cfg, h)  # [K, B, T, V]
+        ids = jnp.arange(logits.shape[-1])
         rows = []
         for k in range(hcfg.num_heads):
             n = t - k - 1
-            rows.append(jnp.mean(top[k, :, start:n, :] == t_next[:, start + k + 1:, None], axis=(0, 1)))
+            lg, want = logits[k, :, start:n], t_next[:, start + k + 1:]
+            # the target token's rank in head k's order (top_k's: larger first, ties to the lower id), counted
+            # instead of sorting the vocabulary
+            lt = jnp.take_along_axis(lg, want[..., None], axis=-1)
+            rank = jnp.sum((lg > lt) | ((lg == lt) & (ids < want[..., None])), axis=-1)
+            rows.append(jnp.mean(rank[..., None] == jnp.arange(max_rank), axis=(0, 1)))
         return jnp.stack(rows)
 
     from pdecode.api import to_host
