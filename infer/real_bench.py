@@ -58,6 +58,7 @@ SHAREGPT_FIRST = 12_000  # conversations before this list index are training dat
 SHAREGPT_DEFAULT_PROMPTS = 200
 HUMANEVAL_STOPS = ("\ndef", "\nclass", "\nif", "\n#", "\nprint")  # the benchmark's own (Codex paper)
 PROMPT_LOOKUP_TOKENS = 10
+SIZED = ("window", "window_note", "tree", "tree_note")  # a method's stats saying how its cost sized it
 # llama.cpp's llama_ftype (GGUF general.file_type): what its kernels compute in
 GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
@@ -346,7 +347,7 @@ class PdecodeRow:
         s = out.stats
         return {"tokens": out.tokens, "wall_s": s["wall_s"], "compile_s": s["compile_s"],
                 "new_tokens": s["new_tokens"], "row_forwards": s["row_forwards"],
-                **{k: s[k] for k in ("window", "window_note") if k in s}}
+                **{k: s[k] for k in SIZED if k in s}}
 
 
 class HFModel:
@@ -490,7 +491,7 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
             a["walls"].append(wall)
             if rep == 0:
                 a.update(tokens=outs, new_tokens=toks, row_forwards=fw, compile_s=warm[j] + comp,
-                         **{k: res[k] for k in ("window", "window_note") if k in res})
+                         **{k: res[k] for k in SIZED if k in res})
             elif outs != a["tokens"]:
                 a["changed_between_rounds"] = True
             log(f"    round {rep + 1}/{repeats} {r.label}: {toks} tokens in {wall:.1f} s ({toks / max(wall, 1e-9):.1f} "
@@ -825,10 +826,11 @@ class Suite:
                "wall_s_all": a["walls"], "x_ar_all": ratios, "x_ar": statistics.median(known) if known else None,
                "compile_s": a["compile_s"],
                "reference": f"ar {dt} batch {b}" if r.kind == "pdecode" else f"ar float32 batch {b}"}
-        if "window" in a:  # a free-draft method sized by the measured verify cost (pdecode.decode.cost)
-            row.update(window=a["window"], window_note=a.get("window_note"))
-            if a.get("window_note"):
-                self.res.note(f"{set_name} {dt} batch {b} {r.label}: {a['window_note']}", self.log)
+        for what in ("window", "tree"):  # a window or tree sized by the measured step cost (pdecode.decode.cost)
+            if what in a:
+                row.update({what: a[what], f"{what}_note": a.get(f"{what}_note")})
+                if a.get(f"{what}_note"):
+                    self.res.note(f"{set_name} {dt} batch {b} {r.label}: {a[f'{what}_note']}", self.log)
         if a.get("changed_between_rounds"):
             row["changed_between_rounds"] = True
             self.res.note(f"{set_name} {dt} batch {b} {r.label}: outputs changed between rounds", self.log)

@@ -212,16 +212,24 @@ def test_real_suite_attaches_heads_per_row(tmp_path):
     hcfg = H.EagleConfig(fuse_layers=(0, 1), draft_vocab=cfg.vocab_size // 2)
     hp = init_from_specs(hcfg.specs(cfg), jax.random.PRNGKey(0))
     hp.update(H.draft_vocab_maps(range(0, cfg.vocab_size, 2), cfg.vocab_size))
-    save_heads(tmp_path / "heads", "eagle", hcfg, hp, base_model=model)
+    trees = [{"tree_top_k": 1, "depth": 1, "total_tokens": 1, "tokens_per_forward": 1.3},
+             {"tree_top_k": 2, "depth": 2, "total_tokens": 3, "tokens_per_forward": 1.5}]
+    save_heads(tmp_path / "heads", "eagle", hcfg, hp, base_model=model, extra={"tree_sizes": {"trees": trees}})
     he, sg = synthetic_sets(tmp_path)
     out = tmp_path / "r"
+    heads, auto = f"eagle@{tmp_path / 'heads'}", f"eagle:total_tokens=auto@{tmp_path / 'heads'}"
     rc = bench_main(["--suite", "real", "--model", model, "--prompt-sets", "humaneval", "--humaneval-file", str(he),
                      "--prompts", "2", "--new-tokens", "8", "--batch", "1", "--dtype", "float32", "--repeats", "1",
-                     "--methods", f"eagle@{tmp_path / 'heads'}", "--no-peers", "--out", str(out)])
+                     "--methods", heads, auto, "--no-peers", "--out", str(out)])
     assert rc == 0
-    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert set(rows) == {"ar", f"eagle@{tmp_path / 'heads'}"}
-    assert rows[f"eagle@{tmp_path / 'heads'}"]["identical"] == 2
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"ar", heads, auto}
+    assert rows[heads]["identical"] == 2 == rows[auto]["identical"]
+    # the tree the cost chose is on the row and in the notes (the tests' flat verify cost: the bigger tree)
+    assert rows[auto]["tree"] == {"tree_top_k": 2, "depth": 2, "total_tokens": 3}
+    assert "tree 3:" in rows[auto]["tree_note"]
+    assert "tree" not in rows[heads] and any("tree 3:" in n for n in res["notes"])
 
 
 def test_real_suite_keeps_what_it_measured_when_stopped(tmp_path, monkeypatch):

@@ -294,6 +294,6 @@ def choose_rate(model, batch: int, candidates: Sequence[tuple[dict, int, float]]
         return None, Sizing(0, 1, c, f"{what} 0 (ran as ar): no tree's expected tokens per step pays for its step's "
                                      f"cost at batch {batch} on {dev} (best {tokens - 1} nodes: {tpf:.2f} tokens per "
                                      f"step at {c:.2f}x an ar step; nodes: tokens/cost {table})")
-    return opts, Sizing(tokens - 1, tokens, c, f"{what} {tokens - 1}: {tpf:.2f} expected tokens per step at {c:.2f}x an "
-                                               f"ar step ({rate:.2f}x ar) at batch {batch} on {dev}; nodes: "
-                                               f"tokens/cost {table}")
+    note = (f"{what} {tokens - 1}: {tpf:.2f} expected tokens per step at {c:.2f}x an ar step ({rate:.2f}x ar) at "
+            f"batch {batch} on {dev}; nodes: tokens/cost {table}")
+    return opts, Sizing(tokens - 1, tokens, c, note)
