@@ -271,6 +271,22 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
     from pdecode.model.transformer import param_specs
     from train.loop import MeshPlan
 
+    out = Path(out)
+    prompts_n = calibration_prompts
+    if prompts_n is None:
+        prompts_n = 96 if kind == "medusa" else SIZE_CALIBRATION_PROMPTS
+    calibrate = calibrate and prompts_n > 0
+    if calibrate_only:  # heads trained before: only their tree calibration, on the same data (checked before loading)
+        if kind in ("mtp", "layerskip"):
+            raise InputError(f"--calibrate-only: {kind} heads carry no tree calibration (Medusa's tree, EAGLE's tree "
+                             "sizes)")
+        stored = json.loads((out / "heads.json").read_text()).get("kind") if (out / "heads.json").is_file() else None
+        if stored != ("eagle" if kind == "eagle3" else kind):
+            raise InputError(f"--calibrate-only calibrates {kind} heads already at --out; {out} holds "
+                             f"{'no heads.json' if stored is None else stored + ' heads'}")
+        if not calibrate:
+            raise InputError("--calibrate-only with --calibration-prompts 0 calibrates nothing: give a number of "
+                             "prompts")
     m = pdecode.load(base, dtype=base_dtype, mesh=mesh)
     # heads are trained (and saved) for the base's own kv heads: the frozen base keeps them (replicated over the
     # model axis where it does not divide them) instead of a placed model's repeats
@@ -308,32 +324,18 @@ def train_heads_for(base: str, kind: str, data_paths: list, out: Path, work: Pat
                                accum=accum, compute_dtype=compute_dtype, base_dtype=base_dtype,
                                calibration_prompts=calibration_prompts,
                                draft_vocab=None if draft_vocab == "auto" else draft_vocab, exit_layer=exit_layer)
-    out = Path(out)
-    if calibrate_only:  # heads trained before: only their tree calibration, on the same data
-        if kind in ("mtp", "layerskip"):
-            raise InputError(f"--calibrate-only: {kind} heads carry no tree calibration (Medusa's tree, EAGLE's tree "
-                             "sizes)")
-        stored = json.loads((out / "heads.json").read_text()).get("kind") if (out / "heads.json").is_file() else None
-        if stored != ("eagle" if kind == "eagle3" else kind):
-            raise InputError(f"--calibrate-only calibrates {kind} heads already at --out; {out} holds "
-                             f"{'no heads.json' if stored is None else stored + ' heads'}")
+    if calibrate_only:
         info, when = {}, ""
     else:
         info = fit_and_save(r, m.cfg, m.params, tr, va, out, work / "ckpt" / f"{out.name}-{sig}", base_model,
                             command, f"heads:{kind}", mesh_plan)
         when = " (tree calibrated after training)"
-    if calibration_prompts is None:
-        calibration_prompts = 96 if kind == "medusa" else SIZE_CALIBRATION_PROMPTS
-    calibrate = calibrate and calibration_prompts > 0
-    if calibrate_only and not calibrate:
-        raise InputError("--calibrate-only with --calibration-prompts 0 calibrates nothing: give a number of prompts")
     if kind == "medusa" and calibrate:
         hcfg_l, hp, meta = _load_saved(out, m.cfg)
         info["tree_calibration"] = _calibrate_tree(out, r, m.cfg, m.params, tr, hcfg_l, hp, meta, MEDUSA_TREE_NODES,
-                                                   command + when, calibration_prompts, mesh=mesh)
+                                                   command + when, prompts_n, mesh=mesh)
     elif kind in ("eagle", "eagle3") and calibrate:
-        info["tree_sizes"] = calibrate_tree_sizes(out, m, tr, seq_len, command + when, calibration_prompts,
-                                                  mesh=mesh)
+        info["tree_sizes"] = calibrate_tree_sizes(out, m, tr, seq_len, command + when, prompts_n, mesh=mesh)
     return info
 
 

@@ -148,14 +148,15 @@ def _add_stats(plan, extra: dict):
     return dataclasses.replace(plan, finish_stats=lambda st: {**own(st), **extra})
 
 
-def _as_ar(model, opts, samp, sizing):
-    """A free-draft method whose smallest window does not pay on this device: AR's plan, its stats saying why."""
+def _as_ar(model, opts, samp, sizing, what: str = "window"):
+    """A method whose window (or tree) does not pay on this device at any size: AR's plan, its stats saying why
+    (``what``: 0 and ``what + "_note"``)."""
     plan = _prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp)
-    return _add_stats(plan, {"window": 0, "window_note": sizing.note})
+    return _add_stats(plan, {what: 0, f"{what}_note": sizing.note})
 
 
-def _with_window(plan, sizing, value):
-    return _add_stats(plan, {"window": value, **({"window_note": sizing.note} if sizing is not None else {})})
+def _with_window(plan, sizing, value, what: str = "window"):
+    return _add_stats(plan, {what: value, **({f"{what}_note": sizing.note} if sizing is not None else {})})
 
 
 def _auto_int(opts, name):
@@ -383,8 +384,6 @@ def _medusa_auto(model, batch, context, meta, opts):
     """tree="auto": of the calibrated trees of `MEDUSA_AUTO_NODES` nodes (each's expected tokens per step from the
     heads' accuracy table, Medusa's estimate), the one with the most expected tokens per unit of time, its step timed
     here against ar's (`cost.choose_rate`). Returns (paths or None when none beats ar, sizing)."""
-    from pdecode.decode import cost
-
     if not (meta.get("tree_calibration") or {}).get("accuracy"):
         raise ConfigError("tree='auto' sizes the tree from the heads' calibrated accuracies (heads.json "
                           "'tree_calibration'), which these heads lack: calibrate them (pdecode train heads --base "
@@ -394,11 +393,7 @@ def _medusa_auto(model, batch, context, meta, opts):
         paths, expected = tree_lib.calibrated_paths(meta["tree_calibration"]["accuracy"], n)
         if not cands or len(paths) > len(cands[-1][0]["tree"]):  # (few heads and ranks: the trees stop growing)
             cands.append(({**opts, "tree": paths}, len(paths) + 1, expected))
-    if _unmeasurable(model, batch):
-        o, tokens, _ = cands[-1]
-        return o["tree"], cost.Sizing(tokens - 1, tokens, None, f"tree {tokens - 1}: the largest calibrated tree "
-                                                                "(nothing measured: no batch, or abstract weights)")
-    best, sizing = cost.choose_rate(model, batch, cands, context or cost.CONTEXT, "tree", "medusa")
+    best, sizing = _choose_tree(model, batch, context, "medusa", cands)
     return (None if best is None else best["tree"]), sizing
 
 
@@ -411,9 +406,8 @@ def _prepare_medusa(model, draft, opts, samp, batch=None, context=None, engine=F
     sizing = None
     if spec == "auto":
         spec, sizing = _medusa_auto(model, batch, context, meta, opts)
-        if spec is None:  # no tree pays on this device: ar's plan, its stats saying why
-            return _add_stats(_prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp),
-                              {"tree": 0, "tree_note": sizing.note})
+        if spec is None:  # no tree pays on this device
+            return _as_ar(model, opts, samp, sizing, "tree")
     if spec is None:  # the tree calibrated for these heads (in heads.json), else medusa-18 cut to their depth
         spec = "calibrated" if meta.get("tree") else [p for p in tree_lib.PRESETS["medusa-18"]
                                                        if len(p) <= mcfg.num_heads]
@@ -432,7 +426,7 @@ def _prepare_medusa(model, draft, opts, samp, batch=None, context=None, engine=F
     if opts["typical"]:
         typical = (float(opts["typical_epsilon"]), float(opts["typical_delta"]))
     plan = _spec_plan(model, mp, MedusaDrafter(model.cfg, mcfg, tr, typical), opts)
-    return plan if sizing is None else _add_stats(plan, {"tree": sizing.size, "tree_note": sizing.note})
+    return plan if sizing is None else _with_window(plan, sizing, sizing.size, "tree")
 
 
 def _tree_opts(opts):
@@ -447,17 +441,23 @@ def _sized_tree(model, batch, context, method: str, opts):
     """``total_tokens="auto"``: the tree of the heads' calibrated ladder (heads.json ``tree_sizes``: each tree's
     tokens per step, measured on the drafter's calibration data) with the most expected tokens per unit of time, its
     step timed here against ar's (`cost.choose_rate`); (None, sizing) when none beats ar. Returns (opts, sizing)."""
-    from pdecode.decode import cost
-
     cal = (model.extras.get(f"{method}_meta") or {}).get("tree_sizes")
     if not cal:
-        raise ConfigError(f"total_tokens='auto' sizes the tree from the heads' tree-size calibration (heads.json "
-                          f"'tree_sizes'), which these heads lack: calibrate them (pdecode train heads --base BASE "
-                          f"--kind KIND --data FILES --out HEADS --calibrate-only) or give total_tokens")
+        raise ConfigError("total_tokens='auto' sizes the tree from the heads' tree-size calibration (heads.json "
+                          "'tree_sizes'), which these heads lack: calibrate them (pdecode train heads --base BASE "
+                          "--kind KIND --data FILES --out HEADS --calibrate-only) or give total_tokens")
     cands = [({**opts, "tree_top_k": t["tree_top_k"], "depth": t["depth"], "total_tokens": t["total_tokens"]},
               t["total_tokens"] + 1, float(t["tokens_per_forward"])) for t in cal["trees"]]
+    return _choose_tree(model, batch, context, method, cands)
+
+
+def _choose_tree(model, batch, context, method: str, cands):
+    """`cost.choose_rate` over the candidate trees ``(opts, verify tokens, expected tokens per step)`` on a model
+    with weights; an unmeasurable one gets the candidate expected to accept most. Returns (opts or None, sizing)."""
+    from pdecode.decode import cost
+
     if _unmeasurable(model, batch):
-        o, tokens, tpf = max(cands, key=lambda c: c[2])
+        o, tokens, _ = max(cands, key=lambda c: c[2])
         return o, cost.Sizing(tokens - 1, tokens, None, f"tree {tokens - 1}: the calibrated tree accepting most "
                                                         "(nothing measured: no batch, or abstract weights)")
     return cost.choose_rate(model, batch, cands, context or cost.CONTEXT, "tree", method)
@@ -470,9 +470,8 @@ def _prepare_eagle(model, draft, opts, samp, batch=None, context=None, engine=Fa
     sizing = None
     if opts["total_tokens"] == "auto":
         sized, sizing = _sized_tree(model, batch, context, "eagle", opts)
-        if sized is None:  # no tree pays on this device: ar's plan, its stats saying why
-            return _add_stats(_prepare_ar(model, None, {"cache_phases": opts["cache_phases"]}, samp),
-                              {"tree": 0, "tree_note": sizing.note})
+        if sized is None:  # no tree pays on this device
+            return _as_ar(model, opts, samp, sizing, "tree")
         opts = sized
     elif isinstance(opts["total_tokens"], str):
         raise ConfigError(f"total_tokens must be an integer >= 1 or 'auto' (the calibrated tree with the most "
@@ -480,8 +479,7 @@ def _prepare_eagle(model, draft, opts, samp, batch=None, context=None, engine=Fa
     plan = _spec_plan(model, ep, EagleDrafter(model.cfg, ecfg, *_tree_opts(opts)), opts)
     if sizing is None:
         return plan
-    return _add_stats(plan, {"tree": {k: opts[k] for k in ("tree_top_k", "depth", "total_tokens")},
-                             "tree_note": sizing.note})
+    return _with_window(plan, sizing, {k: opts[k] for k in ("tree_top_k", "depth", "total_tokens")}, "tree")
 
 
 def _prepare_mtp(model, draft, opts, samp):

@@ -2,11 +2,12 @@
 
 The draft is the target's blocks ``draft_layers`` (the first E for early exit, LayerSkip / Kangaroo; or all but a
 skip set, Draft & Verify), then the final norm and the shared LM head: no extra weights; or, for an early exit, a
-trained exit adapter (`pdecode.model.heads.ExitConfig`, attached as ``layerskip`` heads) before the shared head. Each step feeds the root and
-then each drafted token through those blocks (one token per draft forward, up to ``gamma`` tokens), writing their
-keys and values into the **target's own cache**. Drafting stops early, per row, when the draft's top-1 probability
-falls below a threshold that adapts to the row's acceptance rate (Draft & Verify's adaptive exit): the threshold
-rises by ``step`` while the smoothed acceptance rate is under ``target_rate`` and falls otherwise.
+trained exit adapter (`pdecode.model.heads.ExitConfig`, attached as ``layerskip`` heads) before the shared head.
+Each step feeds the root and then each drafted token through those blocks (one token per draft forward, up to
+``gamma`` tokens), writing their keys and values into the **target's own cache**. Drafting stops early, per row,
+when the draft's top-1 probability falls below a threshold that adapts to the row's acceptance rate (Draft &
+Verify's adaptive exit): the threshold rises by ``step`` while the smoothed acceptance rate is under
+``target_rate`` and falls otherwise.
 
 Cache sharing: blocks ``0 .. r-1`` (the longest run of draft layers from the bottom; r = E for early exit) see
 exactly what the full model sees, so their keys and values for the drafted tokens are the full model's and stay;
