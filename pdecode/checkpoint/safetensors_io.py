@@ -351,3 +351,56 @@ def shape_of(tensors, name: str) -> tuple:
     if hasattr(tensors, "shape_of"):
         return tensors.shape_of(name)
     return tuple(tensors[name].shape)
+
+
+class SharedTensors:
+    """A checkpoint's own tensors plus ``names`` read from another checkpoint's (``other``): a draft model that
+    stores no embedding of its own and uses its base model's (`pdecode.checkpoint.hf.save_hf`'s ``shared``). The
+    loader's interface (`CheckpointTensors`), each name answered by the source that holds it."""
+
+    def __init__(self, own, other, names: tuple[str, ...], dtype):
+        self._own, self._other, self._names, self._dtype = own, other, tuple(names), np.dtype(dtype)
+
+    def _src(self, name: str):
+        return self._other if name in self._names else self._own
+
+    def alias(self, aliases: dict) -> None:
+        self._own.alias(aliases)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._src(name)
+
+    def __iter__(self):
+        yield from self._own
+        yield from (n for n in self._names if n not in self._own)
+
+    def shape_of(self, name: str) -> tuple:
+        return shape_of(self._src(name), name)
+
+    def dtype_of(self, name: str) -> np.dtype:
+        """The draft's own stored dtype for a shared tensor: what ``dtype="auto"`` loads the whole model in."""
+        if name in self._names:
+            return self._dtype
+        src = self._own
+        return src.dtype_of(name) if hasattr(src, "dtype_of") else src[name].dtype
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._src(name)[name]
+
+    def read_slice(self, name: str, take) -> np.ndarray:
+        src = self._src(name)
+        if hasattr(src, "read_slice"):
+            return src.read_slice(name, take)
+        a = take(np.asarray(src[name]))
+        if hasattr(src, "note_read"):
+            src.note_read(name, a)
+        return a
+
+    def release(self, name: str) -> None:
+        src = self._src(name)
+        if hasattr(src, "release"):
+            src.release(name)
+
+    def read_stats(self) -> dict:
+        stats = [s.read_stats() for s in (self._own, self._other) if hasattr(s, "read_stats")]
+        return {k: sum(s.get(k, 0) for s in stats) for k in ("slice_bytes", "page_bytes", "checkpoint_bytes")}
