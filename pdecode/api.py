@@ -188,6 +188,9 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
     elif (path / "tokenizer.json").exists():
         tok = Tokenizer.from_dir(path, hf_ckpt.read_config(path))
     m = Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path), path=path, generation_config=gen)
+    draft_vocab = hf_ckpt.read_draft_vocab(path, cfg.vocab_size) if path.is_dir() else None
+    if draft_vocab is not None:  # a draft's reduced vocabulary: method="sd" / "tree" head reads those rows only
+        m.extras["draft_vocab"] = draft_vocab
     m = m.on_mesh(mesh, indivisible)  # already in their shards: this only repeats kv heads where the axis needs it
     if heads_io.is_heads_dir(path):  # a full model that ships its own heads (e.g. a natively trained MTP model)
         m = attach_heads(m, path)
@@ -267,7 +270,9 @@ def save_hf(m: Model, out_dir: str | os.PathLike, dtype: str | None = None) -> P
     placed on a mesh with its kv heads repeated is written with the checkpoint's own kv heads."""
     dtype = dtype or str(jnp.dtype(m.dtype).name)
     cfg, params = stored_kv_heads(m)
-    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path)  # (a GGUF: from its metadata)
+    extra = {hf_ckpt.DRAFT_VOCAB_KEY: m.extras["draft_vocab"].tolist()} if "draft_vocab" in m.extras else None
+    return hf_ckpt.save_hf(cfg, params, out_dir, dtype=dtype, tokenizer_dir=m.path,  # (a GGUF: from its metadata)
+                           extra_config=extra)
 
 
 def stored_kv_heads(m: Model) -> tuple:

@@ -528,3 +528,65 @@ def test_vocab_mismatch_and_missing_draft(models, tmp_path):
         pdecode.generate(models["target"], [[1, 2]], method="sd", draft=other)
     with pytest.raises(pdecode.InputError, match="needs a draft model"):
         pdecode.generate(models["target"], [[1, 2]], method="sd")
+
+
+# ------------------------------------------------------------------------------------------------ draft vocabulary
+def _with_vocab(draft, ids):
+    return dataclasses.replace(draft, extras={**draft.extras, "draft_vocab": np.asarray(ids, np.int32)}, _sharded={})
+
+
+@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=4)), ("tree", dict(tree="binary-14")),
+                                         ("tree", dict(tree="dynamic", tree_top_k=3, depth=4, total_tokens=12))])
+def test_reduced_draft_vocabulary(models, method, opts):
+    """A draft that ships a reduced vocabulary proposes only its tokens; greedy output stays AR's. The target as its
+    own draft with every token AR emits in its vocabulary keeps its acceptance; one without them is never accepted."""
+    t = models["target"]
+    ref = pdecode.generate(t, PROMPTS, max_new_tokens=24, stop_at_eos=False)
+    emitted = sorted({x for row in ref.tokens for x in row})
+    v = t.cfg.vocab_size
+    keep = _with_vocab(t, sorted(set(emitted) | set(range(0, v, 7))))
+    drop = _with_vocab(t, [x for x in range(v) if x not in set(emitted)])
+    full = pdecode.generate(t, PROMPTS, method=method, draft=t, max_new_tokens=24, stop_at_eos=False, **opts)
+    for draft, tpf in ((keep, "high"), (drop, "one")):
+        out = pdecode.generate(t, PROMPTS, method=method, draft=draft, max_new_tokens=24, stop_at_eos=False, **opts)
+        assert out.tokens == ref.tokens
+        if tpf == "high":
+            assert out.stats["tokens_per_forward"] == pytest.approx(full.stats["tokens_per_forward"], abs=1e-6)
+        else:
+            assert out.stats["tokens_per_forward"] == 1.0 and out.stats["draft_forwards"] > 0
+    off = pdecode.generate(t, PROMPTS, method=method, draft=drop, max_new_tokens=24, stop_at_eos=False,
+                           draft_vocab=False, **opts)
+    assert off.tokens == ref.tokens and off.stats["tokens_per_forward"] > 1.2  # the vocabulary switched off
+
+
+def test_draft_vocabulary_errors_and_round_trip(models, tmp_path):
+    t, small = models["target"], models["small"]
+    with pytest.raises(pdecode.ConfigError, match="ships no reduced vocabulary"):
+        pdecode.generate(t, [[1, 2, 3]], method="sd", draft=small, draft_vocab=True)
+    with pytest.raises(pdecode.InputError, match="draft_vocab"):
+        pdecode.generate(t, [[1, 2, 3]], method="sd", draft=small, draft_vocab="all")
+    d = _with_vocab(small, [1, 5, 9])
+    pdecode.save_hf(d, tmp_path / "d")
+    assert pdecode.load(tmp_path / "d").extras["draft_vocab"].tolist() == [1, 5, 9]
+    import json
+
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["pdecode_draft_vocab"] = [5, 1]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(pdecode.CheckpointError, match="distinct sorted token ids"):
+        pdecode.load(tmp_path / "d")
+
+
+def test_sampling_with_a_reduced_draft_vocabulary_matches_ar(small_vocab):
+    """Sampling stays lossless when the draft draws from half the vocabulary (q is zero outside it)."""
+    target, draft = small_vocab
+    prompt = [3, 7, 3, 7, 3]
+    n = 12000
+    out = pdecode.generate(target, [prompt] * n, method="sd", draft=_with_vocab(draft, range(0, 16, 2)), gamma=3,
+                           max_new_tokens=3, temperature=1.0, seed=1, stop_at_eos=False)
+    toks = np.array(out.tokens)
+    margs = _exact_marginals(target, prompt, 3)
+    for i in range(3):
+        counts = np.bincount(toks[:, i], minlength=16)
+        assert sstats.chisquare(counts, margs[i] / margs[i].sum() * n).pvalue > 1e-4, f"token {i + 1}"
+    assert out.stats["tokens_per_forward"] > 1.0

@@ -136,15 +136,19 @@ def test_train_draft_sharing_the_bases_embedding(base_dir, tmp_path, capsys):
     out = tmp_path / "draft-shared"
     cli.main(["train", "draft", "--base", str(base_dir), "--data", *DATA, "--out", str(out), "--steps", "2",
               "--seq-len", "64", "--batch-size", "4", "--from-base-layers", "auto", "--layers", "2",
-              "--share-embedding", "--work", str(tmp_path / "work")])
+              "--share-embedding", "--draft-vocab", "48", "--work", str(tmp_path / "work")])
     from pdecode.checkpoint.safetensors_io import read_checkpoint_dir
 
     stored = read_checkpoint_dir(out, {})
     assert "model.embed_tokens.weight" not in stored and any(".layers.1." in n for n in stored)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["pdecode_shared_tensors"]["from"] == str(Path(base_dir).resolve())
-    assert json.loads((out / "train_info.json").read_text())["shared_with_base"] == ["embed"]
+    info = json.loads((out / "train_info.json").read_text())
+    assert info["shared_with_base"] == ["embed"] and info["draft_vocab"] == 48
+    assert 0.3 < info["draft_vocab_coverage"] <= 1.0
     d, base = pdecode.load(out), pdecode.load(base_dir)
+    ids = d.extras["draft_vocab"]  # --draft-vocab: the 48 most frequent ids of the training text, shipped with it
+    assert len(ids) == 48 and np.all(np.diff(ids) > 0) and ids[-1] < base.cfg.vocab_size
     emb = np.asarray(d.params["embed"], np.float32)
     assert np.array_equal(emb, np.asarray(jax.numpy.asarray(base.params["embed"], d.params["embed"].dtype), np.float32))
     assert pdecode.generate(base, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(base)

@@ -85,7 +85,7 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
                 batch_size: int = 16, lr: float = 2e-3, self_distill: int = 0, mesh=None, fsdp: bool = False,
                 accum: int = 1, compute_dtype: str | None = None, base_dtype: str = "auto", seed: int = 0,
                 val_fraction: float = 0.05, command: str | None = None, from_base_layers: str | None = None,
-                share_embedding: bool = False, **shape) -> dict:
+                share_embedding: bool = False, draft_vocab: int = 0, **shape) -> dict:
     """Distil a draft for ``base`` (an HF directory or zoo name) on the text files ``data_paths`` (the last
     ``val_fraction`` held out); writes an HF model directory ``out`` (bf16 weights, config.json, the base's
     tokenizer, train_info.json, which records ``command``: by default one with every option spelled out)."""
@@ -117,6 +117,19 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
     note = held_out_note(len(tr), len(va), seq_len, val_fraction)
     if note:
         print(note, file=sys.stderr)
+    vocab_cfg, vocab_info = None, {}
+    if draft_vocab:  # EAGLE-3's reduced vocabulary, for a draft model: the most frequent tokens of the training data
+        from pdecode.checkpoint.hf import DRAFT_VOCAB_KEY
+        from pdecode.model.heads import most_frequent_tokens
+
+        if not 0 < draft_vocab <= m.cfg.vocab_size:
+            raise InputError(f"--draft-vocab must be in 1..{m.cfg.vocab_size} (the base's vocabulary), got "
+                             f"{draft_vocab}")
+        ids, cover = most_frequent_tokens(tr, draft_vocab, m.cfg.vocab_size)
+        vocab_cfg = {DRAFT_VOCAB_KEY: [int(i) for i in ids]}
+        vocab_info = {"draft_vocab": int(draft_vocab), "draft_vocab_coverage": round(cover, 4)}
+        print(f"draft vocabulary: the {draft_vocab} most frequent tokens cover {cover:.1%} of the training tokens",
+              file=sys.stderr)
     gen = None
     if self_distill:
         print(f"self-distillation: generating {self_distill} tokens with {base}", file=sys.stderr)
@@ -141,13 +154,15 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
                                seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, val_fraction=val_fraction,
                                self_distill=self_distill, mesh=mesh, fsdp=fsdp, accum=accum,
                                compute_dtype=compute_dtype, base_dtype=base_dtype,
-                               from_base_layers=from_base_layers, share_embedding=share_embedding, **shape)
+                               from_base_layers=from_base_layers, share_embedding=share_embedding,
+                               draft_vocab=draft_vocab or None, **shape)
     extra = {"teacher": str(base), "self_distill_tokens": self_distill, "data": [str(p) for p in data_paths],
              **({"from_base_layers": idx} if from_base_layers else {}),
-             **({"shared_with_base": list(shared[1])} if shared else {})}
+             **({"shared_with_base": list(shared[1])} if shared else {}), **vocab_info}
     return fit_and_save_lm(cfg, tc, seq_len, batch_size, tr, va, out, work / "ckpt" / f"draft-{out.name}-{sig}",
                            distill_loss(cfg, m.cfg), m.params, m.path, command, f"draft for {Path(str(base)).name}",
-                           gen=gen, mesh_plan=mesh_plan, info_extra=extra, params=init, shared=shared)
+                           gen=gen, mesh_plan=mesh_plan, info_extra=extra, params=init, shared=shared,
+                           extra_config=vocab_cfg)
 
 
 def main(argv=None):
@@ -165,6 +180,9 @@ def main(argv=None):
                     help="with --from-base-layers: keep the base's embedding (and head) frozen and read it from the "
                          "base at load instead of saving a copy (a real model's vocabulary is most of a small "
                          "draft's size)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="ship a reduced vocabulary with the draft: the N most frequent tokens of --data (its head "
+                         "then reads only those rows when it drafts, as EAGLE-3's heads do; 0: the whole vocabulary)")
     g = ap.add_argument_group("the draft's shape (defaults: see above)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate"):
         g.add_argument(f"--{flag}", type=int, default=None)
@@ -181,6 +199,7 @@ def main(argv=None):
                        compute_dtype=args.compute_dtype, base_dtype=args.base_dtype, seed=args.seed,
                        val_fraction=args.val_fraction, command=f"{ap.prog} {shlex.join(argv)}",
                        from_base_layers=args.from_base_layers, share_embedding=args.share_embedding,
+                       draft_vocab=args.draft_vocab,
                        layers=args.layers, hidden=args.hidden,
                        heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate)
 

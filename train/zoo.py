@@ -155,12 +155,14 @@ def time_recipe_step(name: str, zoo: Path, repeats: int = 5) -> dict:
 def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size: int, tr: np.ndarray, va: np.ndarray,
                     out: Path, ckpt_dir: Path, objective, frozen, tokenizer_dir: Path, command: str, desc: str,
                     gen: np.ndarray | None = None, mesh_plan=None, info_extra: dict | None = None,
-                    params=None, shared: tuple[str, tuple[str, ...]] | None = None) -> dict:
+                    params=None, shared: tuple[str, tuple[str, ...]] | None = None,
+                    extra_config: dict | None = None) -> dict:
     """Train an LM (plain next-token, or distilled from the frozen teacher ``frozen`` by ``objective``) and save it in
     HF format (bf16) with a train_info.json: the one path the zoo recipes and `pdecode train draft` take. ``gen``
     (the teacher's own continuations): half of every batch comes from it, what a draft sees at decode time.
     ``shared`` = (teacher's name, param names): those params are the teacher's own (``frozen``), never trained, and
-    the saved model reads them from the teacher at load (`pdecode.checkpoint.hf.save_hf`)."""
+    the saved model reads them from the teacher at load (`pdecode.checkpoint.hf.save_hf`). ``extra_config``: more
+    config.json keys (a draft's reduced vocabulary)."""
     batches = data.TokenBatches(tr, seq_len, batch_size, seed=tc.seed)
     batch_fn = batches.batch
     if gen is not None:
@@ -188,7 +190,7 @@ def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size:
         params = {**params, **{k: frozen[k] for k in keys}}
         eval_fn = inner_eval
     save_hf(cfg.replace(dtype="bfloat16"), jax.device_get(params), out, dtype="bfloat16", tokenizer_dir=tokenizer_dir,
-            shared=shared)
+            shared=shared, extra_config=extra_config)
     # Validation loss of the weights as shipped (bf16), which is what users load.
     from pdecode.checkpoint.hf import load_hf
 

@@ -444,6 +444,22 @@ def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
 
 SHARED_KEY = "pdecode_shared_tensors"  # config.json: tensors a model reads from another checkpoint (`save_hf`)
 SHARED_CHECK_ROWS = 16
+DRAFT_VOCAB_KEY = "pdecode_draft_vocab"  # config.json: a draft model's reduced vocabulary (sorted target ids)
+
+
+def read_draft_vocab(path: Path, vocab_size: int):
+    """The reduced draft vocabulary a model directory's config.json lists (`pdecode train draft --draft-vocab`), as
+    sorted int32 ids, or None; a list that is not distinct sorted ids of the vocabulary is one CheckpointError."""
+    if not (Path(path) / "config.json").is_file():
+        return None
+    ids = read_config(Path(path)).get(DRAFT_VOCAB_KEY)
+    if ids is None:
+        return None
+    a = np.asarray(ids, np.int64)
+    if a.ndim != 1 or not a.size or np.any(np.diff(a) <= 0) or a[0] < 0 or a[-1] >= vocab_size:
+        raise CheckpointError(f"{path}/config.json: {DRAFT_VOCAB_KEY} must be distinct sorted token ids below "
+                              f"{vocab_size}")
+    return a.astype(np.int32)
 
 
 def _fingerprint(a) -> float:

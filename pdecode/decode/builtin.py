@@ -33,6 +33,28 @@ def _spec_plan(model, draft_params, drafter, opts) -> Plan:
     return speculative.make_plan(model, drafter, draft_params, _int_opt(opts, "cache_phases"))
 
 
+def _draft_params(draft, opts) -> dict:
+    """The draft model's params, with its reduced vocabulary (`with_draft_vocab`) under ``draft_vocab``: "auto"
+    (the one the draft ships, if any, and when its params are not sharded), True (required) or False."""
+    from pdecode.decode.draft_model import with_draft_vocab
+
+    want, ids = opts["draft_vocab"], draft.extras.get("draft_vocab")
+    if want is False or (want == "auto" and (ids is None or draft._placed is not None)):
+        return draft.params
+    if ids is None:
+        raise ConfigError(f"draft_vocab=True: the draft {draft.name or 'model'} ships no reduced vocabulary (make "
+                          "one with `pdecode train draft --draft-vocab N`); use draft_vocab='auto' or False")
+    if draft._placed is not None:
+        raise ConfigError("draft_vocab=True needs the draft on one device (its params are sharded on a mesh); use "
+                          "draft_vocab='auto' or False")
+    return with_draft_vocab(draft.params, draft.cfg, ids)
+
+
+DRAFT_VOCAB = {"draft_vocab": Option("auto", "bool | str", "the draft's head reads only the reduced vocabulary the "
+                                     "draft model ships (its config.json's pdecode_draft_vocab): auto (when it ships "
+                                     "one), True, False; lossless either way", choices=("auto",))}
+
+
 def _prepare_sd(model, draft, opts, samp):
     from pdecode.decode.draft_model import DraftChain
 
@@ -42,7 +64,7 @@ def _prepare_sd(model, draft, opts, samp):
     gmax = opts["gamma_max"] if opts["gamma_max"] is not None else (max(2 * gamma, 8) if adaptive else gamma)
     if not isinstance(gmax, int) or gmax < gamma:
         raise ConfigError(f"gamma_max must be an integer >= gamma ({gamma}), got {gmax!r}")
-    return _spec_plan(model, draft.params, DraftChain(draft.cfg, gamma, gmax, adaptive), opts)
+    return _spec_plan(model, _draft_params(draft, opts), DraftChain(draft.cfg, gamma, gmax, adaptive), opts)
 
 
 def _prepare_tree(model, draft, opts, samp):
@@ -53,7 +75,7 @@ def _prepare_tree(model, draft, opts, samp):
         drafter = DraftDynamicTree(draft.cfg, *_tree_opts(opts))
     else:
         drafter = DraftStaticTree(draft.cfg, tree_lib.resolve(opts["tree"]))
-    return _spec_plan(model, draft.params, drafter, opts)
+    return _spec_plan(model, _draft_params(draft, opts), drafter, opts)
 
 
 def _prepare_lookup(model, draft, opts, samp, batch=None, context=None, engine=False):
@@ -87,7 +109,7 @@ register(Method("sd", _prepare_sd, needs_draft=True, needs="draft model",
                          "adaptive": Option(False, "bool", "per row, gamma +2 after a fully accepted chain and -1 "
                                                            "otherwise (HF's heuristic)"),
                          "gamma_max": Option(None, "int", "adaptive: the largest gamma (default max(2 gamma, 8))"),
-                         **PHASES},
+                         **DRAFT_VOCAB, **PHASES},
                 summary="speculative decoding: a small draft model proposes a chain of gamma tokens, the target "
                         "verifies them in one forward"))
 TREE_OPTS = {
@@ -100,7 +122,7 @@ register(Method("tree", _prepare_tree, needs_draft=True, needs="draft model",
                                         "'dynamic' (EAGLE-2-style, built from the draft's "
                                         "probabilities), a preset name (e.g. 'binary-14', 'medusa-63') or choice "
                                         "paths such as [[0], [1], [0, 0]]"),
-                         **TREE_OPTS, **PHASES},
+                         **TREE_OPTS, **DRAFT_VOCAB, **PHASES},
                 summary="a draft model's token tree (dynamic or static) verified in one forward, several candidates "
                         "per depth"))
 register(Method("lookup", _prepare_lookup, wants_batch=True,

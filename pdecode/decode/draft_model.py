@@ -25,6 +25,30 @@ from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, forward, unembed, unrolled
 
 
+def with_draft_vocab(dparams: dict, dcfg: ModelConfig, ids) -> dict:
+    """The draft's params with a reduced vocabulary (sorted target ids ``ids``, [Vd]): its head keeps only those rows
+    (``vocab_head`` [Vd, D], gathered once, outside the decode loop) and `draft_logits` scatters them back over the
+    whole vocabulary, -inf elsewhere. The draft then never proposes a token outside ``ids``; verification is
+    unchanged, so greedy output and the sampled distribution stay the target's (q is the distribution the draft drew
+    from, zero outside ``ids``)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    head = dparams["embed"][ids] if dcfg.tie_word_embeddings else dparams["lm_head"][:, ids].T
+    return {**dparams, "vocab_ids": ids, "vocab_head": head}
+
+
+def draft_logits(dparams, dcfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The draft's float32 logits over the whole vocabulary; with a reduced one (`with_draft_vocab`) its head reads
+    those rows only and the rest are -inf."""
+    if "vocab_ids" not in dparams:
+        return unembed(dparams, dcfg, h)
+    w = dparams["vocab_head"]
+    logits = jnp.einsum("...d,vd->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if dcfg.final_softcap:
+        logits = dcfg.final_softcap * jnp.tanh(logits / dcfg.final_softcap)
+    full = jnp.full(logits.shape[:-1] + (dcfg.vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., dparams["vocab_ids"]].set(logits, unique_indices=True, indices_are_sorted=True)
+
+
 def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, seq_len: jax.Array, width: int):
     """Feed ``seq[dcache.lengths : seq_len]``, at most ``width`` tokens, to the draft.
 
@@ -39,7 +63,7 @@ def catch_up(dparams, dcfg: ModelConfig, dcache: kvc.KVCache, seq: jax.Array, se
     fo = forward(dparams, dcfg, tok, pos, mask, cache=dcache)
     last = jnp.clip(seq_len - 1 - start, 0, width - 1)
     h = common.gather_rows(fo.hidden, last)
-    return kvc.set_lengths(fo.cache, jnp.minimum(start + width, seq_len)), unembed(dparams, dcfg, h), h
+    return kvc.set_lengths(fo.cache, jnp.minimum(start + width, seq_len)), draft_logits(dparams, dcfg, h), h
 
 
 def upto_mask(dcfg: ModelConfig, upto_B: jax.Array, max_len: int, pos_B: jax.Array) -> jax.Array:
@@ -166,7 +190,7 @@ class DraftChain(_DraftModelDrafter):
             pos = ctx.seq_len + i  # position and slot of d_{i+1}
             mask = upto_mask(self.dcfg, pos + 1, max_len, pos)
             fo = forward(dparams, self.dcfg, x, pos[:, None], mask, cache=cch, write_at_B=pos)
-            lg, gs = gmask(unembed(dparams, self.dcfg, fo.hidden[:, 0]), gs, x[:, 0])
+            lg, gs = gmask(draft_logits(dparams, self.dcfg, fo.hidden[:, 0]), gs, x[:, 0])
             nxt = sampling.sample(sampling.fold_in(k_rest, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i + 2, axis=1)
             if q is not None:
@@ -213,7 +237,7 @@ class DraftStaticTree(StaticTreeShape, _DraftModelDrafter):
 
 def _expand(dparams, dcfg, cache, tok_BT, pos_BT, write_at_B, mask):
     fo = forward(dparams, dcfg, tok_BT, pos_BT, mask, cache=cache, write_at_B=write_at_B)
-    return unembed(dparams, dcfg, fo.hidden), fo.cache.replace(lengths=cache.lengths)
+    return draft_logits(dparams, dcfg, fo.hidden), fo.cache.replace(lengths=cache.lengths)
 
 
 def static_tree_propose(tr: tree_lib.StaticTree, ctx: Context, dstate, catch_up_fn, expand_fn, *, rule: Rule):

@@ -30,12 +30,12 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
-from pdecode.decode.draft_model import _draft_init, _DraftModelDrafter, upto_mask
+from pdecode.decode.draft_model import _draft_init, _DraftModelDrafter, draft_logits, upto_mask
 from pdecode.decode.speculative import Context, Proposal
 from pdecode.decode.verify import Rule, Verified, rule_for
 from pdecode.model import attention
 from pdecode.model import cache as kvc
-from pdecode.model.transformer import forward, unembed
+from pdecode.model.transformer import forward
 
 
 @struct.dataclass
@@ -89,7 +89,7 @@ class PearlDrafter(_DraftModelDrafter):
         valid = pos < end[:, None]
         mask = common.step_mask(self.dcfg, st.cache, attention.causal_intra(width), pos, valid)
         fo = forward(dparams, self.dcfg, tok, pos, mask, cache=st.cache)
-        lg = unembed(dparams, self.dcfg, common.gather_rows(fo.hidden, jnp.clip(end - 1 - start, 0, width - 1)))
+        lg = draft_logits(dparams, self.dcfg, common.gather_rows(fo.hidden, jnp.clip(end - 1 - start, 0, width - 1)))
         first = sampling.sample(key, lg, samp, warp)
         q = None if samp.greedy else sampling.probs(lg, samp, warp)
         return kvc.set_lengths(fo.cache, ctx.seq_len), first, q, end
@@ -105,7 +105,7 @@ class PearlDrafter(_DraftModelDrafter):
             p_i = end + i  # position and slot of the token fed now (first, then ahead[i - 1])
             m = upto_mask(self.dcfg, p_i + 1, max_len, p_i)
             o = forward(dparams, self.dcfg, prev[:, None], p_i[:, None], m, cache=cch, write_at_B=p_i)
-            lg = unembed(dparams, self.dcfg, o.hidden[:, 0])
+            lg = draft_logits(dparams, self.dcfg, o.hidden[:, 0])
             nxt = sampling.sample(sampling.fold_in(key, i), lg, samp, warp)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], i, axis=1)
             if not samp.greedy:
