@@ -974,6 +974,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="code-target", help="zoo name or model directory (default: code-target)")
     ap.add_argument("--method", default="ar", help="ar or a draft-and-verify method (sd, lookup, eagle, ...)")
     ap.add_argument("--draft", default=None, help="draft model for sd / tree")
+    ap.add_argument("--heads", default=None, help="drafting heads to attach to --model (a heads directory or zoo "
+                    "name trained for it, e.g. smollm2-135m-instruct-eagle3) for eagle / medusa / mtp / layerskip")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default: 8)")
@@ -1039,6 +1041,20 @@ def speculation_mode(given: str | None, multi: bool, spec_cost: float | None) ->
     return given
 
 
+def served_models(args, mesh=None):
+    """(model, draft or None) the server decodes with: ``--model`` (with ``--heads`` attached) and ``--draft``."""
+    import pdecode
+
+    def load(name, indivisible="error"):
+        return pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype, mesh=mesh,
+                            indivisible=indivisible)
+
+    model = load(args.model)
+    if args.heads:
+        model = pdecode.attach_heads(model, args.heads)
+    return model, load(args.draft, "replicate") if args.draft else None
+
+
 def run_from_args(args) -> int:
     import pdecode
     from infer.cli import parse_options
@@ -1067,12 +1083,7 @@ def run_from_args(args) -> int:
         mesh = _parse_mesh(args.mesh) if args.mesh else make_mesh(jax.process_count(), jax.local_device_count())
         pdecode.distributed.check_mesh(mesh)
 
-    def load(name, indivisible="error"):
-        return pdecode.load(name, dtype=args.dtype, activation_dtype=args.activation_dtype, mesh=mesh,
-                            indivisible=indivisible)
-
-    model = load(args.model)
-    draft = load(args.draft, "replicate") if args.draft else None
+    model, draft = served_models(args, mesh)
     speculation = speculation_mode(args.speculation, multi, args.spec_cost)
     if multi and args.warmup == "background":
         raise InputError(WARMUP_MULTI)

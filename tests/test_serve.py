@@ -631,3 +631,18 @@ def test_unexpected_error_is_a_json_500_with_a_traceback_in_the_log(caplog):
     tracebacks = [r for r in recs if r.exc_info and "POST /v1/completions" in r.getMessage()]
     assert len(tracebacks) == 2 and "Traceback" in caplog.text and "RuntimeError: the engine failed" in caplog.text
     assert any(r.getMessage().startswith("POST /v1/completions 500 ") for r in recs)
+
+
+def test_heads_attach_by_name():
+    """`pdecode serve --model M --heads NAME --method eagle`: the heads trained for M, attached by name."""
+    import argparse
+
+    from infer.serve import add_arguments, served_models
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    model, draft = served_models(ap.parse_args(["--model", "code-target", "--heads", "code-target-eagle",
+                                                "--method", "eagle", "--dtype", "float32"]))
+    assert "eagle" in model.extras and draft is None and model.cfg.num_layers == pdecode.load("code-target").cfg.num_layers
+    with pytest.raises(pdecode.CheckpointError, match="no model 'no-such-heads'"):
+        served_models(ap.parse_args(["--model", "code-target", "--heads", "no-such-heads"]))
