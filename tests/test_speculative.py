@@ -535,7 +535,7 @@ def _with_vocab(draft, ids):
     return dataclasses.replace(draft, extras={**draft.extras, "draft_vocab": np.asarray(ids, np.int32)}, _sharded={})
 
 
-@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=4)), ("tree", dict(tree="binary-14")),
+@pytest.mark.parametrize("method,opts", [("sd", dict(gamma=4)),
                                          ("tree", dict(tree="dynamic", tree_top_k=3, depth=4, total_tokens=12))])
 def test_reduced_draft_vocabulary(models, method, opts):
     """A draft that ships a reduced vocabulary proposes only its tokens; greedy output stays AR's. The target as its
@@ -546,17 +546,15 @@ def test_reduced_draft_vocabulary(models, method, opts):
     v = t.cfg.vocab_size
     keep = _with_vocab(t, sorted(set(emitted) | set(range(0, v, 7))))
     drop = _with_vocab(t, [x for x in range(v) if x not in set(emitted)])
-    full = pdecode.generate(t, PROMPTS, method=method, draft=t, max_new_tokens=24, stop_at_eos=False, **opts)
-    for draft, tpf in ((keep, "high"), (drop, "one")):
-        out = pdecode.generate(t, PROMPTS, method=method, draft=draft, max_new_tokens=24, stop_at_eos=False, **opts)
-        assert out.tokens == ref.tokens
-        if tpf == "high":
-            assert out.stats["tokens_per_forward"] == pytest.approx(full.stats["tokens_per_forward"], abs=1e-6)
-        else:
-            assert out.stats["tokens_per_forward"] == 1.0 and out.stats["draft_forwards"] > 0
-    off = pdecode.generate(t, PROMPTS, method=method, draft=drop, max_new_tokens=24, stop_at_eos=False,
-                           draft_vocab=False, **opts)
-    assert off.tokens == ref.tokens and off.stats["tokens_per_forward"] > 1.2  # the vocabulary switched off
+    run = dict(method=method, max_new_tokens=24, stop_at_eos=False, **opts)
+    off = pdecode.generate(t, PROMPTS, draft=drop, draft_vocab=False, **run)  # the vocabulary switched off
+    assert off.tokens == ref.tokens and off.stats["tokens_per_forward"] > 1.2
+    out = pdecode.generate(t, PROMPTS, draft=keep, **run)
+    assert out.tokens == ref.tokens
+    assert out.stats["tokens_per_forward"] == pytest.approx(off.stats["tokens_per_forward"], abs=1e-6)
+    out = pdecode.generate(t, PROMPTS, draft=drop, **run)
+    assert out.tokens == ref.tokens
+    assert out.stats["tokens_per_forward"] == 1.0 and out.stats["draft_forwards"] > 0
 
 
 def test_draft_vocabulary_errors_and_round_trip(models, tmp_path):
