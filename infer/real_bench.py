@@ -347,6 +347,7 @@ class PdecodeRow:
         s = out.stats
         return {"tokens": out.tokens, "wall_s": s["wall_s"], "compile_s": s["compile_s"],
                 "new_tokens": s["new_tokens"], "row_forwards": s["row_forwards"],
+                **({"accepted_histogram": s["accepted_histogram"]} if s.get("accepted_histogram") else {}),
                 **{k: s[k] for k in SIZED if k in s}}
 
 
@@ -475,7 +476,7 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
         shift = rep % len(runners)
         for j in list(range(shift, len(runners))) + list(range(shift)):
             r, a = runners[j], acc[j]
-            wall, toks, fw, comp, outs = 0.0, 0, 0, 0.0, []
+            wall, toks, fw, comp, outs, hist = 0.0, 0, 0, 0.0, [], []
             t_start = last = time.perf_counter()
             for gi, g in enumerate(groups):
                 res = r.run(g, new_tokens)
@@ -484,6 +485,8 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
                 comp += res["compile_s"]
                 fw = None if fw is None or res["row_forwards"] is None else fw + res["row_forwards"]
                 outs.extend(res["tokens"])
+                h = res.get("accepted_histogram") or []  # verify steps by tokens accepted, summed over batches
+                hist = [x + y for x, y in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
                 if time.perf_counter() - last > 60:
                     last = time.perf_counter()
                     log(f"      {r.label}: {gi + 1}/{len(groups)} batches, {toks} tokens, "
@@ -491,7 +494,7 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
             a["walls"].append(wall)
             if rep == 0:
                 a.update(tokens=outs, new_tokens=toks, row_forwards=fw, compile_s=warm[j] + comp,
-                         **{k: res[k] for k in SIZED if k in res})
+                         **({"accepted_histogram": hist} if hist else {}), **{k: res[k] for k in SIZED if k in res})
             elif outs != a["tokens"]:
                 a["changed_between_rounds"] = True
             log(f"    round {rep + 1}/{repeats} {r.label}: {toks} tokens in {wall:.1f} s ({toks / max(wall, 1e-9):.1f} "
@@ -831,6 +834,11 @@ class Suite:
                 row.update({what: a[what], f"{what}_note": a.get(f"{what}_note")})
                 if a.get(f"{what}_note"):
                     self.res.note(f"{set_name} {dt} batch {b} {r.label}: {a[f'{what}_note']}", self.log)
+        if a.get("accepted_histogram"):  # acceptance by depth: P(depth d accepted | depth d-1 was)
+            from pdecode.decode.speculative import acceptance_stats
+
+            st = acceptance_stats({"accepted_histogram": list(a["accepted_histogram"])})
+            row.update(accepted_histogram=st["accepted_histogram"], acceptance_per_depth=st["acceptance_per_depth"])
         if a.get("changed_between_rounds"):
             row["changed_between_rounds"] = True
             self.res.note(f"{set_name} {dt} batch {b} {r.label}: outputs changed between rounds", self.log)
@@ -903,6 +911,15 @@ def to_markdown(rows: list[dict], sets: dict, notes: list[str], meta: dict) -> s
                          f"{fmt(r['tokens_per_forward'])} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['x_ar'])} | "
                          f"{r['wall_s_median']:.2f} | {ident} |" + p1)
         lines.append("")
+        acc = [r for r in rows if r["set"] == name and r.get("acceptance_per_depth")]
+        if acc:
+            lines += ["Acceptance by depth (verify steps that accepted the drafted token at depth d, over those that "
+                      "accepted depth d-1; the first round's steps):", "", "| method | verify steps | by depth |",
+                      "|---|---|---|"]
+            lines += [f"| {r['method']} | {sum(r['accepted_histogram'])} | "
+                      + " / ".join("-" if x is None else f"{x:.2f}" for x in r["acceptance_per_depth"]) + " |"
+                      for r in acc]
+            lines.append("")
     lines += ["x ar: the median over rounds of AR's wall time over the row's, AR of the same dtype and batch in the "
               "same round (peers: against float32 AR). Near-tie: the two tokens' float32 log-probs at the first "
               "divergence lie within the dtype's rounding (`pdecode.divergence`). pass@1: each completion cut at "

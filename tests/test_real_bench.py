@@ -184,6 +184,12 @@ def test_real_suite_end_to_end(tmp_path):
             assert r["identical"] + len(r.get("divergences", [])) == 2
             if key[2] == "float32":
                 assert r["identical"] == 2  # lossless: token for token AR's in float32
+            if "accepted_histogram" in r:  # acceptance by depth, from the verify steps of every batch summed
+                hist, acc = r["accepted_histogram"], r["acceptance_per_depth"]
+                assert len(acc) == len(hist) - 1 and sum(hist) > 0
+                assert acc[0] == pytest.approx(sum(hist[1:]) / sum(hist), abs=1e-4)
+        else:
+            assert "acceptance_per_depth" not in r
         if key[0] == "humaneval":
             assert 0.0 <= r["pass_at_1"] <= 1.0 and len(r["passed"]) == 2
             if r["kind"] == "pdecode" and r.get("identical") == 2:
@@ -193,6 +199,7 @@ def test_real_suite_end_to_end(tmp_path):
     md = (out / "results.md").read_text()
     assert "## HumanEval (2 problems" in md and "## ShareGPT (2 first human turns, conversations 12000-12002" in md
     assert "| lookup | bfloat16 | 2 |" in md and "pass@1" in md
+    assert any("accepted_histogram" in r for r in rows.values()) and "Acceptance by depth" in md
     assert (out / "x_ar.png").stat().st_size > 1000
     lines = (out / "completions.jsonl").read_text().splitlines()
     assert len(lines) == len(rows) * 2
