@@ -254,9 +254,11 @@ def run_suite(args) -> int:
                  "--log-level", "warning"]  # no access line per request: stderr is a pipe read only at exit
         if name in ("sd", "tree", "pearl"):
             sargs += ["--draft", args.draft or "code-draft"]
-        for kv in filter(None, optstr.split(",")):  # method options; speculation= / spec_cost=: server flags
+        # method options; speculation= / spec_cost= / heads= (heads attached to --model by name): server flags
+        for kv in filter(None, optstr.split(",")):
             key, _, val = kv.partition("=")
-            sargs += [f"--{key.replace('_', '-')}", val] if key in ("speculation", "spec_cost") else ["-o", kv]
+            sargs += [f"--{key.replace('_', '-')}", val] if key in ("speculation", "spec_cost", "heads") else \
+                ["-o", kv]
         print(f"[serve bench] {method}: starting the server ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         srv = Server(sargs)
