@@ -128,13 +128,12 @@ def parse_method(spec: str) -> tuple[str, dict]:
     if "@" in rest and "@" not in name:
         rest, _, model = rest.rpartition("@")
         name = f"{name}@{model}"
+    from infer.cli import _parse_value  # as -o key=value: JSON, else a Python literal (False, None), else the string
+
     opts = {}
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
-        try:
-            opts[k] = json.loads(v)
-        except json.JSONDecodeError:
-            opts[k] = v
+        opts[k] = _parse_value(v)
     return name, opts
 
 

@@ -28,6 +28,7 @@ def test_parse_method():
     assert parse_method("sd:gamma=4,adaptive=true") == ("sd", {"gamma": 4, "adaptive": True})
     assert parse_method("tree:tree=binary-14") == ("tree", {"tree": "binary-14"})
     assert parse_method("ar") == ("ar", {})
+    assert parse_method("sd:draft_vocab=False,gamma=2") == ("sd", {"draft_vocab": False, "gamma": 2})  # as -o
     # a per-method model, before or after the options
     assert parse_method("eagle@code-target-eagle3:depth=7") == ("eagle@code-target-eagle3", {"depth": 7})
     assert parse_method("mtp:depth=3,tree_top_k=1@m") == ("mtp@m", {"depth": 3, "tree_top_k": 1})
