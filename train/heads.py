@@ -35,7 +35,7 @@ from pdecode.model import heads as H
 from pdecode.model.transformer import init_from_specs, init_params, unembed
 from train import data
 from train.loop import TrainConfig, train
-from train.objectives import causal_hidden, cross_entropy, eagle_loss, exit_loss, medusa_loss, mtp_loss
+from train.objectives import causal_hidden, eagle_loss, exit_loss, medusa_loss, mtp_loss
 from train.zoo import RECIPES as LM_RECIPES
 from train.zoo import ensure_tokenizer, make_eval, token_streams
 
