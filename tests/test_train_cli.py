@@ -171,6 +171,28 @@ def test_train_draft_sharing_the_bases_embedding(base_dir, tmp_path, capsys):
     assert rc == 2 and "--share-embedding keeps the base's embedding" in capsys.readouterr().err
 
 
+def test_train_draft_sharing_an_untied_bases_embedding_and_head(base_dir, tmp_path):
+    """An untied base: --share-embedding shares its LM head too (neither is stored) and the draft still decodes."""
+    base = pdecode.load(base_dir)
+    untied = tmp_path / "untied"
+    p = {**base.params, "lm_head": base.params["embed"].T}
+    pdecode.save_hf(pdecode.Model(cfg=base.cfg.replace(tie_word_embeddings=False), params=p, tokenizer=base.tokenizer,
+                                  path=Path(base_dir)), untied)
+    out = tmp_path / "draft-untied"
+    cli.main(["train", "draft", "--base", str(untied), "--data", *DATA, "--out", str(out), "--steps", "1",
+              "--seq-len", "64", "--batch-size", "4", "--from-base-layers", "auto", "--layers", "2",
+              "--share-embedding", "--work", str(tmp_path / "work")])
+    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir
+
+    stored = read_checkpoint_dir(out, {})
+    assert not {"model.embed_tokens.weight", "lm_head.weight"} & set(stored)
+    assert json.loads((out / "train_info.json").read_text())["shared_with_base"] == ["embed", "lm_head"]
+    d, b = pdecode.load(out), pdecode.load(untied)
+    assert np.array_equal(np.asarray(d.params["lm_head"], np.float32),
+                          np.asarray(jax.numpy.asarray(b.params["lm_head"], d.params["lm_head"].dtype), np.float32))
+    assert pdecode.generate(b, PROMPTS, method="sd", draft=d, max_new_tokens=12).tokens == _ar(b)
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["heads", "--base", "code-target", "--data", "x"], "--base needs --out and --kind"),
     (["heads", "--base", "code-target", "--kind", "mtp", "--data", "x", "--out", "o", "--fsdp"], "--fsdp needs --mesh"),

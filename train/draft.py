@@ -137,7 +137,7 @@ def train_draft(base: str, data_paths: list, out: Path, work: Path, steps: int =
                                             temperature=data.SELF_DISTILL_TEMPERATURE, seed=seed)
     shared = None
     if share_embedding:  # the base's embedding (and head, if untied) stays frozen and is not saved with the draft
-        keys = tuple(k for k in ("embed", "head") if k in init)
+        keys = tuple(k for k in ("embed", "lm_head") if k in init)
         shared = (str(Path(base).resolve()) if Path(str(base)).exists() else str(base), keys)
         print(f"the draft shares the base's {' and '.join(keys)} (frozen, read from the base at load)",
               file=sys.stderr)
