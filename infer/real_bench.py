@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -486,7 +487,7 @@ def time_block(runners, prompts: list[Prompt], batch: int, new_tokens: int, repe
                 fw = None if fw is None or res["row_forwards"] is None else fw + res["row_forwards"]
                 outs.extend(res["tokens"])
                 h = res.get("accepted_histogram") or []  # verify steps by tokens accepted, summed over batches
-                hist = [x + y for x, y in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+                hist = [x + y for x, y in itertools.zip_longest(hist, h, fillvalue=0)]
                 if time.perf_counter() - last > 60:
                     last = time.perf_counter()
                     log(f"      {r.label}: {gi + 1}/{len(groups)} batches, {toks} tokens, "
