@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdecode.model.transformer import flops_per_token, num_params
 import numpy as np
 
 
@@ -497,7 +498,7 @@ def add_verify_cost(model, rows: list[dict], meta: dict, batches, ctx: int, labe
     big = ModelConfig(**RANDOM_150M)
     big_params = init_params(big, jax.random.PRNGKey(0))
     vc += verify_cost(big, big_params, (1, 2, 4, 8, 16, 32, 64), tuple(batches), ctx, repeats=3,
-                      label=f"random {big.num_params() / 1e6:.0f}M")
+                      label=f"random {num_params(big) / 1e6:.0f}M")
     del big_params
     meta.update(verify_cost=vc, verify_cost_ks=[1, 2, 4, 8, 16, 32, 64], verify_cost_context=ctx)
     projections(rows, [r for r in vc if r["model"] == label])
@@ -667,7 +668,7 @@ def cpu_limit(model, rows: list[dict], context: int) -> dict:
     weight matmuls timed alone at the row's batch and operand dtype (the step time if everything else were free)
     and (b) a large GEMM's throughput (the arithmetic peak)."""
     cfg = model.cfg
-    flops = cfg.flops_per_token(context)
+    flops = flops_per_token(cfg, context)
     peak = {dt: matmul_gflops(1024, 1024, 1024, dtype=dt, inner=5) for dt in ("float32", "bfloat16")}
     floors, util = {}, {}
     for r in rows:

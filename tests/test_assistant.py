@@ -11,6 +11,7 @@ import torch
 
 import pdecode
 from pdecode.errors import CheckpointError
+from pdecode.checkpoint import assistant_io
 from pdecode.model import assistant as A
 from pdecode.model import cache as kvc
 from pdecode.model.attention import cache_mask, causal_intra
@@ -91,7 +92,7 @@ def test_assistant_step_matches_transformers(pair, tmp_path, ordered):
         d = tmp_path
         tgt, ast = make_pair(d, vocab=96, ordered=True, seed=1)
     m = pdecode.load(d / "t")
-    acfg, ap = A.load(d / "a", m.cfg)
+    acfg, ap = assistant_io.load(d / "a", m.cfg)
     assert bool(acfg.num_centroids) == ordered
     for prompt in ([5, 9, 13], [5, 9, 13, 7, 21], PROMPTS[2]):
         nxt, want_lg, want_h = _ref_step(tgt, ast, prompt)

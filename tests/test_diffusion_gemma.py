@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pdecode
+from pdecode.model.family import config_from_hf
 from pdecode.errors import InputError
 from pdecode.model import block_diffusion as bd
 from pdecode.model import cache as kvc
@@ -378,7 +379,7 @@ def _dg_on(vocab: int, seed: int = 5):
                 intermediate_size=32, num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                 sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=8, global_head_dim=32,
                 num_global_key_value_heads=1, pad_token_id=0)
-    cfg = ModelConfig.from_hf({"model_type": "diffusion_gemma", "canvas_length": 8, "text_config": text})
+    cfg = config_from_hf({"model_type": "diffusion_gemma", "canvas_length": 8, "text_config": text})
     return pdecode.Model(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), std=0.3), name="tiny-dg")
 
 

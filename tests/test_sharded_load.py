@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from pdecode.model.family import config_to_hf
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,7 @@ def write_sharded_checkpoint(out: Path, cfg, shards: int = 3, seed: int = 0) -> 
         total += sum(a.nbytes for a in part.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(cfg.replace(dtype="float32").to_hf()))
+    (out / "config.json").write_text(json.dumps(config_to_hf(cfg.replace(dtype="float32"))))
     return total
 
 

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdecode.model.family import config_from_hf
+from pdecode.model.transformer import active_params, num_params
 from pdecode.checkpoint.hf import save_hf
 from pdecode.cli_args import ArgumentParser
 from pdecode.config import ModelConfig
@@ -56,7 +58,7 @@ def tiny_config(canvas: int = 32, window: int = 64, vocab: int = VOCAB, layers: 
                 num_experts=4, top_k_experts=2, moe_intermediate_size=hidden, global_head_dim=64,
                 num_global_key_value_heads=1, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 bos_token_id=0, eos_token_id=eos, pad_token_id=1)
-    return ModelConfig.from_hf({"model_type": "diffusion_gemma", "canvas_length": canvas, "text_config": text})
+    return config_from_hf({"model_type": "diffusion_gemma", "canvas_length": canvas, "text_config": text})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,7 @@ def main(argv=None):
         return {"val_loss": float(np.mean(vals))}
 
     params = init_params(cfg, jax.random.PRNGKey(tc.seed))
-    print(f"{NAME}: {cfg.num_params() / 1e6:.2f}M params ({cfg.active_params() / 1e6:.2f}M active), canvas "
+    print(f"{NAME}: {num_params(cfg) / 1e6:.2f}M params ({active_params(cfg) / 1e6:.2f}M active), canvas "
           f"{cfg.canvas_length}, {tc.steps} steps of {bs} canvases after prefixes of up to {r.prefix}", file=sys.stderr)
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc, ckpt_dir=None, eval_fn=eval_fn, desc=NAME,
@@ -167,7 +169,7 @@ def main(argv=None):
                confidence_threshold=0.005, sampler_config={"entropy_bound": 0.1})
     (args.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     command = "python -m train.block_dllm" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    info = {"name": NAME, "command": command, "params": cfg.num_params(), "active_params": cfg.active_params(),
+    info = {"name": NAME, "command": command, "params": num_params(cfg), "active_params": active_params(cfg),
             "steps": hist["last_step"], "train_minutes": round(wall / 60, 2), "evals": hist["eval"],
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc),
             "batch": bs, "prefix": r.prefix, "canvas": cfg.canvas_length, "eos_fill_weight": EOS_FILL_WEIGHT,

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdecode.model.transformer import num_params
 from pdecode.checkpoint.hf import load_hf, save_hf
 from pdecode.cli_args import ArgumentParser
 from pdecode.model.transformer import init_params
@@ -244,7 +245,7 @@ def main(argv=None):
             stages = json.loads(prev.read_text()).get("stages", []) or [json.loads(prev.read_text())]
     else:
         params = init_params(cfg, jax.random.PRNGKey(tc.seed))
-    print(f"{NAME} ({args.recipe}): {cfg.num_params() / 1e6:.2f}M params, from "
+    print(f"{NAME} ({args.recipe}): {num_params(cfg) / 1e6:.2f}M params, from "
           f"{init_dir or 'random init'}, {tc.steps} steps of {r.batch}x{r.seq}, task rows {r.sft_fraction:.0%} "
           f"(long {r.long_fraction:.0%}), attention annealed over {r.anneal_steps} steps", file=sys.stderr)
     sig = hashlib.sha1(repr((args.recipe, r, str(init_dir), len(stages))
@@ -257,7 +258,7 @@ def main(argv=None):
     save_hf(cfg.replace(dtype="bfloat16"), params, out, dtype="bfloat16", tokenizer_dir=zoo / "code-target",
             compress=True)
     command = "python -m train.dllm" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    info = {"name": NAME, "recipe": args.recipe, "command": command, "params": cfg.num_params(),
+    info = {"name": NAME, "recipe": args.recipe, "command": command, "params": num_params(cfg),
             "init_from": str(init_dir) if init_dir else None, "steps": hist["last_step"],
             "stopped_early": hist["stopped_early"], "train_minutes_this_run": round(wall / 60, 2),
             "tokens_seen": int(hist["last_step"] * r.batch * r.seq), "evals": hist["eval"],

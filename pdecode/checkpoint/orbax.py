@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 
+from pdecode.model.family import config_to_hf, load_config
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
 from pdecode.model.transformer import abstract_params, param_specs
@@ -35,7 +36,7 @@ def _save_args(cfg: ModelConfig, params):
     run restores only the chunks its devices' slices cover, not each whole array."""
     import orbax.checkpoint as ocp
 
-    from pdecode.model.transformer import is_spec
+    from pdecode.model.spec import is_spec
 
     specs = {jax.tree_util.keystr(k): s
              for k, s in jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]}
@@ -62,7 +63,7 @@ def save(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Pat
         ckptr.wait_until_finished()
     stored = str(jax.tree.leaves(params)[0].dtype)  # what dtype="auto" restores
     cfg = cfg.replace(dtype=stored) if stored in ("float32", "bfloat16", "float16") else cfg
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
     from pdecode.checkpoint.hf import copy_tokenizer
 
     copy_tokenizer(tokenizer_dir, out, ("tokenizer.json", "tokenizer_config.json"))
@@ -78,7 +79,7 @@ def restore(path: str | Path, dtype=None, mesh=None, indivisible: str = "error")
     path = Path(path).resolve()
     if not is_orbax_dir(path):
         raise CheckpointError(f"{path} is not a pdecode orbax directory (needs config.json and params/)")
-    cfg = ModelConfig.load(path)
+    cfg = load_config(path)
     abstract = abstract_params(cfg, dtype or jnp.dtype(cfg.dtype))
     if mesh is not None:
         from pdecode.sharding import param_shardings

@@ -16,11 +16,9 @@ transformers' ``Gemma4AssistantForCausalLM`` is the reference (tests/test_assist
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
@@ -81,18 +79,6 @@ def check_pair(acfg: AssistantConfig, tcfg: ModelConfig, source: str = "assistan
         raise CheckpointError(f"{source} does not fit this target: " + "; ".join(problems))
 
 
-def is_assistant_dir(path: Path) -> bool:
-    import json
-
-    f = Path(path) / "config.json"
-    if not f.exists():
-        return False
-    try:
-        return json.loads(f.read_text()).get("model_type") == "gemma4_assistant"
-    except ValueError:
-        return False
-
-
 def config_from_hf(hf: dict) -> AssistantConfig:
     text = dict(hf.get("text_config") or {})
     if not text:
@@ -103,8 +89,10 @@ def config_from_hf(hf: dict) -> AssistantConfig:
     if text.get("enable_moe_block"):
         raise CheckpointError("gemma4_assistant: text_config.enable_moe_block true is not supported")
     # its layers attend with the target's keys and values: as a network of its own, no layer shares another's
-    cfg = ModelConfig.from_hf({**text, "model_type": "gemma4_text", "num_kv_shared_layers": 0,
-                               "hidden_size_per_layer_input": 0, "use_double_wide_mlp": False})
+    from pdecode.model.family import config_from_hf as text_config
+
+    cfg = text_config({**text, "model_type": "gemma4_text", "num_kv_shared_layers": 0,
+                       "hidden_size_per_layer_input": 0, "use_double_wide_mlp": False})
     ordered = bool(hf.get("use_ordered_embeddings", False))
     return AssistantConfig(cfg=cfg, backbone_hidden_size=int(hf.get("backbone_hidden_size", cfg.hidden_size)),
                            num_centroids=int(hf.get("num_centroids", 2048)) if ordered else 0,
@@ -112,8 +100,8 @@ def config_from_hf(hf: dict) -> AssistantConfig:
 
 
 def rules(acfg: AssistantConfig, tensors) -> list:
-    from pdecode.checkpoint.hf import Rule
     from pdecode.model.families.gemma4 import GEMMA4
+    from pdecode.model.rules import Rule
 
     c = acfg.cfg
     out = [Rule("pre_projection.weight", "pre_proj", "linear"), Rule("post_projection.weight", "post_proj", "linear"),
@@ -125,33 +113,6 @@ def rules(acfg: AssistantConfig, tensors) -> list:
     if acfg.num_centroids:
         out.append(Rule("masked_embedding.centroids.weight", "centroids", "linear"))
     return out
-
-
-def load(path: str | Path, tcfg: ModelConfig, dtype=np.float32) -> tuple[AssistantConfig, dict]:
-    """(AssistantConfig, numpy params) of a ``gemma4_assistant`` directory, checked against its target."""
-    import json
-
-    from pdecode.checkpoint.hf import tensors_to_params
-    from pdecode.checkpoint.safetensors_io import read_checkpoint_dir
-
-    path = Path(path)
-    acfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    check_pair(acfg, tcfg, str(path))
-    tensors = read_checkpoint_dir(path)
-    specs = acfg.specs(tcfg)
-    params = tensors_to_params(tensors, {k: v for k, v in specs.items() if k != "token_ordering"},
-                               rules(acfg, tensors), acfg.cfg.num_layers, dtype, source=str(path))
-    if acfg.num_centroids:
-        name = "masked_embedding.token_ordering"
-        if name not in tensors:
-            raise CheckpointError(f"{path}: use_ordered_embeddings needs the tensor {name!r}")
-        order = np.asarray(tensors[name]).astype(np.int32)
-        if sorted(order.tolist()) != list(range(acfg.cfg.vocab_size)) or \
-                acfg.cfg.vocab_size % acfg.num_centroids:
-            raise CheckpointError(f"{path}: {name} is not a permutation of the vocabulary in {acfg.num_centroids} "
-                                  "equal clusters")
-        params["token_ordering"] = order
-    return acfg, params
 
 
 # ------------------------------------------------------------------------------------------------ forward

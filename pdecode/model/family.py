@@ -10,7 +10,8 @@ architecture-specific about its networks:
 * its forward pieces: `embed_scale`, `norm` (the final norm and any norm inside its block) and `block` (one
   decoder block over the residual stream: attention through `pdecode.model.transformer.self_attention`, which
   applies the layer's own attention kind, window and rope, and the family's MLP);
-* its HF tensor names, both ways (`hf_rules`, `pdecode.checkpoint.hf.Rule`).
+* its HF tensor names, both ways (`hf_rules`, `pdecode.model.rules.Rule`; `pdecode.checkpoint.hf` reads and
+  writes them).
 
 Everything else (the KV cache, masks, the decode loops, drafters, training) is shared and never reads a family's
 fields: a method that runs on one family runs on all. Families register under every HF ``model_type`` they read
@@ -21,9 +22,15 @@ fields: a method that runs on one family runs on all. Families register under ev
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any
 
+from pdecode.config import ModelConfig
 from pdecode.errors import ConfigError
+from pdecode.model.layers.norms import rms_norm
+from pdecode.model.layers.rope import rope_from_hf
+from pdecode.model.rules import Rule, named_rules
 
 FAMILIES: dict[str, "Family"] = {}  # HF model_type -> family
 _LOADED = False
@@ -77,8 +84,6 @@ class Family:
         return None
 
     def norm(self, cfg, x, w):
-        from pdecode.model.transformer import rms_norm
-
         return rms_norm(x, w, cfg.rms_norm_eps)
 
     def block(self, cfg, lp: dict, x, att, cache, layer_idx, write_at, fused: bool):
@@ -93,8 +98,6 @@ class Family:
 
     def hf_rules(self, cfg, prefix: str = "model.") -> list:
         """The whole checkpoint's rules: embedding, `block_names` under "model.layers.{i}.", final norm, lm_head."""
-        from pdecode.checkpoint.hf import named_rules
-
         return named_rules(cfg, self.block_names(cfg), prefix)
 
     def tensor_aliases(self, names) -> dict[str, str]:
@@ -104,8 +107,6 @@ class Family:
 
     def head_block_rules(self, cfg, prefix: str) -> list:
         """The rules of one block under ``prefix`` (e.g. "model.layers.{i}."): drafter heads saved with it."""
-        from pdecode.checkpoint.hf import Rule
-
         return [Rule(prefix + hf, "layers/" + ours, *rest) for hf, ours, *rest in self.block_names(cfg)]
 
 
@@ -121,8 +122,6 @@ class LayerwiseFamily(Family):
         return self.layer_names(cfg, cfg.num_layers - 1)
 
     def hf_rules(self, cfg, prefix: str = "model."):
-        from pdecode.checkpoint.hf import Rule
-
         rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain")]
         for i in range(cfg.num_layers):
             rules += [Rule(f"{prefix}layers.{i}.{hf}", f"layers/{i}/{ours}", lay)
@@ -133,8 +132,6 @@ class LayerwiseFamily(Family):
         return rules
 
     def head_block_rules(self, cfg, prefix):
-        from pdecode.checkpoint.hf import Rule
-
         return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
                 for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
 
@@ -165,9 +162,124 @@ def family_for_model_type(model_type: str | None) -> Family:
 
 
 def family_of(cfg) -> Family:
-    return family_for_model_type(cfg.family)
+    """The family of a config (`ModelConfig.family`), or a ConfigError listing the known ones."""
+    _load_builtin()
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"unknown family {cfg.family!r}; expected one of {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[cfg.family]
 
 
 def supported() -> list[str]:
     _load_builtin()
     return sorted(FAMILIES)
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Build from a Hugging Face config.json dictionary (LLaDA and Dream configs included)."""
+    model_type = hf.get("model_type")
+    if model_type == "llada":
+        return _from_llada(hf)
+    if model_type in ("Dream", "dream"):
+        # Dream: a Qwen2 network run bidirectionally, logits shifted by one
+        base = config_from_hf({**hf, "model_type": "qwen2"})
+        return base.replace(causal=False, diffusion_shift=True, layout="hf")
+    fam = family_for_model_type(model_type)
+    hf = fam.unwrap(model_type, hf)
+    try:
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        cfg_kw: dict[str, Any] = dict(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf.get("intermediate_size") or 0) or int(hf["moe_intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+        )
+    except KeyError as e:
+        raise ConfigError(f"{model_type}: config.json lacks the required field {e.args[0]!r}") from None
+    cfg_kw["num_kv_heads"] = int(hf.get("num_key_value_heads") or heads)
+    cfg_kw["head_dim"] = int(hf.get("head_dim") or hidden // heads)
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    cfg_kw.update(
+        family=fam.name_for(model_type),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=hf.get("pad_token_id"),
+        mask_token_id=hf.get("mask_token_id"),
+        causal=bool(hf.get("pdecode_causal", True)),
+        diffusion_shift=bool(hf.get("pdecode_diffusion_shift", False)),
+        dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+    )
+    if not fam.own_rope:
+        theta, scaling = rope_from_hf(model_type, hf)
+        cfg_kw.update(rope_theta=theta, rope_scaling=scaling)
+    fam.config_from_hf(model_type, hf, cfg_kw)
+    return ModelConfig(**cfg_kw)
+
+def _from_llada(hf: dict[str, Any]) -> ModelConfig:
+    try:
+        d, heads, layers = int(hf["d_model"]), int(hf["n_heads"]), int(hf["n_layers"])
+        ff = int(hf.get("mlp_hidden_size") or int(hf["mlp_ratio"]) * d)
+    except KeyError as e:
+        raise ConfigError(f"LLaDA config.json lacks the field {e.args[0]!r}") from None
+    vocab = int(hf.get("embedding_size") or hf["vocab_size"])
+    eos = hf.get("eos_token_id")
+    return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=layers, num_heads=heads,
+               num_kv_heads=int(hf.get("n_kv_heads") or heads), head_dim=d // heads, family="llama",
+               max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
+               rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+               tie_word_embeddings=bool(hf.get("weight_tying", False)), causal=False,
+               eos_token_ids=(int(eos),) if eos is not None else (), pad_token_id=hf.get("pad_token_id"),
+               mask_token_id=hf.get("mask_token_id", 126336), layout="llada",
+               dtype=str(hf.get("torch_dtype") or "float32"))
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A config.json dictionary that `transformers` loads (AutoConfig / AutoModelForCausalLM)."""
+    out: dict[str, Any] = {
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling_dict,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "torch_dtype": cfg.dtype,
+    }
+    family_of(cfg).config_to_hf(cfg, out)
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        out["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    if cfg.mask_token_id is not None:
+        out["mask_token_id"] = cfg.mask_token_id
+    if not cfg.causal:  # a masked-diffusion model: transformers would run it causally, pdecode does not
+        out["pdecode_causal"] = False
+        out["pdecode_diffusion_shift"] = cfg.diffusion_shift
+    return out
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The config of a model directory (its config.json) or of a config.json file."""
+    path = Path(path)
+    f = path / "config.json" if path.is_dir() else path
+    if not f.exists():
+        raise ConfigError(f"no config.json at {f}")
+    try:
+        data = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+    return config_from_hf(data)

@@ -12,7 +12,6 @@ restore alike.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, NamedTuple
 
@@ -20,11 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecode.config import ModelConfig, rope_attention_factor, rope_inv_freq, rope_long
+from pdecode.config import ModelConfig
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 from pdecode.model.family import family_of
+# the shared layers, importable from here too (the names the families and the decode loops have always used)
+from pdecode.model.layers.linear import linear
+from pdecode.model.layers.mlp import activation, glu_mlp
+from pdecode.model.layers.norms import rms_norm
+from pdecode.model.layers.rope import apply_rope, has_local_rope, rope_long, rope_table, rope_tables, rotate
+from pdecode.model.spec import ParamSpec, is_spec
 
 Params = dict[str, Any]  # the canonical layout: layers stacked on a leading axis, q/k/v and gate/up apart
 
@@ -95,13 +100,6 @@ def layout_of(params) -> Layout:
     return CANONICAL
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]  # logical axis names, one per dim
-    init: str = "normal"  # normal | ones | zeros | index (int32 zeros) | flag (bool False): buffers, not weights
-
-
 def layer_specs(cfg: ModelConfig, num_layers: int) -> dict[str, ParamSpec]:
     """Specs of a stack of ``num_layers`` blocks of the config's family (drafters built from the same block use it
     too)."""
@@ -158,10 +156,6 @@ def count_params(cfg: ModelConfig) -> int:
     return int(sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)))
 
 
-def is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
-
-
 def init_from_specs(specs, key: jax.Array, dtype=jnp.float32, std: float = 0.02):
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
@@ -189,50 +183,9 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> Params:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
-
-
-def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bool = False, long: bool = False
-                ) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, 1, hd/2] for the given positions (once per forward, shared by all layers of a kind; ``local``:
-    the sliding layers' rope, `ModelConfig.local_rope_theta`, unscaled; ``long``: longrope's long factors,
-    `config.rope_long`). With ``table`` (`rope_table`, built once per call by `decode_layout`) they are gathered
-    instead of computed: inside a decode loop XLA would otherwise recompute cos/sin in every layer's rotation, for
-    every element."""
-    if table is not None:
-        pos = jnp.clip(positions_BT, 0, table[0].shape[0] - 1)  # padding/invalid slots may run past the end
-        return table[0][pos][:, :, None, :], table[1][pos][:, :, None, :]
-    inv = rope_inv_freq(cfg, cfg.local_rope_theta, scaled=False) if local else rope_inv_freq(cfg, long=long)
-    ang = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    f = 1.0 if local else rope_attention_factor(cfg)
-    return (cos, sin) if f == 1.0 else (cos * f, sin * f)
-
-
-ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
-
-
-def rope_table(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, jax.Array] | None:
-    """cos, sin [max_position_embeddings, hd/2] (`rope_tables` at every position), or None when the context is too
-    long for a table to be worth its memory."""
-    if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
-        return None
-    cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None], local=local,
-                           long=long)
-    return cos[0, :, 0], sin[0, :, 0]
-
-
 def key_length(mask) -> int:
     """The number of key slots a mask covers (static): a plain pass's T, a cached pass's cache length."""
     return (mask.mask if isinstance(mask, CausalSelfMask) else mask).shape[-1]
-
-
-def has_local_rope(cfg: ModelConfig) -> bool:
-    """Whether the sliding layers rotate with a rope of their own (Gemma 3)."""
-    return cfg.local_rope_theta is not None and "sliding" in cfg.layer_kinds()
 
 
 def window_mask(mask, positions_BT: jax.Array, window: int):
@@ -297,24 +250,6 @@ def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=No
     return Attention(rope, mask_BTS, rope_l, mask_l, kinds, extra)
 
 
-def apply_rope(x_BTHD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary embedding, half-split layout (as Llama/Qwen checkpoints in HF format expect)."""
-    cos, sin = rope
-    xf = x_BTHD.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTHD.dtype)
-
-
-def rotate(cfg: ModelConfig, x_BTHD: jax.Array, rope) -> jax.Array:
-    """`apply_rope` over the whole head, or only its first ``cfg.rotary_dims`` (GLM's partial rotary; the rest
-    passes through)."""
-    r = cfg.rotary_dims
-    if not r or r == x_BTHD.shape[-1]:
-        return apply_rope(x_BTHD, rope)
-    return jnp.concatenate([apply_rope(x_BTHD[..., :r], rope), x_BTHD[..., r:]], axis=-1)
-
-
 def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
     x = jnp.take(params["embed"], tokens_BT, axis=0)
     if cfg is not None:
@@ -324,17 +259,6 @@ def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) 
         if cfg.activation_dtype is not None:
             x = x.astype(cfg.activation_dtype)
     return x
-
-
-def linear(x: jax.Array, w: jax.Array, spec: str | None = None) -> jax.Array:
-    """``x @ w`` (or ``einsum(spec, x, w)``) in the activations' dtype. Weights narrower than the activations
-    (bfloat16 weights, float32 activations) run as a matmul of the weights' dtype accumulating in the activations'
-    dtype, so the loop never upcasts a weight matrix (half the bytes read per decode step)."""
-    pet = None
-    if w.dtype != x.dtype:
-        x, pet = x.astype(w.dtype), jnp.result_type(x)
-    return jnp.matmul(x, w, preferred_element_type=pet) if spec is None else \
-        jnp.einsum(spec, x, w, preferred_element_type=pet)
 
 
 def unembed(params: Params, cfg: ModelConfig, h_BTD: jax.Array) -> jax.Array:
@@ -411,22 +335,6 @@ def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, c
     if "bo" in lp:
         out = out + lp["bo"]
     return out, cache
-
-
-def glu_mlp(cfg: ModelConfig, lp: Params, h: jax.Array, fused: bool) -> jax.Array:
-    """The gated MLP (gate/up/down, the config's activation); ``fused``: lp holds w_gu [D, 2F]."""
-    if fused:
-        g, u = jnp.split(linear(h, lp["w_gu"]), 2, axis=-1)
-    else:
-        g = linear(h, lp["w_gate"], "btd,df->btf")
-        u = linear(h, lp["w_up"], "btd,df->btf")
-    return linear(activation(cfg, g) * u, lp["w_down"])
-
-
-def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    if cfg.hidden_act == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
 
 
 def llama_block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
@@ -636,3 +544,28 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
 
 def cast_params(params: Params, dtype) -> Params:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+def num_params(cfg: ModelConfig) -> int:
+    """Parameters of the network (every expert counted)."""
+    return count_params(cfg)
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token runs through (a mixture of experts: k of E experts)."""
+    if not cfg.num_experts:
+        return num_params(cfg)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    sparse = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+    return num_params(cfg) - sparse * (cfg.num_experts - cfg.experts_per_tok) * per_expert
+
+
+def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
+    """Forward FLOPs for one token attending to ``context`` earlier tokens (2 per multiply-add)."""
+    matmul = active_params(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    # scores and the weighted sum per key: q.k over the key's size, p.v over the value's (latent attention in
+    # its absorbed form reads the latent for both)
+    per_key = (2 * cfg.kv_lora_rank + cfg.head_dim) if cfg.kv_lora_rank else 2 * cfg.head_dim
+    attn = cfg.num_layers * cfg.num_heads * per_key * max(context, 1)
+    return 2.0 * (matmul + attn)

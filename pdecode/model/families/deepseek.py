@@ -312,7 +312,7 @@ class Glm4Moe(DeepseekV3):
     own_rope = True  # partial_rotary_factor read here (rope_from_hf refuses it)
 
     def config_from_hf(self, model_type, hf, kw):
-        from pdecode.config import rope_from_hf
+        from pdecode.model.layers.rope import rope_from_hf
 
         check_act(model_type, hf)
         rp = dict(hf.get("rope_parameters") or {})
@@ -350,7 +350,7 @@ class Glm4Moe(DeepseekV3):
         return self_attention(cfg, lp, h, att, cache, i, write_at)
 
     def layer_names(self, cfg, i: int) -> list[tuple]:
-        from pdecode.checkpoint.hf import attention_names
+        from pdecode.model.rules import attention_names
 
         names = [n for n in super().layer_names(cfg, i) if not n[0].startswith("self_attn.")]
         return names + attention_names(cfg)

@@ -92,7 +92,7 @@ class DiffusionGemma(Gemma4):
 
     # -------------------------------------------------------------------------------- checkpoints
     def hf_rules(self, cfg, prefix=None):
-        from pdecode.checkpoint.hf import Rule
+        from pdecode.model.rules import Rule
 
         rules = [Rule(DEC + "embed_tokens.weight", "embed", "plain")]
         for i in range(cfg.num_layers):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdecode.config import rope_from_hf
+from pdecode.model.layers.rope import rope_from_hf
 from pdecode.errors import ConfigError
 from pdecode.model.family import Family, register
 from pdecode.model.families.llama import check_act, sliding_from_hf, sliding_to_hf
@@ -118,7 +118,7 @@ class Gemma(Family):
         return x + m, cache
 
     def block_names(self, cfg):
-        from pdecode.checkpoint.hf import attention_names
+        from pdecode.model.rules import attention_names
 
         names = [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
                  ("mlp.gate_proj.weight", "w_gate", "linear"), ("mlp.up_proj.weight", "w_up", "linear"),

@@ -349,7 +349,7 @@ class Gemma4(LayerwiseFamily):
         return self.layer_names(cfg, 0)
 
     def hf_rules(self, cfg, prefix: str | None = None):
-        from pdecode.checkpoint.hf import Rule
+        from pdecode.model.rules import Rule
 
         p = prefix or ("model.language_model." if cfg.family == "gemma4" else "model.")
         rules = super().hf_rules(cfg, p)

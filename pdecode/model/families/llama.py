@@ -95,7 +95,7 @@ class Llama(Family):
         return llama_block(cfg, lp, x, att, cache, layer_idx, write_at, fused)
 
     def block_names(self, cfg):
-        from pdecode.checkpoint.hf import llama_block_names
+        from pdecode.model.rules import llama_block_names
 
         return llama_block_names(cfg)
 

@@ -194,7 +194,7 @@ class MoE(Family):
 
     def layer_specs(self, cfg, num_layers):
         """A stacked dict when every layer is sparse, else a `DecodeLayers` tuple of each layer's own specs."""
-        from pdecode.model.families.deepseek import dataclass_drop_layers
+        from pdecode.model.spec import drop_layers as dataclass_drop_layers
         from pdecode.model.transformer import DecodeLayers, llama_layer_specs
 
         c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
@@ -247,12 +247,12 @@ class MoE(Family):
 
     def layer_names(self, cfg, i: int) -> list[tuple]:
         """Layer ``i``'s tensors: the sparse block's, or the Llama block's for a dense layer."""
-        from pdecode.checkpoint.hf import llama_block_names
+        from pdecode.model.rules import llama_block_names
 
         return self.block_names(cfg) if cfg.moe_layer(i) else llama_block_names(cfg)
 
     def block_names(self, cfg):
-        from pdecode.checkpoint.hf import attention_names
+        from pdecode.model.rules import attention_names
 
         names = [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),
                  ("post_attention_layernorm.weight", "mlp_norm", "plain")]
@@ -330,7 +330,7 @@ class GptOss(MoE):
         return s
 
     def block_names(self, cfg):
-        from pdecode.checkpoint.hf import attention_names
+        from pdecode.model.rules import attention_names
 
         m = "mlp.experts."
         return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg),

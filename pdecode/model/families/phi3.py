@@ -40,7 +40,7 @@ class Phi3(Llama):
     own_rope = True  # longrope's aliases and the top-level original context, partial_rotary_factor
 
     def config_from_hf(self, model_type, hf, kw):
-        from pdecode.config import rope_from_hf
+        from pdecode.model.layers.rope import rope_from_hf
 
         check_act(model_type, hf)
         rp = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
