@@ -317,6 +317,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     t0 = time.perf_counter()
     compiled = jax.jit(p.fn, static_argnames=tuple(static)).lower(*args, **static).compile()
     compile_s = time.perf_counter() - t0
+    hlo_chars = len(compiled.as_text())  # the optimized program's size (what compile time grows with)
     mem = _memory(compiled)
 
     def held(c, weights):
@@ -381,7 +382,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         proj[hw] = row
     return {"config": config, "method": method, "devices": devices, "mesh": f"{data}x{model_ax}", "batch": batch,
             "max_len": max_len, "dtype": str(jdt), "cache_dtype": str(cdt), "compiled": True,
-            "compile_s": compile_s, "param_bytes": stored_bytes, "kv_repeat": r, "extra_param_bytes": extra_params,
+            "compile_s": compile_s, "hlo_chars": hlo_chars, "param_bytes": stored_bytes, "kv_repeat": r,
+            "extra_param_bytes": extra_params,
             "per_device": mem, "per_device_bytes": mem["total"], "step_costs_per_device": steps,
             "step_floor_per_device": analytic,
             "tau_assumed": ZOO_TAU.get(method) or REPORTED_TAU.get(method),
@@ -491,7 +493,8 @@ def to_text(r: dict) -> str:
     m = r["per_device"]
     lines = [f"{r['config']} · {r['method']} · {r['devices']} devices (mesh data x model = {r['mesh']}) · batch "
              f"{r['batch']} · {r['max_len']} tokens · params {r['dtype']}, cache {r['cache_dtype']}",
-             f"compiled in {r['compile_s']:.1f} s; weights {gb(r['param_bytes'])} in all"
+             f"compiled in {r['compile_s']:.1f} s ({r['hlo_chars'] / 1e6:.2f}M characters of HLO); weights "
+             f"{gb(r['param_bytes'])} in all"
              + (f" + {gb(r['extra_param_bytes'])} drafter" if r["extra_param_bytes"] else "")
              + (f"; kv heads repeated x{r['kv_repeat']} to the model axis" if r.get("kv_repeat", 1) > 1 else ""),
              "", "| per device | bytes |", "|---|---|",

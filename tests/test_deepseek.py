@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdecode.model.transformer import layer_list
 import pdecode
 from tests.helpers import add_mtp_layer, make_hf_model
 
@@ -93,7 +94,7 @@ def test_latent_attention_forms_agree(ds):
     from pdecode.model.transformer import attention_for
 
     m = pdecode.load(ds[0])
-    cfg, lp = m.cfg, m.params["layers"][1]
+    cfg, lp = m.cfg, layer_list(m.params["layers"])[1]
     b, t, s = 2, 5, 16
     h = jax.random.normal(jax.random.PRNGKey(0), (b, t, cfg.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(3, 3 + t, dtype=jnp.int32), (b, t))
@@ -147,7 +148,7 @@ def test_fp8_block_quantized_checkpoint_loads_dequantized(ds, tmp_path):
                                    "weight_block_size": [blk, blk]}
     (q / "config.json").write_text(json.dumps(conf))
     mq = pdecode.load(q)
-    wkv = np.asarray(mq.params["layers"][1]["wkv_a"])
+    wkv = np.asarray(layer_list(mq.params["layers"])[1]["wkv_a"])
     np.testing.assert_allclose(wkv, deq["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].T, rtol=0, atol=1e-6)
     assert "mtp" in mq.extras
     ref = pdecode.load(d)

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import pdecode
+from pdecode.model.groups import LayerGroups
+from pdecode.model.transformer import layer_list
 from pdecode.errors import CheckpointError, ConfigError
 from pdecode.model import heads as H
 from pdecode.model.transformer import init_from_specs
@@ -76,13 +78,17 @@ def _draft_of(m):
 
     cfg = m.cfg.with_layers(1)
     params = init_from_specs(param_specs(cfg), jax.random.PRNGKey(1), std=0.05)
-    first = jax.tree.map(lambda a: a[:1], m.params["layers"]) if isinstance(m.params["layers"], dict) else \
-        m.params["layers"][:1]
     same = lambda a, b: a if a.shape == b.shape else b  # noqa: E731
-    params.update(embed=m.params["embed"], final_norm=m.params["final_norm"],
-                  layers=type(params["layers"])(
-                      [{k: same(first[0][k], v) if k in first[0] else v for k, v in params["layers"][0].items()}],
-                      False) if not isinstance(params["layers"], dict) else first)
+    first = layer_list(m.params["layers"])[0]  # the target's layer 0, its own weights
+    mine = params["layers"]
+    if isinstance(mine, dict):  # one stack
+        layers = jax.tree.map(lambda a: a[:1], m.params["layers"])
+    elif isinstance(mine, LayerGroups):  # one group of one layer, stacked [1, ...]
+        layers = LayerGroups([({k: same(first[k][None], v) if k in first else v for k, v in mine[0][0].items()},)],
+                             mine.plan)
+    else:
+        layers = type(mine)([{k: same(first[k], v) if k in first else v for k, v in mine[0].items()}], False)
+    params.update(embed=m.params["embed"], final_norm=m.params["final_norm"], layers=layers)
     return pdecode.Model(cfg=cfg, params=params, tokenizer=None)
 
 
@@ -276,11 +282,16 @@ def test_experts_sharded_over_devices_match_one_device(fam_dirs, fam):
     one = pdecode.load(d)
     mesh = make_mesh(2, 4)
     m = pdecode.load(d, mesh=mesh, indivisible="replicate")  # (the tiny vocab, 97, does not divide 4)
-    stacked = isinstance(m.params["layers"], dict)  # Gemma 4: a tuple of per-layer dicts, no layers axis
-    # (DeepSeek-V3: the last layer, the first is dense; its latent cache is whole on every device, heads split)
-    w = m.params["layers"]["we_gate"] if stacked else m.params["layers"][-1]["we_gate"]
-    w1 = one.params["layers"]["we_gate"] if stacked else one.params["layers"][-1]["we_gate"]
-    ax = 1 if stacked else 0
+    # the last layer's experts (DeepSeek-V3's first layer is dense; its latent cache is whole on every device, heads
+    # split): a stack [layers, experts, ...], a group's stack [count, experts, ...], or (Gemma 4) a per-layer dict
+    def last_experts(layers):
+        if isinstance(layers, dict):
+            return layers["we_gate"], 1
+        if isinstance(layers, LayerGroups):
+            return layers[-1][-1]["we_gate"], 1
+        return layers[-1]["we_gate"], 0
+
+    (w, ax), (w1, _) = last_experts(m.params["layers"]), last_experts(one.params["layers"])
     assert w.sharding.spec[ax] == "model"  # [(layers,) experts, embed, expert_mlp]: experts over the model axis
     shard = w.addressable_shards[0]
     assert shard.data.shape[ax] == w.shape[ax] // 4 and np.array_equal(np.asarray(shard.data), np.asarray(w1)[shard.index])

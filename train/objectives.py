@@ -59,7 +59,7 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
     and an early-exit loss through the shared final norm and LM head after every layer up to ``exit_layer`` (weights
     rising with depth, normalised), added to the last layer's next-token loss with ``exit_weight``. Trains the early
     exit that `method="layerskip"` drafts with."""
-    from pdecode.model.transformer import _block, attention_for, embed, final_norm
+    from pdecode.model.transformer import _block, attention_for, embed, final_norm, layer_list, rope_tables_of
 
     n = cfg.num_layers
     if not 1 <= exit_layer < n:
@@ -74,13 +74,13 @@ def layerskip_loss(cfg: ModelConfig, exit_layer: int, dropout_max: float = 0.1, 
         p = training_layout(params, cfg)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = padded_self_mask(jnp.full((b,), t, jnp.int32), t, causal=True)
-        att = attention_for(cfg, pos, mask, p.get("rope_tables"))
+        att = attention_for(cfg, pos, mask, rope_tables_of(p, cfg))
         drop_p = dropout_max * jnp.arange(n, dtype=jnp.float32) / max(n - 1, 1)
         keep = jax.random.uniform(rng, (n, b)) >= drop_p[:, None]
         x = embed(p, tokens, cfg)
         exit_ce = jnp.float32(0.0)
         lay = layout_of(p)  # unstacked and fused, or (a deep model) stacked: then sliced here
-        layers = p["layers"] if lay.unrolled else [{k: v[i] for k, v in p["layers"].items()} for i in range(n)]
+        layers = layer_list(p["layers"])
         for i, lp in enumerate(layers):
             y, _ = _block(cfg, lp, x, att, None, i, None, fused=lay.fused)
             x = jnp.where(keep[i][:, None, None], y, x)

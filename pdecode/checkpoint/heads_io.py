@@ -31,6 +31,7 @@ from pdecode.checkpoint.safetensors_io import (CheckpointTensors, Renamed, read_
                                               stored_path, write_safetensors)
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
+from pdecode.model.groups import LayerGroups
 from pdecode.model.heads import EagleConfig, EditConfig, ExitConfig, MedusaConfig, MTPConfig
 
 KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig, "mtp": MTPConfig, "edit": EditConfig,
@@ -73,6 +74,9 @@ def _unflatten_like(flat: dict, template):
     def build(t, prefix):
         if isinstance(t, dict):
             return {k: build(v, f"{prefix}{k}/") for k, v in t.items()}
+        if isinstance(t, LayerGroups):  # groups of stacked layers (`pdecode.model.groups`)
+            return LayerGroups([tuple(build(v, f"{prefix}{g}/{u}/") for u, v in enumerate(grp))
+                                for g, grp in enumerate(t)], t.plan)
         if hasattr(t, "fused"):  # a tuple of per-layer dicts (`transformer.DecodeLayers`: Gemma 4's blocks)
             return type(t)([build(v, f"{prefix}{i}/") for i, v in enumerate(t)], t.fused)
         if isinstance(t, (list, tuple)):

@@ -18,6 +18,7 @@ from pdecode.checkpoint.safetensors_io import shape_of, write_safetensors
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError, ConfigError
 from pdecode.model.family import family_of
+from pdecode.model.groups import LayerGroups
 from pdecode.model.rules import (  # noqa: F401  (re-exported: the names checkpoints use)
     HF_BLOCK_NAMES, LLADA_BLOCK_NAMES, Rule, attention_names, block_rules, llada_rules, llama_block_names, llama_rules,
     named_rules)
@@ -82,6 +83,9 @@ def _get(tree: dict, path: str):
 def _like(params, specs):
     """``params`` (nested dicts as `_set` builds them) shaped as ``specs``: a tuple of per-layer dicts there (layers
     of different shapes, `transformer.DecodeLayers`) becomes one here."""
+    if isinstance(specs, LayerGroups):
+        return LayerGroups([tuple(_like(params[str(g)][str(u)], sp) for u, sp in enumerate(grp))
+                            for g, grp in enumerate(specs)], specs.plan)
     if isinstance(specs, tuple):
         return type(specs)([_like(params[str(i)], sp) for i, sp in enumerate(specs)], specs.fused)
     if isinstance(specs, dict):
@@ -112,7 +116,9 @@ def _names(r: Rule, shape: tuple, index: tuple = ()) -> list:
     def names(depth: int, fixed: dict):
         if depth == len(keys):
             return r.hf.format(**fixed)
-        return [names(depth + 1, {**fixed, keys[depth]: j}) for j in range(shape[depth])[index[depth]]]
+        k = keys[depth]
+        at = r.at if k == "i" and r.at is not None else (0, 1)
+        return [names(depth + 1, {**fixed, k: at[0] + at[1] * j}) for j in range(shape[depth])[index[depth]]]
 
     return names(0, {})
 

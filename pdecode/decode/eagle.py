@@ -38,6 +38,8 @@ class FeatureState:
 class FeatureDrafter(DynamicTreeShape, Drafter):
     """Base: subclasses give ``step`` (one drafter pass) and ``target_feature``; trees are grown EAGLE-2 style."""
 
+    modules = False  # its params are a list of modules under "modules" (MTP), else one drafter's (EAGLE)
+
     cfg: ModelConfig
 
     def block_cfg(self) -> ModelConfig:
@@ -54,13 +56,13 @@ class FeatureDrafter(DynamicTreeShape, Drafter):
         def unstack(mod):
             return {**mod, "layers": unstack_layers(mod["layers"], self.block_cfg(), mesh is None)}
 
-        return {**dparams, "modules": [unstack(m) for m in dparams["modules"]]} if "modules" in dparams \
+        return {**dparams, "modules": [unstack(m) for m in dparams["modules"]]} if self.modules \
             else unstack(dparams)
 
     def init(self, dparams, tparams, prompt_BP, plen_B, pre, max_len, cache_dtype=jnp.float32, shared_prefix: int = 0):
         b, p = prompt_BP.shape
         feats = self.target_feature(dparams, pre.hidden, pre.layer_hidden)  # [B, P, D]
-        mods = dparams["modules"] if "modules" in dparams else [dparams]
+        mods = dparams["modules"] if self.modules else [dparams]
         # (the cache's layout follows the layers'; the prompt's pairs attend over their own slots, grown after)
         size = min(p, max_len)
         cache = kvc.init_cache(self.block_cfg(), b, size, cache_dtype, per_layer=unrolled(mods[0]))
@@ -132,6 +134,8 @@ class EagleDrafter(FeatureDrafter):
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter(FeatureDrafter):
     """Drafts with the first sequential MTP module; depth > 1 reuses it on its own output (EAGLE-style)."""
+
+    modules = True
 
     cfg: ModelConfig
     mcfg: MTPConfig

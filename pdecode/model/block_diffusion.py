@@ -26,7 +26,7 @@ from pdecode.model.attention import cache_mask, causal_intra
 from pdecode.model.families.gemma4 import gemma4_norm
 from pdecode.model.family import family_of
 from pdecode.model.transformer import (
-    Attention, activation, embed, final_norm, forward, linear, rope_tables, unembed)
+    Attention, activation, embed, final_norm, forward, linear, rope_tables, rope_tables_of, unembed)
 
 
 def check(cfg: ModelConfig) -> None:
@@ -81,7 +81,7 @@ def denoise(params, cfg: ModelConfig, canvas_BL: jax.Array, cache: kvc.KVCache,
     window = cfg.sliding_window or cache.max_len
     local = jnp.broadcast_to(((s < lo) & (s >= lo - (window - 1))) | canvas_keys, (b, l, cache.max_len))
     kinds = tuple(k == "sliding" for k in cfg.layer_kinds())
-    tables = params.get("rope_tables") or {}
+    tables = rope_tables_of(params, cfg) or {}
     att = Attention(rope_tables(cfg, pos, tables.get("global")), full,
                     rope_tables(cfg, pos, tables.get("local"), local=True) if any(kinds) else None,
                     local if any(kinds) else None, kinds, {"inputs": None, "kv": {}})

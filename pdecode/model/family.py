@@ -28,9 +28,11 @@ from typing import Any
 
 from pdecode.config import ModelConfig
 from pdecode.errors import ConfigError
+from pdecode.model.groups import LayerGroups, plan_groups
 from pdecode.model.layers.norms import rms_norm
 from pdecode.model.layers.rope import rope_from_hf
 from pdecode.model.rules import Rule, named_rules
+from pdecode.model.spec import stack as stack_spec
 
 FAMILIES: dict[str, "Family"] = {}  # HF model_type -> family
 _LOADED = False
@@ -47,6 +49,11 @@ class Family:
     architectures: dict[str, str] = {}  # model_type -> the HF architectures[0] written by `config_to_hf`
 
     own_rope: bool = False  # config_from_hf reads the rope fields itself (else `config.rope_from_hf` does)
+    # the shared attention's optional weights beyond the config's (`attention_bias`, `qk_norm`): a bias on the
+    # output projection ("bo") and a learned sink logit per head ("sinks"), as gpt-oss has
+    output_bias: bool = False
+    attention_sinks: bool = False
+    expert_biases: bool = False  # biases on the router and the experts' projections (gpt-oss)
 
     def unwrap(self, model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         """The config.json fields of the network pdecode runs (a multimodal config: its text model's)."""
@@ -111,8 +118,39 @@ class Family:
 
 
 class LayerwiseFamily(Family):
-    """A family whose blocks differ in shape (Gemma 4, DeepSeek-V3): its params are a tuple of per-layer dicts
-    (`transformer.DecodeLayers`) and its tensor names are given per layer (`layer_names`)."""
+    """A family whose blocks differ in shape (Gemma 4, DeepSeek-V3): each layer's params are its own (`layer_spec`)
+    and so are its tensor names (`layer_names`). With ``scan_groups`` the params are `groups.LayerGroups`: runs of
+    identical layers (`layer_signature`) stacked and scanned, so compile time stays flat in depth; else a
+    `transformer.DecodeLayers` tuple of per-layer dicts, run as a loop over layers."""
+
+    scan_groups: bool = True
+
+    def layer_spec(self, cfg, i: int) -> dict:
+        """Layer ``i``'s weights (`ParamSpec`s with no stacked axis)."""
+        raise NotImplementedError
+
+    def layer_signature(self, cfg, i: int):
+        """What makes two layers interchangeable under one scan: their weights' specs and everything static about
+        them that the block reads (attention kind, where their keys and values come from)."""
+        spec = self.layer_spec(cfg, i)
+        return (tuple(sorted((k, s.shape, s.axes, s.init) for k, s in spec.items())), cfg.layer_kinds()[i],
+                cfg.kv_source(i) - i, cfg.moe_layer(i))
+
+    def layer_plan(self, cfg, num_layers: int | None = None):
+        """The `groups.Group`s of a stack of ``num_layers`` blocks (default the config's)."""
+        n = cfg.num_layers if num_layers is None else num_layers
+        c = cfg if n == cfg.num_layers else cfg.with_layers(n)
+        return plan_groups([self.layer_signature(c, i) for i in range(n)])
+
+    def layer_specs(self, cfg, num_layers):
+        from pdecode.model.transformer import DecodeLayers
+
+        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
+        if not self.scan_groups:
+            return DecodeLayers([self.layer_spec(c, i) for i in range(num_layers)], False)
+        plan = self.layer_plan(c)
+        return LayerGroups([tuple({k: stack_spec(s, g.count) for k, s in self.layer_spec(c, g.first + u).items()}
+                                  for u in range(g.period)) for g in plan], plan)
 
     def layer_names(self, cfg, i: int) -> list[tuple]:
         """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
@@ -121,19 +159,24 @@ class LayerwiseFamily(Family):
     def block_names(self, cfg):
         return self.layer_names(cfg, cfg.num_layers - 1)
 
+    def layer_rules(self, cfg, prefix: str) -> list:
+        """The rules of every layer under ``prefix`` (with "{i}" where the layer index goes)."""
+        if not self.scan_groups:
+            return [Rule(prefix.replace("{i}", str(i)) + hf, f"layers/{i}/{ours}", lay)
+                    for i in range(cfg.num_layers) for hf, ours, lay in self.layer_names(cfg, i)]
+        return [Rule(prefix + hf, f"layers/{g}/{u}/{ours}", lay, None, (p.first + u, p.period))
+                for g, p in enumerate(self.layer_plan(cfg)) for u in range(p.period)
+                for hf, ours, lay in self.layer_names(cfg, p.first + u)]
+
     def hf_rules(self, cfg, prefix: str = "model."):
-        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain")]
-        for i in range(cfg.num_layers):
-            rules += [Rule(f"{prefix}layers.{i}.{hf}", f"layers/{i}/{ours}", lay)
-                      for hf, ours, lay in self.layer_names(cfg, i)]
-        rules.append(Rule(prefix + "norm.weight", "final_norm", "plain"))
+        rules = [Rule(prefix + "embed_tokens.weight", "embed", "plain"), *self.layer_rules(cfg, prefix + "layers.{i}."),
+                 Rule(prefix + "norm.weight", "final_norm", "plain")]
         if not cfg.tie_word_embeddings:
             rules.append(Rule("lm_head.weight", "lm_head", "linear"))
         return rules
 
     def head_block_rules(self, cfg, prefix):
-        return [Rule(prefix.replace("{i}", "0") + hf, "layers/0/" + ours, lay)
-                for hf, ours, lay in self.layer_names(cfg.with_layers(1), 0)]
+        return self.layer_rules(cfg.with_layers(1), prefix)
 
 
 def register(family: Family) -> Family:

@@ -61,7 +61,7 @@ def medusa_logits(mp: dict, mcfg: MedusaConfig, target_params, cfg: ModelConfig,
         x = h_BD
         for j in range(mcfg.num_layers):
             x = x + jax.nn.silu(jnp.einsum("...d,de->...e", x, mp["w"][k, j]) + mp["b"][k, j])
-        return _lm_head(target_params, cfg, x, mp["lm_head"][k] if "lm_head" in mp else None)
+        return _lm_head(target_params, cfg, x, mp["lm_head"][k] if mcfg.own_head else None)
 
     return jnp.stack([one(k) for k in range(mcfg.num_heads)])
 
@@ -168,11 +168,11 @@ def eagle_step(ep: dict, ecfg: EagleConfig, cfg: ModelConfig, target_params, tok
     vocabulary), or over the draft ids themselves with ``draft_space`` (training)."""
     emb = jnp.take(target_params["embed"], tokens_BT, axis=0)
     x = jnp.concatenate([emb, feat_BTD.astype(emb.dtype)], axis=-1) @ ep["fc"]
-    if "fc_b" in ep:
+    if ecfg.fc_bias:
         x = x + ep["fc_b"]
     out, cache, _ = run_layers(ecfg.block_cfg(cfg), ep["layers"], x, positions_BT, mask_BTS, cache, write_at_B)
     h = rms_norm(out, ep["norm"], cfg.rms_norm_eps) if ecfg.is_eagle3 else out
-    logits = _lm_head(target_params, cfg, h, ep.get("lm_head"))
+    logits = _lm_head(target_params, cfg, h, ep["lm_head"] if ecfg.own_head or ecfg.draft_vocab else None)
     if ecfg.draft_vocab and not draft_space:
         full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
         logits = full.at[..., draft_ids(ep)].set(logits, unique_indices=True, indices_are_sorted=True)

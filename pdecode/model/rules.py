@@ -16,6 +16,9 @@ class Rule(NamedTuple):
     ours: str  # "/"-joined path in our params
     layout: str  # plain | linear | heads_in | heads_out | bias_heads
     rows: tuple[int, int] | None = None  # a fused HF tensor (Phi-3's qkv_proj): this param is its rows [a, b)
+    # the layers a stacked "{i}" axis holds: entry j is layer first + j * step (a group of `groups.LayerGroups`);
+    # None: entry j is layer j
+    at: tuple[int, int] | None = None
 
 
 # our decoder block's weights, in order, with their layouts; the names each checkpoint family gives them

@@ -24,11 +24,13 @@ from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 from pdecode.model.family import family_of
+from pdecode.model.groups import LayerGroups, LayerRef, layer_index
 # the shared layers, importable from here too (the names the families and the decode loops have always used)
 from pdecode.model.layers.linear import linear
 from pdecode.model.layers.mlp import activation, glu_mlp
 from pdecode.model.layers.norms import rms_norm
-from pdecode.model.layers.rope import apply_rope, has_local_rope, rope_long, rope_table, rope_tables, rotate
+from pdecode.model.layers.rope import (apply_rope, has_local_rope, rope_long, rope_table, rope_table_fits, rope_tables,
+                                       rotate)
 from pdecode.model.spec import ParamSpec, is_spec
 
 Params = dict[str, Any]  # the canonical layout: layers stacked on a leading axis, q/k/v and gate/up apart
@@ -87,6 +89,12 @@ class DecodeParams(dict):
         dict.__init__(obj, zip(keys, children))
         obj.layout = layout
         return obj
+
+
+def rope_tables_of(params, cfg: ModelConfig):
+    """The rope tables the decode layout holds (`decode_layout` builds them when the context fits a table), else
+    None (computed per forward)."""
+    return params["rope_tables"] if isinstance(params, DecodeParams) and rope_table_fits(cfg) else None
 
 
 def layout_of(params) -> Layout:
@@ -212,7 +220,10 @@ class Attention(NamedTuple):
     extra: Any = None
 
     def for_layer(self, i):
-        """(rope, mask) of layer ``i`` (a static int, or a traced one under `lax.scan`)."""
+        """(rope, mask) of layer ``i`` (a static int, a traced one under `lax.scan`, or a `LayerRef`: its static
+        representative has the same kind)."""
+        if isinstance(i, LayerRef):
+            i = i.rep
         if self.mask_local is None:
             return self.rope, self.mask
         rope_l = self.rope if self.rope_local is None else self.rope_local
@@ -292,11 +303,11 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=Non
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if fused:  # decode layout: one matmul for q, k and v
         qkv = linear(h, lp["wqkv"])
-        if "bqkv" in lp:
+        if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         v = qkv[..., (H + KV) * hd:].reshape(b, t, KV, hd)
         qk = qkv[..., : (H + KV) * hd].reshape(b, t, H + KV, hd)
-        if "q_norm" not in lp:  # rotate q and k heads in one pass
+        if not cfg.qk_norm:  # rotate q and k heads in one pass
             qk = rotate(cfg, qk, rope)
             return qk[:, :, :H], qk[:, :, H:], v
         q, k = qk[:, :, :H], qk[:, :, H:]
@@ -304,9 +315,9 @@ def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=Non
         q = linear(h, lp["wq"], "btd,dhk->bthk")
         k = linear(h, lp["wk"], "btd,dhk->bthk")
         v = linear(h, lp["wv"], "btd,dhk->bthk")
-        if "bq" in lp:
+        if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    if "q_norm" in lp:
+    if cfg.qk_norm:
         norm = norm or (lambda x, w: rms_norm(x, w, cfg.rms_norm_eps))
         q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
     return rotate(cfg, q, rope), rotate(cfg, k, rope), v
@@ -322,17 +333,18 @@ def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, c
     q, k, v = _qkv(cfg, lp, h, rope, fused, norm)
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
     if cache is not None:
-        cache = kvc.write_layer(cache, layer_idx, k, v, write_at)
-        k, v = cache.layer(layer_idx)  # [B, KV, hd, S], [B, KV, S, hd]
+        cache = kvc.write_layer(cache, layer_index(layer_idx), k, v, write_at)
+        k, v = cache.layer(layer_index(layer_idx))  # [B, KV, hd, S], [B, KV, S, hd]
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
+    fam = family_of(cfg)
     a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-               sinks=lp.get("sinks"))
+               sinks=lp["sinks"] if fam.attention_sinks else None)
     if fused:  # decode layout: wo [H*hd, D]
         out = linear(a.reshape(b, t, -1), lp["wo"])
     else:
         out = linear(a, lp["wo"], "bthk,hkd->btd")
-    if "bo" in lp:
+    if fam.output_bias:
         out = out + lp["bo"]
     return out, cache
 
@@ -367,6 +379,8 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
             hid.append(x_BTD)
         sel = [hid[layer % num_layers] for layer in hidden_layers]
         return x_BTD, cache, (jnp.stack(sel) if sel else None)
+    if isinstance(layers, LayerGroups):
+        return _run_groups(cfg, layers, x_BTD, att, cache, write_at_B, hidden_layers)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     n_hid = len(hidden_layers)
     slot_of = np.full((num_layers,), n_hid, np.int32)
@@ -388,6 +402,41 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     return x, cache, hid
 
 
+def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: Attention, cache, write_at_B,
+                hidden_layers: tuple[int, ...]):
+    """`run_layers` over `LayerGroups`: one `lax.scan` per group over its repeats, the period's blocks unrolled in the
+    body (each given a `LayerRef`); a group of one repeat runs its blocks with static indices."""
+    num_layers = layers.num_layers
+    n_hid = len(hidden_layers)
+    slot_of = np.full((num_layers,), n_hid, np.int32)
+    for s, layer in enumerate(hidden_layers):
+        slot_of[layer % num_layers] = s
+    hid = jnp.zeros((n_hid,) + x_BTD.shape, x_BTD.dtype) if n_hid else None
+    for group, plan in zip(layers, layers.plan):
+        if plan.count == 1:
+            for u, lp in enumerate(group):
+                i = plan.first + u
+                x_BTD, cache = _block(cfg, jax.tree.map(lambda a: a[0], lp), x_BTD, att, cache, i, write_at_B)
+                if hid is not None and slot_of[i] < n_hid:
+                    hid = hid.at[int(slot_of[i])].set(x_BTD)
+            continue
+        slots = jnp.asarray(slot_of)
+
+        def body(carry, xs, plan=plan):
+            x, c, h = carry
+            unit, r = xs
+            for u, lp in enumerate(unit):
+                i = plan.first + r * plan.period + u
+                x, c = _block(cfg, lp, x, att, c, LayerRef(i, plan.first + u), write_at_B)
+                if h is not None:
+                    h = h.at[slots[i]].set(x, mode="drop")
+            return (x, c, h), None
+
+        (x_BTD, cache, hid), _ = jax.lax.scan(body, (x_BTD, cache, hid), (group, jnp.arange(plan.count)),
+                                              unroll=plan.count if _scan_unroll(plan.count * plan.period) > 1 else 1)
+    return x_BTD, cache, hid
+
+
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
             cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = ()) -> ForwardOut:
@@ -405,7 +454,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, hid = run_layers(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, hidden_layers,
-                               params.get("rope_tables"), family_of(cfg).layer_inputs(cfg, params, tokens_BT, x))
+                               rope_tables_of(params, cfg), family_of(cfg).layer_inputs(cfg, params, tokens_BT, x))
     h = final_norm(params, cfg, x)
     return ForwardOut(hidden=h, cache=cache, layer_hidden=hid)
 
@@ -429,6 +478,10 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
         if isinstance(layers, DecodeLayers):
             for i in group:
                 x_BTD, cache = _block(cfg, layers[i], x_BTD, att, cache, i, write_at_B, layers.fused)
+            continue
+        if isinstance(layers, LayerGroups):  # a subset of blocks of several shapes: each sliced and run on its own
+            for i in group:
+                x_BTD, cache = _block(cfg, layers.layer(i), x_BTD, att, cache, i, write_at_B)
             continue
         idx = jnp.asarray(group, jnp.int32)
         sub = jax.tree.map(lambda a: a[idx], layers)
@@ -459,7 +512,7 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
     x, cache, cap = run_layer_ids(cfg, params["layers"], x, positions_BT, mask_BTS, cache, write_at_B, ids, capture,
-                                  params.get("rope_tables"), layer_inputs)
+                                  rope_tables_of(params, cfg), layer_inputs)
     return ForwardOut(hidden=final_norm(params, cfg, x), cache=cache, layer_hidden=None), cap
 
 
@@ -522,6 +575,8 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
     stacks deeper than UNROLL_MAX_LAYERS are returned as they are (they keep `lax.scan`)."""
     if isinstance(layers, DecodeLayers):
         return layers
+    if isinstance(layers, LayerGroups):  # blocks of several shapes: unrolled as they are (unfused), or kept scanned
+        return DecodeLayers(layers.per_layer(), False) if layers.num_layers <= UNROLL_MAX_LAYERS else layers
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     if num_layers > UNROLL_MAX_LAYERS:
         return layers
@@ -532,11 +587,12 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
         if fuse:
             lp["wqkv"] = jnp.concatenate([lp.pop("wq").reshape(d, -1), lp.pop("wk").reshape(d, -1),
                                           lp.pop("wv").reshape(d, -1)], axis=1)
-            if "bq" in lp:
+            if cfg.attention_bias:
                 lp["bqkv"] = jnp.concatenate([lp.pop("bq").reshape(-1), lp.pop("bk").reshape(-1),
                                               lp.pop("bv").reshape(-1)])
             lp["wo"] = lp["wo"].reshape(-1, d)
-            if "w_gate" in lp:  # a dense (or shared-expert) MLP; routed experts stay apart
+            if not cfg.num_experts or cfg.shared_expert_size:  # a dense (or shared-expert) MLP; routed experts
+                # stay apart
                 lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         per.append(lp)
     return DecodeLayers(per, fuse)
@@ -569,3 +625,13 @@ def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     per_key = (2 * cfg.kv_lora_rank + cfg.head_dim) if cfg.kv_lora_rank else 2 * cfg.head_dim
     attn = cfg.num_layers * cfg.num_heads * per_key * max(context, 1)
     return 2.0 * (matmul + attn)
+
+
+def layer_list(layers) -> list:
+    """Every layer's own weights, in order, from any layers layout (stacked dict, `DecodeLayers`, `LayerGroups`)."""
+    if isinstance(layers, DecodeLayers):
+        return list(layers)
+    if isinstance(layers, LayerGroups):
+        return layers.per_layer()
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return [{k: v[i] for k, v in layers.items()} for i in range(n)]

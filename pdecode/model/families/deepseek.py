@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
 from pdecode.model.family import Family, LayerwiseFamily, register
+from pdecode.model.groups import layer_index, static_layer
 from pdecode.model.families.llama import check_act
 
 _NEG = -1e30
@@ -185,23 +186,17 @@ class DeepseekV3(LayerwiseFamily):
                      wq_b=ParamSpec((rq, H, dn + dr), (None, "heads", None)))
         else:
             s["wq"] = ParamSpec((D, H, dn + dr), ("embed", "heads", None))
-        F = cfg.intermediate_size if i < cfg.dense_layers else cfg.shared_expert_size
+        F = cfg.shared_expert_size if cfg.moe_layer(i) else cfg.intermediate_size
         if F:
             s.update(w_gate=ParamSpec((D, F), ("embed", "mlp")), w_up=ParamSpec((D, F), ("embed", "mlp")),
                      w_down=ParamSpec((F, D), ("mlp", "embed")))
-        if i >= cfg.dense_layers:
+        if cfg.moe_layer(i):
             E, Fm = cfg.num_experts, cfg.moe_intermediate_size
             s.update(router=ParamSpec((D, E), ("embed", None)), router_corr=vec(E, "zeros"),
                      we_gate=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
                      we_up=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
                      we_down=ParamSpec((E, Fm, D), ("experts", "expert_mlp", "embed")))
         return s
-
-    def layer_specs(self, cfg, num_layers):
-        from pdecode.model.transformer import DecodeLayers
-
-        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
-        return DecodeLayers([self.layer_spec(c, i) for i in range(num_layers)], False)
 
     # -------------------------------------------------------------------------------- forward
     def attention(self, cfg, lp, h, att, cache, i, write_at, form: str | None = None):
@@ -219,7 +214,7 @@ class DeepseekV3(LayerwiseFamily):
         rope, mask = att.for_layer(i)
         if isinstance(mask, CausalSelfMask):
             mask = mask.mask
-        if "wq_a" in lp:
+        if cfg.q_lora_rank:
             q = linear(rms_norm(linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps), lp["wq_b"],
                        "btr,rhk->bthk")
         else:
@@ -229,8 +224,8 @@ class DeepseekV3(LayerwiseFamily):
         c = rms_norm(ckv[..., :r], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, r]
         k_rope = rope_pairs(ckv[..., None, r:], rope, cfg.rope_interleave)  # [B, T, 1, dr]
         if cache is not None:
-            cache = kvc.write_layer(cache, i, jnp.swapaxes(k_rope, 1, 2), c[:, None], write_at)
-            kr, cs = cache.layer(i)  # [B, 1, dr, S], [B, 1, S, r]
+            cache = kvc.write_layer(cache, layer_index(i), jnp.swapaxes(k_rope, 1, 2), c[:, None], write_at)
+            kr, cs = cache.layer(layer_index(i))  # [B, 1, dr, S], [B, 1, S, r]
             kr, cs = kr[:, 0], cs[:, 0]
         else:
             kr, cs = jnp.swapaxes(k_rope[:, :, 0], 1, 2), c  # [B, dr, T], [B, T, r]
@@ -254,7 +249,7 @@ class DeepseekV3(LayerwiseFamily):
             o = jnp.einsum("bhts,bshv->bthv", p.astype(dt), v, preferred_element_type=f32)
         return linear(o.astype(h.dtype), lp["wo"], "bthk,hkd->btd"), cache
 
-    def moe(self, cfg, lp, h_BTD):
+    def moe(self, cfg, lp, h_BTD, shared: bool = True):
         from pdecode.model.families.moe import run_experts
         from pdecode.model.transformer import glu_mlp
 
@@ -262,36 +257,36 @@ class DeepseekV3(LayerwiseFamily):
         x = h_BTD.reshape(b * t, d)
         w, idx = route_grouped(cfg, lp, x)
         out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
-        return out + glu_mlp(cfg, lp, h_BTD, False) if "w_gate" in lp else out
+        return out + glu_mlp(cfg, lp, h_BTD, False) if shared else out
 
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp, rms_norm
 
-        if not isinstance(layer_idx, int):
-            raise ValueError("deepseek_v3 layers run unrolled (dense and sparse ones differ); got a traced index")
         a, cache = self.attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
                                   write_at)
         x = x + a
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        return x + (self.moe(cfg, lp, h) if "router" in lp else glu_mlp(cfg, lp, h, False)), cache
+        if cfg.moe_layer(static_layer(layer_idx)):
+            return x + self.moe(cfg, lp, h, shared=bool(cfg.shared_expert_size)), cache
+        return x + glu_mlp(cfg, lp, h, False), cache
 
     # -------------------------------------------------------------------------------- checkpoints
     def layer_names(self, cfg, i: int) -> list[tuple]:
-        spec = self.layer_spec(cfg, i)
+        moe = cfg.moe_layer(i)
         a = "self_attn."
         names = [("input_layernorm.weight", "attn_norm", "plain"),
                  (a + "kv_a_proj_with_mqa.weight", "wkv_a", "linear"), (a + "kv_a_layernorm.weight", "kv_a_norm", "plain"),
                  (a + "kv_b_proj.weight", "wkv_b", "heads_in"), (a + "o_proj.weight", "wo", "heads_out"),
                  ("post_attention_layernorm.weight", "mlp_norm", "plain")]
-        if "wq_a" in spec:
+        if cfg.q_lora_rank:
             names += [(a + "q_a_proj.weight", "wq_a", "linear"), (a + "q_a_layernorm.weight", "q_a_norm", "plain"),
                       (a + "q_b_proj.weight", "wq_b", "heads_in")]
         else:
             names.append((a + "q_proj.weight", "wq", "heads_in"))
-        mlp = "mlp." if "router" not in spec else "mlp.shared_experts."
-        if "w_gate" in spec:
+        mlp = "mlp.shared_experts." if moe else "mlp."
+        if not moe or cfg.shared_expert_size:
             names += [(f"{mlp}{n}_proj.weight", f"w_{n}", "linear") for n in ("gate", "up", "down")]
-        if "router" in spec:
+        if moe:
             names += [("mlp.gate.weight", "router", "linear"),
                       ("mlp.gate.e_score_correction_bias", "router_corr", "plain")]
             names += [(f"mlp.experts.{{e}}.{n}_proj.weight", f"we_{n}", "linear") for n in ("gate", "up", "down")]

@@ -109,11 +109,11 @@ class Gemma(Family):
 
         norm = lambda y, w: gemma_norm(y, w, cfg.rms_norm_eps)  # noqa: E731
         a, cache = self_attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, layer_idx, write_at, fused, norm)
-        if "post_attn_norm" in lp:
+        if self.sandwich(cfg):
             a = norm(a, lp["post_attn_norm"])
         x = x + a
         m = glu_mlp(cfg, lp, norm(x, lp["mlp_norm"]), fused)
-        if "post_mlp_norm" in lp:
+        if self.sandwich(cfg):
             m = norm(m, lp["post_mlp_norm"])
         return x + m, cache
 

@@ -54,6 +54,7 @@ class Gemma4(LayerwiseFamily):
     model_types = ("gemma4_text", "gemma4")
     architectures = {"gemma4_text": "Gemma4ForCausalLM"}
     own_rope = True  # rope_parameters per layer kind, read by config_from_hf
+    scan_groups = False  # its layers' caches differ in shape: one buffer per layer, run as a loop
 
     def unwrap(self, model_type, hf):
         """A ``gemma4`` (multimodal) config.json: its text model's config, tensors under "model.language_model."."""
@@ -255,7 +256,7 @@ class Gemma4(LayerwiseFamily):
             k, v = given[i]
         elif src == i:
             k = linear(h, lp["wk"], "btd,dhk->bthk")
-            v = k if "wv" not in lp else linear(h, lp["wv"], "btd,dhk->bthk")
+            v = k if self.keys_are_values(cfg, i) else linear(h, lp["wv"], "btd,dhk->bthk")
             k = apply_rope(gemma4_norm(k, lp["k_norm"], eps), rope)
             v = gemma4_norm(v, None, eps)
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
@@ -301,10 +302,10 @@ class Gemma4(LayerwiseFamily):
         a, cache = self.attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, i, write_at)
         x = x + norm(a, lp["post_attn_norm"])
         m = glu_mlp(cfg, lp, norm(x, lp["mlp_norm"]), fused)
-        if "router" in lp:
+        if cfg.num_experts:
             m = norm(m, lp["post_mlp_norm_1"]) + norm(self.moe(cfg, lp, x), lp["post_moe_norm"])
         x = x + norm(m, lp["post_mlp_norm"])
-        if "ple_gate" in lp:
+        if cfg.per_layer_input_size:
             inputs = att.extra["inputs"] if att.extra is not None else None
             if inputs is None:
                 raise ValueError("gemma4: this model's layers need their per-layer inputs (a forward from tokens)")
@@ -317,7 +318,7 @@ class Gemma4(LayerwiseFamily):
     # -------------------------------------------------------------------------------- checkpoints
     def layer_names(self, cfg, i: int, own_kv: bool | None = None) -> list[tuple]:
         """Layer ``i``'s tensors: (HF name under the layer prefix, our name, layout)."""
-        spec = self.layer_spec(cfg, i, own_kv)
+        own_kv = cfg.kv_source(i) == i if own_kv is None else own_kv
         a = "self_attn."
         names = [("input_layernorm.weight", "attn_norm", "plain"), (a + "q_proj.weight", "wq", "heads_in"),
                  (a + "q_norm.weight", "q_norm", "plain"), (a + "o_proj.weight", "wo", "heads_out"),
@@ -326,15 +327,15 @@ class Gemma4(LayerwiseFamily):
                  ("post_feedforward_layernorm.weight", "post_mlp_norm", "plain"),
                  ("mlp.gate_proj.weight", "w_gate", "linear"), ("mlp.up_proj.weight", "w_up", "linear"),
                  ("mlp.down_proj.weight", "w_down", "linear"), ("layer_scalar", "layer_scalar", "plain")]
-        if "wk" in spec:
+        if own_kv:
             names += [(a + "k_proj.weight", "wk", "heads_in"), (a + "k_norm.weight", "k_norm", "plain")]
-        if "wv" in spec:
+        if own_kv and not self.keys_are_values(cfg, i):
             names.append((a + "v_proj.weight", "wv", "heads_in"))
-        if "ple_gate" in spec:
+        if cfg.per_layer_input_size:
             names += [("per_layer_input_gate.weight", "ple_gate", "linear"),
                       ("per_layer_projection.weight", "ple_proj", "linear"),
                       ("post_per_layer_input_norm.weight", "ple_norm", "plain")]
-        if "router" in spec:
+        if cfg.num_experts:
             names += [("router.proj.weight", "router", "linear"), ("router.scale", "router_scale", "plain"),
                       ("router.per_expert_scale", "expert_scale", "plain"),
                       ("experts.gate_up_proj", "we_gate", "first_rows_t"),

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
-from pdecode.model.family import Family, LayerwiseFamily, register
+from pdecode.model.family import Family, LayerwiseFamily, family_of, register
+from pdecode.model.groups import static_layer
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
@@ -62,9 +63,11 @@ def _glu(cfg, g, u):
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid sharpness (config swiglu_alpha; others refused at load)
 
 
-def _bias(lp, name, idx):
-    """An expert bias gathered for expert ids ``idx`` (0 when the family has none)."""
-    return lp[name][idx] if name in lp else 0.0
+def _bias(cfg, lp, name, idx=None):
+    """An expert bias (gathered for expert ids ``idx``), or 0 when the family's experts have none."""
+    if not family_of(cfg).expert_biases:
+        return 0.0
+    return lp[name] if idx is None else lp[name][idx]
 
 
 def experts_gathered(cfg, lp, x_ND, w_Nk, idx_Nk):
@@ -73,10 +76,10 @@ def experts_gathered(cfg, lp, x_ND, w_Nk, idx_Nk):
     xc = x_ND.astype(dt)
     pet = x_ND.dtype
     g = jnp.einsum("nd,nkdf->nkf", xc, lp["we_gate"][idx_Nk], preferred_element_type=pet) + \
-        _bias(lp, "we_gate_b", idx_Nk)
-    u = jnp.einsum("nd,nkdf->nkf", xc, lp["we_up"][idx_Nk], preferred_element_type=pet) + _bias(lp, "we_up_b", idx_Nk)
+        _bias(cfg, lp, "we_gate_b", idx_Nk)
+    u = jnp.einsum("nd,nkdf->nkf", xc, lp["we_up"][idx_Nk], preferred_element_type=pet) + _bias(cfg, lp, "we_up_b", idx_Nk)
     y = jnp.einsum("nkf,nkfd->nkd", _glu(cfg, g, u).astype(dt), lp["we_down"][idx_Nk], preferred_element_type=pet)
-    return jnp.einsum("nk,nkd->nd", w_Nk, y + _bias(lp, "we_down_b", idx_Nk))
+    return jnp.einsum("nk,nkd->nd", w_Nk, y + _bias(cfg, lp, "we_down_b", idx_Nk))
 
 
 def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
@@ -90,10 +93,10 @@ def experts_grouped(cfg, lp, x_ND, w_Nk, idx_Nk):
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x_ND[tok].astype(dt)
     e_sorted = flat[order]
-    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes, preferred_element_type=pet) + _bias(lp, "we_gate_b", e_sorted)
-    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes, preferred_element_type=pet) + _bias(lp, "we_up_b", e_sorted)
+    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes, preferred_element_type=pet) + _bias(cfg, lp, "we_gate_b", e_sorted)
+    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes, preferred_element_type=pet) + _bias(cfg, lp, "we_up_b", e_sorted)
     y = jax.lax.ragged_dot(_glu(cfg, g, u).astype(dt), lp["we_down"], sizes, preferred_element_type=pet)
-    y = (y + _bias(lp, "we_down_b", e_sorted)) * w_Nk.reshape(-1)[order][:, None]
+    y = (y + _bias(cfg, lp, "we_down_b", e_sorted)) * w_Nk.reshape(-1)[order][:, None]
     return jnp.zeros_like(x_ND).at[tok].add(y)
 
 
@@ -111,10 +114,10 @@ def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
     def piece(xw):
         x, w = xw
         xc = x.astype(dt)
-        g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet) + lp.get("we_gate_b", 0.0)
-        u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet) + lp.get("we_up_b", 0.0)
+        g = jnp.einsum("nd,edf->nef", xc, lp["we_gate"], preferred_element_type=pet) + _bias(cfg, lp, "we_gate_b")
+        u = jnp.einsum("nd,edf->nef", xc, lp["we_up"], preferred_element_type=pet) + _bias(cfg, lp, "we_up_b")
         y = jnp.einsum("nef,efd->ned", _glu(cfg, g, u).astype(dt), lp["we_down"], preferred_element_type=pet)
-        return jnp.einsum("ne,ned->nd", w, y + lp.get("we_down_b", 0.0))
+        return jnp.einsum("ne,ned->nd", w, y + _bias(cfg, lp, "we_down_b"))
 
     if n <= DENSE_CHUNK:
         return piece((x_ND, w_NE))
@@ -143,7 +146,7 @@ def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
 
     b, t, d = h_BTD.shape
     x = h_BTD.reshape(b * t, d)
-    w, idx = route(cfg, lp["router"], x, lp.get("router_b"))
+    w, idx = route(cfg, lp["router"], x, lp["router_b"] if family_of(cfg).expert_biases else None)
     out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
     if cfg.shared_expert_size:
         gate = jax.nn.sigmoid(linear(h_BTD, lp["shared_gate"]))
@@ -151,7 +154,7 @@ def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
     return out
 
 
-class MoE(Family):
+class MoE(LayerwiseFamily):
     model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
     architectures = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                      "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -193,16 +196,19 @@ class MoE(Family):
             out["attention_bias"] = cfg.attention_bias
 
     def layer_specs(self, cfg, num_layers):
-        """A stacked dict when every layer is sparse, else a `DecodeLayers` tuple of each layer's own specs."""
-        from pdecode.model.spec import drop_layers as dataclass_drop_layers
-        from pdecode.model.transformer import DecodeLayers, llama_layer_specs
-
+        """A stacked dict when every layer is sparse, else `LayerGroups` of the runs of sparse and dense layers."""
         c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
         if not c.dense_layer_ids:
             return self.stacked_specs(c, num_layers)
-        sparse, dense = self.stacked_specs(c, 1), llama_layer_specs(c, 1)
-        return DecodeLayers([{k: dataclass_drop_layers(v) for k, v in (sparse if c.moe_layer(i) else dense).items()}
-                             for i in range(num_layers)], False)
+        return LayerwiseFamily.layer_specs(self, c, num_layers)
+
+    def layer_spec(self, cfg, i: int) -> dict:
+        """Layer ``i``'s own specs: the sparse block's, or the Llama block's for a dense layer."""
+        from pdecode.model.spec import drop_layers
+        from pdecode.model.transformer import llama_layer_specs
+
+        one = self.stacked_specs(cfg, 1) if cfg.moe_layer(i) else llama_layer_specs(cfg, 1)
+        return {k: drop_layers(v) for k, v in one.items()}
 
     def stacked_specs(self, cfg, num_layers):
         """Specs of ``num_layers`` sparse blocks stacked on ``layers``."""
@@ -230,20 +236,21 @@ class MoE(Family):
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp, rms_norm, self_attention
 
-        if cfg.dense_layer_ids and not isinstance(layer_idx, int):
-            raise ValueError(f"{cfg.family} with dense layers runs its layers unrolled; got a traced layer index")
         a, cache = self_attention(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), att, cache, layer_idx,
                                   write_at, fused)
         x = x + a
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        if cfg.dense_layer_ids and not cfg.moe_layer(layer_idx):
+        if cfg.dense_layer_ids and not cfg.moe_layer(static_layer(layer_idx)):
             return x + glu_mlp(cfg, lp, h, fused), cache
         return x + moe_mlp(cfg, lp, h, fused), cache
 
     def hf_rules(self, cfg, prefix="model."):
         if cfg.dense_layer_ids:  # blocks of two shapes: per-layer names, as a layerwise family gives them
             return LayerwiseFamily.hf_rules(self, cfg, prefix)
-        return super().hf_rules(cfg, prefix)
+        return Family.hf_rules(self, cfg, prefix)
+
+    def head_block_rules(self, cfg, prefix):
+        return Family.head_block_rules(self, cfg, prefix)  # a drafter's blocks are all sparse: one stack
 
     def layer_names(self, cfg, i: int) -> list[tuple]:
         """Layer ``i``'s tensors: the sparse block's, or the Llama block's for a dense layer."""
@@ -293,6 +300,7 @@ class GptOss(MoE):
 
     model_types = ("gpt_oss",)
     architectures = {"gpt_oss": "GptOssForCausalLM"}
+    output_bias = attention_sinks = expert_biases = True
 
     def config_from_hf(self, model_type, hf, kw):
         check_act(model_type, hf)

@@ -182,10 +182,15 @@ def rope_tables(cfg: ModelConfig, positions_BT: jax.Array, table=None, local: bo
 ROPE_TABLE_MAX = 1 << 20  # entries (positions x hd/2): larger contexts compute cos/sin per forward instead
 
 
+def rope_table_fits(cfg: ModelConfig) -> bool:
+    """Whether the context is short enough for a table of every position's cos/sin (`rope_table`)."""
+    return cfg.max_position_embeddings * cfg.head_dim // 2 <= ROPE_TABLE_MAX
+
+
 def rope_table(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[jax.Array, jax.Array] | None:
     """cos, sin [max_position_embeddings, hd/2] (`rope_tables` at every position), or None when the context is too
     long for a table to be worth its memory."""
-    if cfg.max_position_embeddings * cfg.head_dim // 2 > ROPE_TABLE_MAX:
+    if not rope_table_fits(cfg):
         return None
     cos, sin = rope_tables(cfg, jnp.arange(cfg.max_position_embeddings, dtype=jnp.int32)[None], local=local,
                            long=long)
