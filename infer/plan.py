@@ -172,7 +172,12 @@ def _cache_shapes(cfg, batch, max_len, dtype, mesh):
     from pdecode.model import cache as kvc
     from pdecode.sharding import batch_sharding, cache_spec
 
-    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, max_len, dtype, per_layer=not cfg.uniform_layers))
+    from pdecode.model.transformer import DecodeLayers, layer_specs
+
+    # the layout a forward over the canonical params writes: one buffer per layer for blocks run as a loop, else
+    # stacked (by group, for layers of several shapes)
+    per_layer = isinstance(layer_specs(cfg, cfg.num_layers), DecodeLayers)
+    shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, max_len, dtype, per_layer=per_layer))
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
         mesh, cache_spec(a.shape, mesh) if a.ndim >= 4 else batch_sharding(mesh, a.shape).spec)), shapes)
 

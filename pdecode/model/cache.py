@@ -42,6 +42,7 @@ serving engine's row operations take either kind too: `put_slots` (prefilled row
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -49,14 +50,38 @@ from flax import struct
 import jax.numpy as jnp
 
 from pdecode.config import ModelConfig
+from pdecode.model.groups import LayerRef, layer_index
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGroups:
+    """Where each layer's keys and values sit in a grouped cache (layers of several shapes scanned by group,
+    `pdecode.model.groups`): ``where[i]`` is (buffer, entry) of layer i's own, None for a kv-shared layer; buffer b
+    stacks the layers ``period[b]`` apart of one position of a group."""
+
+    where: tuple
+    period: tuple
+
+    def locate(self, i):
+        """(buffer, entry) of layer ``i``: a static int, or a `LayerRef` (its entry traced)."""
+        if isinstance(i, LayerRef):
+            b, r0 = self.where[i.rep]
+            return b, r0 + (i.index - i.rep) // self.period[b]
+        return self.where[int(i)]
 
 
 class _Rows:
-    """What both cache kinds answer alike (their fields ``k``, ``v``, ``lengths``)."""
+    """What both cache kinds answer alike (their fields ``k``, ``v``, ``lengths``, ``groups``)."""
 
     @property
     def per_layer(self) -> bool:
-        return isinstance(self.k, tuple)
+        """One buffer per layer, no layer axis (the unrolled decode layout)."""
+        return isinstance(self.k, tuple) and self.groups is None
+
+    @property
+    def grouped(self) -> bool:
+        """One stacked buffer per position of each group of layers (`CacheGroups`)."""
+        return self.groups is not None
 
     @property
     def dtype(self):
@@ -70,16 +95,21 @@ class _Rows:
 
 @struct.dataclass
 class KVCache(_Rows):
-    k: Any  # [L, B, KV, hd, S], or a tuple of L arrays [B, KV, hd, S]
-    v: Any  # [L, B, KV, S, hd], or a tuple of L arrays [B, KV, S, hd]
+    k: Any  # [L, B, KV, hd, S], a tuple of L arrays [B, KV, hd, S], or (grouped) a tuple of [n, B, KV, hd, S]
+    v: Any  # [L, B, KV, S, hd], a tuple of L arrays [B, KV, S, hd], or (grouped) a tuple of [n, B, KV, S, hd]
     lengths: jax.Array  # [B] int32, committed tokens per row
+    groups: Any = struct.field(pytree_node=False, default=None)  # CacheGroups of a grouped cache, else None
 
     @property
     def max_len(self) -> int:
-        return jax.tree.leaves(self.v)[0].shape[2] if self.per_layer else self.v.shape[3]
+        return jax.tree.leaves(self.v)[0].shape[-2]
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
-        """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i."""
+        """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i (an int, traced or not, or a `LayerRef`)."""
+        if self.grouped:
+            b, r = self.groups.locate(i)
+            return self.k[b][r], self.v[b][r]
+        i = layer_index(i)
         return self.k[i], self.v[i]
 
 
@@ -89,6 +119,7 @@ class PagedKVCache(_Rows):
     v: Any  # pool [L, P, KV, page, hd], or a tuple of L arrays [P, KV, page, hd]
     lengths: jax.Array  # [B] int32, committed tokens per row
     pages: jax.Array  # [B, n] int32: the pool page holding row b's slots j*page.. (P, past the pool: none)
+    groups: Any = struct.field(pytree_node=False, default=None)  # CacheGroups of a grouped cache, else None
 
     @property
     def page_size(self) -> int:
@@ -97,7 +128,8 @@ class PagedKVCache(_Rows):
     @property
     def num_pages(self) -> int:
         """Pages in the pool."""
-        return jax.tree.leaves(self.v)[0].shape[0 if self.per_layer else 1]
+        a = jax.tree.leaves(self.v)[0]
+        return a.shape[a.ndim - 4]
 
     @property
     def max_len(self) -> int:
@@ -105,7 +137,12 @@ class PagedKVCache(_Rows):
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Keys [B, KV, hd, S] and values [B, KV, S, hd] of layer i, gathered from each row's pages (S = n*page)."""
-        return _gather_pages(self.k[i], self.pages, True), _gather_pages(self.v[i], self.pages, False)
+        if self.grouped:
+            b, r = self.groups.locate(i)
+            k, v = self.k[b][r], self.v[b][r]
+        else:
+            k, v = self.k[layer_index(i)], self.v[layer_index(i)]
+        return _gather_pages(k, self.pages, True), _gather_pages(v, self.pages, False)
 
 
 def _gather_pages(pool: jax.Array, pages_Bn: jax.Array, keys: bool) -> jax.Array:
@@ -129,14 +166,14 @@ def init_paged(cfg: ModelConfig, batch: int, max_len: int, num_pages: int, page_
     if max_len % page_size:
         raise ValueError(f"init_paged: max_len {max_len} is not a multiple of the page size {page_size}")
     like = jax.eval_shape(lambda: init_cache(cfg, 1, page_size, dtype, num_layers, per_layer))  # one page's shapes
-    lead = 0 if isinstance(like.k, tuple) else 1  # the row axis: after the layer axis of a stacked cache
 
-    def pool(a):  # one row of one page -> num_pages pages
+    def pool(a):  # one row of one page -> num_pages pages (the row axis: after a layer axis, if any)
+        lead = _row_axis(a)
         return None if a is None else jnp.zeros(a.shape[:lead] + (num_pages,) + a.shape[lead + 1:], dtype)
 
     k, v = jax.tree.map(pool, like.k), jax.tree.map(pool, like.v)
     return PagedKVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
-                        pages=jnp.full((batch, max_len // page_size), num_pages, jnp.int32))
+                        pages=jnp.full((batch, max_len // page_size), num_pages, jnp.int32), groups=like.groups)
 
 
 def _contiguous(cache, op: str):
@@ -161,7 +198,6 @@ def put_rows(cache: PagedKVCache, rows: KVCache, slot_A: jax.Array, pages_Bn: ja
         raise ValueError(f"put_rows: rows of {rows.max_len} slots into a view of {pages_Bn.shape[1]} pages of "
                          f"{page}")
     dst = pages_Bn[slot_A, :n]  # [A, n]: the rows' first pages (a short prefill fills a few)
-    a = dst.shape[0]
 
     def put(pool, x, s_axis):  # x [.., A, KV, hd, S] (keys, s_axis -1) or [.., A, KV, S, hd] (values, -2)
         lead = x.ndim - 4
@@ -174,7 +210,7 @@ def put_rows(cache: PagedKVCache, rows: KVCache, slot_A: jax.Array, pages_Bn: ja
 
     k = jax.tree.map(lambda p, x: put(p, x, -1), cache.k, rows.k)
     v = jax.tree.map(lambda p, x: put(p, x, -2), cache.v, rows.v)
-    return PagedKVCache(k=k, v=v, lengths=cache.lengths.at[slot_A].set(rows.lengths), pages=pages_Bn.astype(jnp.int32))
+    return cache.replace(k=k, v=v, lengths=cache.lengths.at[slot_A].set(rows.lengths), pages=pages_Bn.astype(jnp.int32))
 
 
 def put_slots(cache, rows: KVCache, slot_A: jax.Array, pages_Bn: jax.Array | None = None):
@@ -183,15 +219,14 @@ def put_slots(cache, rows: KVCache, slot_A: jax.Array, pages_Bn: jax.Array | Non
     ``pages_Bn`` with them (`put_rows`)."""
     if isinstance(cache, PagedKVCache):
         return put_rows(cache, rows, slot_A, pages_Bn)
-    ax = _row_axis(cache)
     for i in range(rows.batch):
         def put(big, small, ax, i=i):
             row = jax.lax.slice_in_dim(small, i, i + 1, axis=ax)
             return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot_A[i], axis=ax)
 
-        cache = KVCache(k=jax.tree.map(lambda a, b: put(a, b, ax), cache.k, rows.k),
-                        v=jax.tree.map(lambda a, b: put(a, b, ax), cache.v, rows.v),
-                        lengths=put(cache.lengths, rows.lengths, 0))
+        cache = cache.replace(k=jax.tree.map(lambda a, b: put(a, b, _row_axis(a)), cache.k, rows.k),
+                              v=jax.tree.map(lambda a, b: put(a, b, _row_axis(a)), cache.v, rows.v),
+                              lengths=put(cache.lengths, rows.lengths, 0))
     return cache
 
 
@@ -199,9 +234,8 @@ def rows_head(cache, rows: int):
     """The cache's first ``rows`` rows (a copy; a paged cache's table and lengths cut, its pool shared)."""
     if isinstance(cache, PagedKVCache):
         return cache.replace(lengths=cache.lengths[:rows], pages=cache.pages[:rows])
-    ax = _row_axis(cache)
-    cut = lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=ax)  # noqa: E731
-    return KVCache(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), lengths=cache.lengths[:rows])
+    cut = lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=_row_axis(a))  # noqa: E731
+    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), lengths=cache.lengths[:rows])
 
 
 def put_rows_head(cache, part):
@@ -210,13 +244,13 @@ def put_rows_head(cache, part):
     lengths = cache.lengths.at[: part.batch].set(part.lengths)
     if isinstance(cache, PagedKVCache):
         return cache.replace(k=part.k, v=part.v, lengths=lengths)
-    ax = _row_axis(cache)
-    put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, ax)  # noqa: E731
-    return KVCache(k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v), lengths=lengths)
+    put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0, _row_axis(a))  # noqa: E731
+    return cache.replace(k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v), lengths=lengths)
 
 
-def _row_axis(cache: KVCache) -> int:
-    return 0 if cache.per_layer else 1
+def _row_axis(a) -> int:
+    """The row (batch, or a pool's page) axis of one key or value buffer: after its layer axis, if it has one."""
+    return a.ndim - 4
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
@@ -225,9 +259,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, nu
     kv, hd = cfg.layer_attention(0)  # every layer's, when uniform
     k_shape = (batch, kv, hd, max_len)
     v_shape = (batch, kv, max_len, cfg.cache_value_dim(0))
+    if not cfg.uniform_layers and not per_layer:  # one stacked buffer per position of each group of layers
+        return _init_grouped(cfg, n, batch, max_len, dtype)
     if not cfg.uniform_layers:
-        if not per_layer:
-            raise ValueError("init_cache: layers of different shapes need per_layer=True")
         shapes = [cfg.layer_attention(i) if cfg.kv_source(i) == i else None for i in range(n)]
         k = tuple(None if s is None else jnp.zeros((batch, s[0], s[1], max_len), dtype) for s in shapes)
         v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, cfg.cache_value_dim(i)), dtype)
@@ -238,6 +272,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, nu
     else:
         k, v = jnp.zeros((n,) + k_shape, dtype), jnp.zeros((n,) + v_shape, dtype)
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def _init_grouped(cfg: ModelConfig, n: int, batch: int, max_len: int, dtype) -> KVCache:
+    from pdecode.model.family import family_of
+
+    where, period, ks, vs = [None] * n, [], [], []
+    for g in family_of(cfg).layer_plan(cfg, n):
+        for u in range(g.period):
+            i0 = g.first + u
+            if cfg.kv_source(i0) != i0:  # kv-shared (every repeat alike: the plan groups them so)
+                continue
+            kv, hd = cfg.layer_attention(i0)
+            for r in range(g.count):
+                where[g.layer(r, u)] = (len(ks), r)
+            period.append(g.period)
+            ks.append(jnp.zeros((g.count, batch, kv, hd, max_len), dtype))
+            vs.append(jnp.zeros((g.count, batch, kv, max_len, cfg.cache_value_dim(i0)), dtype))
+    return KVCache(k=tuple(ks), v=tuple(vs), lengths=jnp.zeros((batch,), jnp.int32),
+                   groups=CacheGroups(tuple(where), tuple(period)))
 
 
 def _row_slots(offsets_B: jax.Array, t: int) -> jax.Array:
@@ -255,6 +308,13 @@ def _write_slots(cache: KVCache, layer, k_BKTH: jax.Array, v_BKTH: jax.Array, sl
     rows, slots = _slot_index(cache, slots_BT)
     # advanced indices (rows, slots) around slices: the indexed shape is [B, T, KV, hd] for both layouts
     k_new, v_new = jnp.swapaxes(k_BKTH, 1, 2), jnp.swapaxes(v_BKTH, 1, 2)
+    if cache.grouped:
+        b, r = cache.groups.locate(layer)
+        k, v = list(cache.k), list(cache.v)
+        k[b] = k[b].at[r, rows, :, :, slots].set(k_new.astype(k[b].dtype), mode="drop")
+        v[b] = v[b].at[r, rows, :, slots].set(v_new.astype(v[b].dtype), mode="drop")
+        return cache.replace(k=tuple(k), v=tuple(v))
+    layer = layer_index(layer)
     if cache.per_layer:
         k, v = list(cache.k), list(cache.v)
         k[layer] = k[layer].at[rows, :, :, slots].set(k_new.astype(k[layer].dtype), mode="drop")
@@ -296,23 +356,30 @@ def commit(cache: KVCache, node_idx_BA: jax.Array, n_B: jax.Array) -> KVCache:
         sp, so = _page_of(cache, src)
         dp, do = _page_of(cache, dst)
         get = lambda x, i: x.at[i].get(mode="fill", fill_value=0)  # noqa: E731
-        if cache.per_layer:
-            k = tuple(None if x is None else x.at[dp, :, :, do].set(get(x, (sp, slice(None), slice(None), so)),
-                                                                     mode="drop") for x in cache.k)
-            v = tuple(None if x is None else x.at[dp, :, do].set(get(x, (sp, slice(None), so)), mode="drop")
-                      for x in cache.v)
-        else:
-            k = cache.k.at[:, dp, :, :, do].set(get(cache.k, (slice(None), sp, slice(None), slice(None), so)),
-                                                mode="drop")
-            v = cache.v.at[:, dp, :, do].set(get(cache.v, (slice(None), sp, slice(None), so)), mode="drop")
-        return cache.replace(k=k, v=v, lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
-    if cache.per_layer:
-        k = tuple(None if a is None else a.at[rows, :, :, dst].set(a[rows, :, :, src], mode="drop") for a in cache.k)
-        v = tuple(None if a is None else a.at[rows, :, dst].set(a[rows, :, src], mode="drop") for a in cache.v)
-    else:
-        k = cache.k.at[:, rows, :, :, dst].set(cache.k[:, rows, :, :, src], mode="drop")
-        v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")
-    return KVCache(k=k, v=v, lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
+
+        def move_k(x):  # [.., P, KV, hd, page]
+            lead = (slice(None),) * _row_axis(x)
+            return x.at[lead + (dp, slice(None), slice(None), do)].set(
+                get(x, lead + (sp, slice(None), slice(None), so)), mode="drop")
+
+        def move_v(x):  # [.., P, KV, page, hd]
+            lead = (slice(None),) * _row_axis(x)
+            return x.at[lead + (dp, slice(None), do)].set(get(x, lead + (sp, slice(None), so)), mode="drop")
+
+        return cache.replace(k=jax.tree.map(move_k, cache.k), v=jax.tree.map(move_v, cache.v),
+                             lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
+
+    def commit_k(x):  # [.., B, KV, hd, S]
+        lead = (slice(None),) * _row_axis(x)
+        return x.at[lead + (rows, slice(None), slice(None), dst)].set(x[lead + (rows, slice(None), slice(None), src)],
+                                                                       mode="drop")
+
+    def commit_v(x):  # [.., B, KV, S, hd]
+        lead = (slice(None),) * _row_axis(x)
+        return x.at[lead + (rows, slice(None), dst)].set(x[lead + (rows, slice(None), src)], mode="drop")
+
+    return cache.replace(k=jax.tree.map(commit_k, cache.k), v=jax.tree.map(commit_v, cache.v),
+                         lengths=jnp.minimum(cache.lengths + n_B.astype(jnp.int32), cache.max_len))
 
 
 def rollback(cache: KVCache, n_B: jax.Array) -> KVCache:
@@ -351,7 +418,8 @@ def head(cache: KVCache, n: int, gather: bool = True) -> KVCache:
         if not gather:
             return cache.replace(pages=pages)
         return KVCache(k=jax.tree.map(lambda a: _gather_pages(a, pages, True), cache.k),
-                       v=jax.tree.map(lambda a: _gather_pages(a, pages, False), cache.v), lengths=cache.lengths)
+                       v=jax.tree.map(lambda a: _gather_pages(a, pages, False), cache.v), lengths=cache.lengths,
+                       groups=cache.groups)
     if n >= cache.max_len:
         return cache
     return cache.replace(k=jax.tree.map(lambda a: a[..., :n], cache.k),
@@ -383,23 +451,24 @@ def put_head(cache: KVCache, part: KVCache, window: int | None = None) -> KVCach
     pos = _row_slots(start, window)  # [B, W]
     src = jnp.clip(pos, 0, n - 1)
     dst = jnp.where(pos < n, pos, cache.max_len)  # a window reaching past the head: dropped
-    if not part.per_layer and not cache.per_layer:  # stacked: every layer's window in one gather and one scatter
-        k_w = jnp.take_along_axis(part.k, src[None, :, None, None, :], axis=4)  # [L, B, KV, hd, W]
-        v_w = jnp.take_along_axis(part.v, src[None, :, None, :, None], axis=3)  # [L, B, KV, W, hd]
-        rows, slots = _slot_index(cache, dst)
-        # advanced indices (rows, slots) around slices index [B, W, L, KV, hd] for both layouts
-        k = cache.k.at[:, rows, :, :, slots].set(k_w.transpose(1, 4, 0, 2, 3).astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, rows, :, slots].set(v_w.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
-        return cache.replace(k=k, v=v, lengths=part.lengths)
-    out = cache
-    for i in range(len(part.k) if part.per_layer else part.k.shape[0]):
-        pk, pv = part.layer(i)
-        if pk is None:  # a kv-shared layer: no buffer of its own
-            continue
-        k_w = jnp.take_along_axis(pk, src[:, None, None, :], axis=3)  # [B, KV, hd, W]
-        v_w = jnp.take_along_axis(pv, src[:, None, :, None], axis=2)  # [B, KV, W, hd]
-        out = _write_slots(out, i, jnp.swapaxes(k_w, 2, 3), v_w, dst)
-    return out.replace(lengths=part.lengths)
+    rows, slots = _slot_index(cache, dst)
+
+    def put_k(c, p):  # c [.., R, KV, hd, S], p [.., B, KV, hd, n]: each buffer's window in one gather and one scatter
+        lead = _row_axis(p)
+        w = jnp.take_along_axis(p, src.reshape((1,) * lead + (src.shape[0], 1, 1, -1)), axis=-1)  # [.., B, KV, hd, W]
+        # advanced indices (rows, slots) around slices index [B, W, .., KV, hd]
+        w = jnp.moveaxis(w, (lead, lead + 3), (0, 1))
+        return c.at[(slice(None),) * lead + (rows, slice(None), slice(None), slots)].set(w.astype(c.dtype),
+                                                                                          mode="drop")
+
+    def put_v(c, p):  # c [.., R, KV, S, hd], p [.., B, KV, n, hd]
+        lead = _row_axis(p)
+        w = jnp.take_along_axis(p, src.reshape((1,) * lead + (src.shape[0], 1, -1, 1)), axis=-2)  # [.., B, KV, W, hd]
+        w = jnp.moveaxis(w, (lead, lead + 2), (0, 1))
+        return c.at[(slice(None),) * lead + (rows, slice(None), slots)].set(w.astype(c.dtype), mode="drop")
+
+    return cache.replace(k=jax.tree.map(put_k, cache.k, part.k), v=jax.tree.map(put_v, cache.v, part.v),
+                         lengths=part.lengths)
 
 
 def set_lengths(cache: KVCache, lengths_B: jax.Array) -> KVCache:
@@ -416,16 +485,14 @@ def where_rows(sel_B: jax.Array, a: KVCache, b: KVCache) -> KVCache:
         shape[axis] = sel_B.shape[0]
         return jnp.where(sel_B.reshape(shape), x, y)
 
-    ax = 0 if a.per_layer else 1
-    k = jax.tree.map(lambda x, y: pick(x, y, ax), a.k, b.k)
-    v = jax.tree.map(lambda x, y: pick(x, y, ax), a.v, b.v)
-    return KVCache(k=k, v=v, lengths=jnp.where(sel_B, a.lengths, b.lengths))
+    k = jax.tree.map(lambda x, y: pick(x, y, _row_axis(x)), a.k, b.k)
+    v = jax.tree.map(lambda x, y: pick(x, y, _row_axis(x)), a.v, b.v)
+    return a.replace(k=k, v=v, lengths=jnp.where(sel_B, a.lengths, b.lengths))
 
 
 def broadcast_rows(cache: KVCache, batch: int) -> KVCache:
     """A one-row cache repeated to ``batch`` rows (a shared prefix prefilled once, then given to every row)."""
     _contiguous(cache, "broadcast_rows")
-    axis = 0 if cache.per_layer else 1
-    rep = lambda a: jnp.repeat(a, batch, axis=axis)  # noqa: E731
-    return KVCache(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
-                   lengths=jnp.broadcast_to(cache.lengths[:1], (batch,)))
+    rep = lambda a: jnp.repeat(a, batch, axis=_row_axis(a))  # noqa: E731
+    return cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
+                         lengths=jnp.broadcast_to(cache.lengths[:1], (batch,)))

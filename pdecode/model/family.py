@@ -133,8 +133,9 @@ class LayerwiseFamily(Family):
         """What makes two layers interchangeable under one scan: their weights' specs and everything static about
         them that the block reads (attention kind, where their keys and values come from)."""
         spec = self.layer_spec(cfg, i)
+        src = cfg.kv_source(i)  # its own keys, or (a kv-shared layer) those of one fixed earlier layer
         return (tuple(sorted((k, s.shape, s.axes, s.init) for k, s in spec.items())), cfg.layer_kinds()[i],
-                cfg.kv_source(i) - i, cfg.moe_layer(i))
+                "own" if src == i else src, cfg.moe_layer(i))
 
     def layer_plan(self, cfg, num_layers: int | None = None):
         """The `groups.Group`s of a stack of ``num_layers`` blocks (default the config's)."""

@@ -407,6 +407,14 @@ def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: At
     """`run_layers` over `LayerGroups`: one `lax.scan` per group over its repeats, the period's blocks unrolled in the
     body (each given a `LayerRef`); a group of one repeat runs its blocks with static indices."""
     num_layers = layers.num_layers
+    if cache is None and cfg.kv_shared_layers:  # kv-shared layers read their source's keys from this very pass
+        lays = layers.per_layer()  # (`Attention.extra`): every block with its static index
+        hid = []
+        for i, lp in enumerate(lays):
+            x_BTD, _ = _block(cfg, lp, x_BTD, att, None, i, write_at_B)
+            hid.append(x_BTD)
+        sel = [hid[layer % num_layers] for layer in hidden_layers]
+        return x_BTD, None, (jnp.stack(sel) if sel else None)
     n_hid = len(hidden_layers)
     slot_of = np.full((num_layers,), n_hid, np.int32)
     for s, layer in enumerate(hidden_layers):

@@ -75,6 +75,8 @@ class DiffusionGemma(Gemma4):
                    canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
                    vision_config=vision, **top)
 
+    scan_groups = False  # its encoder and decoder passes loop over layers (`pdecode.model.block_diffusion`)
+
     # -------------------------------------------------------------------------------- params
     def layer_spec(self, cfg, i, own_kv=None):
         from pdecode.model.transformer import ParamSpec

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
 from pdecode.model.family import LayerwiseFamily, register
+from pdecode.model.groups import LayerRef, layer_index, static_layer
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
@@ -54,7 +55,6 @@ class Gemma4(LayerwiseFamily):
     model_types = ("gemma4_text", "gemma4")
     architectures = {"gemma4_text": "Gemma4ForCausalLM"}
     own_rope = True  # rope_parameters per layer kind, read by config_from_hf
-    scan_groups = False  # its layers' caches differ in shape: one buffer per layer, run as a loop
 
     def unwrap(self, model_type, hf):
         """A ``gemma4`` (multimodal) config.json: its text model's config, tensors under "model.language_model."."""
@@ -197,12 +197,6 @@ class Gemma4(LayerwiseFamily):
     def keys_are_values(cfg, i: int) -> bool:
         return cfg.k_eq_v and cfg.layer_kinds()[i] == "full"
 
-    def layer_specs(self, cfg, num_layers):
-        from pdecode.model.transformer import DecodeLayers
-
-        c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
-        return DecodeLayers([self.layer_spec(c, i) for i in range(num_layers)], False)
-
     def extra_specs(self, cfg):
         from pdecode.model.transformer import ParamSpec
 
@@ -243,20 +237,18 @@ class Gemma4(LayerwiseFamily):
         from pdecode.model.attention import attend
         from pdecode.model.transformer import apply_rope, linear
 
-        if not isinstance(i, int):
-            raise ValueError("gemma4 layers run unrolled (their shapes differ); got a traced layer index")
-        b, t, _ = h.shape
+        rep = static_layer(i)  # inside a scanned group, a layer of the same structure; i itself is traced
         eps = cfg.rms_norm_eps
         rope, mask = att.for_layer(i)
         q = apply_rope(gemma4_norm(linear(h, lp["wq"], "btd,dhk->bthk"), lp["q_norm"], eps), rope)
-        src = cfg.kv_source(i)
+        src = cfg.kv_source(rep)  # a kv-shared layer's source is the same for every repeat of its group
         shared = att.extra["kv"] if att.extra is not None else {}
         given = att.extra.get("given", {}) if att.extra is not None else {}
-        if i in given:  # keys and values handed in (a Gemma 4 assistant attends with its target's)
+        if rep in given and not isinstance(i, LayerRef):  # keys and values handed in (an assistant's: its target's)
             k, v = given[i]
-        elif src == i:
+        elif src == rep:
             k = linear(h, lp["wk"], "btd,dhk->bthk")
-            v = k if self.keys_are_values(cfg, i) else linear(h, lp["wv"], "btd,dhk->bthk")
+            v = k if self.keys_are_values(cfg, rep) else linear(h, lp["wv"], "btd,dhk->bthk")
             k = apply_rope(gemma4_norm(k, lp["k_norm"], eps), rope)
             v = gemma4_norm(v, None, eps)
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
@@ -265,7 +257,8 @@ class Gemma4(LayerwiseFamily):
                 k, v = cache.layer(i)  # [B, KV, hd, S], [B, KV, S, hd]
             else:
                 k = jnp.swapaxes(k, 2, 3)
-            shared[i] = (k, v)
+            if not isinstance(i, LayerRef):  # (a scanned pass has a cache: its kv-shared layers read that)
+                shared[i] = (k, v)
         elif cache is not None:
             k, v = cache.layer(src)  # its source wrote this forward's keys first (or, in a partial pass, did not)
         elif src in shared:
@@ -297,9 +290,8 @@ class Gemma4(LayerwiseFamily):
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp
 
-        i = int(layer_idx)
         norm = lambda y, w: gemma4_norm(y, w, cfg.rms_norm_eps)  # noqa: E731
-        a, cache = self.attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, i, write_at)
+        a, cache = self.attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, layer_idx, write_at)
         x = x + norm(a, lp["post_attn_norm"])
         m = glu_mlp(cfg, lp, norm(x, lp["mlp_norm"]), fused)
         if cfg.num_experts:
@@ -311,7 +303,7 @@ class Gemma4(LayerwiseFamily):
                 raise ValueError("gemma4: this model's layers need their per-layer inputs (a forward from tokens)")
             from pdecode.model.transformer import activation, linear
 
-            g = activation(cfg, linear(x, lp["ple_gate"])) * inputs[:, :, i].astype(x.dtype)
+            g = activation(cfg, linear(x, lp["ple_gate"])) * inputs[:, :, layer_index(layer_idx)].astype(x.dtype)
             x = x + norm(linear(g, lp["ple_proj"]), lp["ple_norm"])
         return x * lp["layer_scalar"].astype(x.dtype), cache
 
