@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import pdecode
-from pdecode.model.transformer import num_params
 from pdecode.checkpoint.safetensors_io import read_safetensors
 
 ZOO = pdecode.zoo_dir()
@@ -24,8 +23,8 @@ def draft():
 
 
 def test_sizes_and_format(target, draft):
-    assert 4e6 <= num_params(target) <= 10e6
-    assert 0.5e6 <= num_params(draft) <= 1e6
+    assert 4e6 <= target.num_params() <= 10e6
+    assert 0.5e6 <= draft.num_params() <= 1e6
     assert target.cfg.max_position_embeddings >= 512
     total = 0
     for name in ("code-target", "code-draft"):

@@ -19,8 +19,8 @@ Experts. Sigmoid router scores; the choice adds a learned per-expert bias (``e_s
 only the ``topk_group`` best of ``n_group`` groups (a group scores the sum of its two best); the chosen experts
 weigh their unbiased scores, renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``; shared experts
 (``n_shared_experts`` x moe_intermediate_size, no gate) run beside them. The first ``first_k_dense_replace`` layers
-have a dense MLP instead, so the blocks differ in shape and the params are a tuple of per-layer dicts
-(`transformer.DecodeLayers`) as Gemma 4's.
+have a dense MLP instead, so the blocks differ in shape: the params are `groups.LayerGroups`, the dense layers stacked
+and scanned as one group and the sparse ones as another (V3: 3 and 58).
 
 Released weights are fp8 (e4m3) with one scale per 128 x 128 block (``weight_scale_inv``): dequantized as they are
 read (`pdecode.checkpoint.safetensors_io.CheckpointTensors`). The checkpoint's MTP layer(s)

@@ -90,9 +90,8 @@ class Gemma(Family):
         from pdecode.model.transformer import ParamSpec, llama_layer_specs
 
         s = llama_layer_specs(cfg, num_layers)
-        for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
-            if k in s:
-                s[k] = ParamSpec(s[k].shape, s[k].axes, "zeros")
+        for k in ("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if cfg.qk_norm else ()):
+            s[k] = ParamSpec(s[k].shape, s[k].axes, "zeros")  # (Gemma's norms multiply by 1 + w)
         if self.sandwich(cfg):
             s["post_attn_norm"] = ParamSpec((num_layers, cfg.hidden_size), ("layers", None), "zeros")
             s["post_mlp_norm"] = ParamSpec((num_layers, cfg.hidden_size), ("layers", None), "zeros")

@@ -12,9 +12,11 @@ layer may add a mixture of experts beside its dense MLP (``enable_moe_block``: i
 normalised residual with a learned scale and per-expert scales), and ends scaled by ``layer_scalar``. RMSNorm
 multiplies by the plain weight.
 
-Since its layers differ in shape, the params of a Gemma 4 network are a tuple of per-layer dicts
-(`transformer.DecodeLayers`), also in the canonical layout, and its cache holds one buffer per layer of the
-layer's own shape (none for kv-shared layers).
+Its layers differ in shape, but in runs that repeat (e.g. five sliding and one full layer, ten times; the kv-shared
+tail): the params are `groups.LayerGroups`, each run stacked and scanned, and the KV cache is grouped alike (one
+stacked buffer per position of a group, of that position's shape; none for kv-shared layers, which read their
+source's). A shallow network's decode layout unrolls it into per-layer dicts (`transformer.DecodeLayers`) with one
+cache buffer per layer.
 """
 
 from __future__ import annotations
