@@ -226,7 +226,7 @@ def _canvas_costs(cfg, params, mesh, batch: int, max_len: int, cache_dtype) -> d
     import jax
     import jax.numpy as jnp
 
-    from pdecode.model import block_diffusion as bd
+    from pdecode.model.families import diffusion_gemma as bd
     from pdecode.sharding import batch_sharding, constrain_cache
 
     L = cfg.canvas_length

@@ -110,7 +110,7 @@ class ModelConfig:
     causal: bool = True  # False: bidirectional (masked diffusion models)
     # block diffusion in an encoder-decoder layout (DiffusionGemma): the network encodes the prompt and each committed
     # canvas causally into the KV cache, and denoises a canvas of ``canvas_length`` tokens that attends to itself and
-    # to that cache (`pdecode.model.block_diffusion`); 0: not such a model
+    # to that cache (`pdecode.model.families.diffusion_gemma`); 0: not such a model
     canvas_length: int = 0
     diffusion_shift: bool = False  # Dream: logits at i - 1 predict the token at i
     layout: str = "hf"  # tensor naming of the source checkpoint: "hf" (transformers) or "llada"

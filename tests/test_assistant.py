@@ -1,4 +1,4 @@
-"""Gemma 4 assistants (`pdecode.model.assistant`, `method="assistant"`) against transformers'
+"""Gemma 4 assistants (`pdecode.model.families.gemma4_assistant`, `method="assistant"`) against transformers'
 Gemma4AssistantForCausalLM and assisted generation, on tiny random target / assistant pairs saved by transformers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import pdecode
 from pdecode.errors import CheckpointError
 from pdecode.checkpoint import assistant_io
-from pdecode.model import assistant as A
+from pdecode.model.families import gemma4_assistant as A
 from pdecode.model import cache as kvc
 from pdecode.model.attention import cache_mask, causal_intra
 from pdecode.model.transformer import forward

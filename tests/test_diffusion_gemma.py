@@ -15,7 +15,7 @@ import torch
 import pdecode
 from pdecode.model.family import config_from_hf
 from pdecode.errors import InputError
-from pdecode.model import block_diffusion as bd
+from pdecode.model.families import diffusion_gemma as bd
 from pdecode.model import cache as kvc
 from tests.test_speculative import small_vocab  # noqa: F401 (fixture)
 

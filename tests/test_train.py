@@ -332,7 +332,7 @@ def test_block_diffusion_objective_trains():
     """The block-diffusion objective trains a tiny DiffusionGemma-layout model on a learnable stream (the canvas
     continues its prefix): the loss falls well below chance, and from a canvas of pure noise (the pad token, greedy
     decoding's noise) one decoder pass after the encoded prefix predicts the continuation."""
-    from pdecode.model import block_diffusion as bd
+    from pdecode.model.families import diffusion_gemma as bd
     from pdecode.model import cache as kvc
     from train.block_dllm import tiny_config
     from train.objectives import block_diffusion_loss

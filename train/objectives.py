@@ -383,7 +383,7 @@ def diffusion_nll_bound(cfg: ModelConfig, mask_id: int, shift: bool = False, lev
 def block_diffusion_loss(cfg: ModelConfig, eps: float = 1e-3, sc_rate: float = 0.5, t_min: float = 0.4,
                          t_max: float = 0.8, pad_rate: float = 0.0):
     """The diffusion objective on a block-diffusion encoder-decoder (DiffusionGemma's layout,
-    `pdecode.model.block_diffusion`): the causal encoder writes each row's prefix (prompt + the gold earlier canvases)
+    `pdecode.model.families.diffusion_gemma`): the causal encoder writes each row's prefix (prompt + the gold earlier canvases)
     into a KV cache; per row t ~ U(eps, 1), each canvas position replaced by a uniform random token with probability
     t (the noise the sampler draws: there is no mask token; for ``pad_rate`` of the rows the pad token instead, the
     noise pdecode's sampler feeds at temperature 0); the decoder predicts the clean canvas from the noisy one
@@ -393,7 +393,7 @@ def block_diffusion_loss(cfg: ModelConfig, eps: float = 1e-3, sc_rate: float = 0
 
     ``batch`` = (prefix [B, P] right-padded, prefix_len [B], canvas [B, L], weights [B, L]). Gradients reach the
     shared layer weights through both passes (the encoder's keys and values, the decoder)."""
-    from pdecode.model import block_diffusion as bd
+    from pdecode.model.families import diffusion_gemma as bd
     from pdecode.model import cache as kvc
 
     bd.check(cfg)

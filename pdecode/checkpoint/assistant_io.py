@@ -1,4 +1,4 @@
-"""Reading a Gemma 4 assistant's checkpoint (``gemma4_assistant``; the network is `pdecode.model.assistant`)."""
+"""Reading a Gemma 4 assistant's checkpoint (``gemma4_assistant``; the network is `pdecode.model.families.gemma4_assistant`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pdecode.checkpoint.hf import tensors_to_params
 from pdecode.checkpoint.safetensors_io import read_checkpoint_dir
 from pdecode.config import ModelConfig
 from pdecode.errors import CheckpointError
-from pdecode.model import assistant as A
+from pdecode.model.families import gemma4_assistant as A
 
 
 def is_assistant_dir(path: Path) -> bool:

@@ -1,4 +1,4 @@
-"""Drafting with a Gemma 4 assistant (`pdecode.model.assistant`): a chain of ``gamma`` tokens per step, or an
+"""Drafting with a Gemma 4 assistant (`pdecode.model.families.gemma4_assistant`): a chain of ``gamma`` tokens per step, or an
 EAGLE-2 dynamic tree (``tree_top_k`` > 1).
 
 The assistant keeps no state of its own: each step it reads the target's KV cache (its committed tokens) and the
@@ -25,7 +25,7 @@ from pdecode.decode import common
 from pdecode.decode import tree as tree_lib
 from pdecode.decode.speculative import Context, Drafter, Proposal
 from pdecode.decode.verify import Rule, rule_for
-from pdecode.model import assistant as A
+from pdecode.model.families import gemma4_assistant as A
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Canvas after canvas until every row has an EOS or ``canvases`` are written (the outer `lax.while_loop`); inside
 a canvas, denoising steps until every row's canvas is stable and confident or ``steps`` ran (the inner one):
 
-1. the decoder (`pdecode.model.block_diffusion.denoise`) predicts every canvas position from the current canvas,
+1. the decoder (`pdecode.model.families.diffusion_gemma.denoise`) predicts every canvas position from the current canvas,
    the encoded prompt and earlier canvases, and the previous step's logits (self-conditioning);
 2. the logits are divided by the step's temperature ``T = t_min + (t_max - t_min) * r / steps`` (r = steps left,
    ``steps`` .. 1), and each position draws a token from them (at ``temperature`` 0: its argmax);
@@ -37,7 +37,7 @@ from pdecode import sampling
 from pdecode.config import ModelConfig
 from pdecode.decode import common
 from pdecode.errors import InputError
-from pdecode.model import block_diffusion as bd
+from pdecode.model.families import diffusion_gemma as bd
 from pdecode.model import cache as kvc
 from pdecode.model.transformer import decode_layout, unrolled
 from pdecode.sharding import constrain_vocab

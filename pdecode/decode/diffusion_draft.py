@@ -214,7 +214,7 @@ class BlockDiffusionDrafter(DiffusionDrafter):
 
     def init(self, dparams, tparams, prompt_BP, plen_B, prefill_out, max_len, cache_dtype=jnp.float32,
              shared_prefix: int = 0):
-        from pdecode.model import block_diffusion as bd
+        from pdecode.model.families import diffusion_gemma as bd
 
         b = prompt_BP.shape[0]
         cache = kvc.init_cache(self.dcfg, b, max_len, cache_dtype, per_layer=unrolled(dparams))
@@ -224,7 +224,7 @@ class BlockDiffusionDrafter(DiffusionDrafter):
                               prev=jnp.full((b, g), self.mask_id, jnp.int32), prev_shift=jnp.full((b,), g, jnp.int32))
 
     def _draft_block(self, dparams, st: DiffDraftState, ctx: Context):
-        from pdecode.model import block_diffusion as bd
+        from pdecode.model.families import diffusion_gemma as bd
 
         g, steps = self.gamma, self.steps
         cache = st.cache

@@ -24,7 +24,9 @@ from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import CausalSelfMask, attend
 from pdecode.model.family import family_of
-from pdecode.model.groups import LayerGroups, LayerRef, layer_index
+from pdecode.model.groups import LayerGroups, LayerRef
+from pdecode.model.layers.attention import (  # noqa: F401  (importable from here too)
+    Attention, _qkv, attention_for, key_length, self_attention, window_mask)
 # the shared layers, importable from here too (the names the families and the decode loops have always used)
 from pdecode.model.layers.linear import linear
 from pdecode.model.layers.mlp import activation, glu_mlp
@@ -191,76 +193,6 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> Params:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def key_length(mask) -> int:
-    """The number of key slots a mask covers (static): a plain pass's T, a cached pass's cache length."""
-    return (mask.mask if isinstance(mask, CausalSelfMask) else mask).shape[-1]
-
-
-def window_mask(mask, positions_BT: jax.Array, window: int):
-    """``mask`` with the keys a sliding window of ``window`` hides removed: key slot s (= its position, in a cache
-    and in a cache-less pass) is visible to a query at position p when s > p - window (transformers' rule). A
-    `CausalSelfMask` stays one."""
-    if isinstance(mask, CausalSelfMask):
-        return CausalSelfMask(window_mask(mask.mask, positions_BT, window), mask.blocks)
-    s = jnp.arange(mask.shape[-1])
-    return mask & (s[None, None, :] > positions_BT[:, :, None] - window)
-
-
-class Attention(NamedTuple):
-    """What the layers of one forward attend with, built once per forward (`attention_for`): the rope and mask of
-    each layer kind and which kind each layer is (static). Families read it through `for_layer`."""
-
-    rope: tuple[jax.Array, jax.Array]
-    mask: Any
-    rope_local: tuple[jax.Array, jax.Array] | None
-    mask_local: Any
-    sliding: tuple[bool, ...]
-    # a family's per-forward data (`Family.layer_inputs`, e.g. Gemma 4's per-layer inputs) and scratch its blocks
-    # share within the forward (a kv-shared layer's source keys and values); None for most families
-    extra: Any = None
-
-    def for_layer(self, i):
-        """(rope, mask) of layer ``i`` (a static int, a traced one under `lax.scan`, or a `LayerRef`: its static
-        representative has the same kind)."""
-        if isinstance(i, LayerRef):
-            i = i.rep
-        if self.mask_local is None:
-            return self.rope, self.mask
-        rope_l = self.rope if self.rope_local is None else self.rope_local
-        if isinstance(i, (int, np.integer)):
-            return (rope_l, self.mask_local) if self.sliding[i] else (self.rope, self.mask)
-        if all(self.sliding):
-            return rope_l, self.mask_local
-        sel = jnp.asarray(self.sliding)[i]
-        pick = lambda a, b: jnp.where(sel, a, b)  # noqa: E731
-        mask = jax.tree.map(pick, self.mask_local, self.mask)
-        if isinstance(self.mask, CausalSelfMask):
-            mask = CausalSelfMask(mask.mask, self.mask.blocks)
-        return jax.tree.map(pick, rope_l, self.rope), mask
-
-
-def attention_for(cfg: ModelConfig, positions_BT: jax.Array, mask_BTS, tables=None, layer_ids=None,
-                  layer_inputs=None) -> Attention:
-    """The `Attention` of a forward: ``mask`` is the full-attention mask the caller built; the sliding layers' mask
-    and rope are derived here (windows never come from the caller). ``tables``: the decode layout's rope tables
-    (`decode_layout`; a dict with "global" and maybe "local" / "global_long"), else computed. A longrope model
-    rotates with its long factors when the mask's key length (the positions the call holds) exceeds the original
-    context (`config.rope_long`): one static choice per compiled call, the same in every forward of a decode."""
-    tables = tables or {}
-    if isinstance(tables, tuple):  # a bare table (the global one)
-        tables = {"global": tables}
-    kinds = tuple(k == "sliding" for k in cfg.layer_kinds())
-    ids = range(len(kinds)) if layer_ids is None else layer_ids
-    any_sliding = any(kinds[i] for i in ids)
-    long = rope_long(cfg, key_length(mask_BTS))
-    rope = rope_tables(cfg, positions_BT, tables.get("global_long" if long else "global"), long=long)
-    rope_l = rope_tables(cfg, positions_BT, tables.get("local"), local=True) \
-        if any_sliding and has_local_rope(cfg) else None
-    mask_l = window_mask(mask_BTS, positions_BT, cfg.sliding_window) if any_sliding else None
-    extra = None if cfg.uniform_layers and layer_inputs is None else {"inputs": layer_inputs, "kv": {}}
-    return Attention(rope, mask_BTS, rope_l, mask_l, kinds, extra)
-
-
 def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) -> jax.Array:
     x = jnp.take(params["embed"], tokens_BT, axis=0)
     if cfg is not None:
@@ -296,59 +228,6 @@ class ForwardOut(NamedTuple):
     layer_hidden: jax.Array | None  # [n, B, T, D] outputs of the requested layers (before the final norm)
 
 
-def _qkv(cfg: ModelConfig, lp: Params, h: jax.Array, rope, fused: bool, norm=None):
-    """q [B,T,H,hd], k, v [B,T,KV,hd] with q/k norms (``norm``, the family's; default RMSNorm) and RoPE applied;
-    ``fused``: lp holds wqkv."""
-    b, t, _ = h.shape
-    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if fused:  # decode layout: one matmul for q, k and v
-        qkv = linear(h, lp["wqkv"])
-        if cfg.attention_bias:
-            qkv = qkv + lp["bqkv"]
-        v = qkv[..., (H + KV) * hd:].reshape(b, t, KV, hd)
-        qk = qkv[..., : (H + KV) * hd].reshape(b, t, H + KV, hd)
-        if not cfg.qk_norm:  # rotate q and k heads in one pass
-            qk = rotate(cfg, qk, rope)
-            return qk[:, :, :H], qk[:, :, H:], v
-        q, k = qk[:, :, :H], qk[:, :, H:]
-    else:
-        q = linear(h, lp["wq"], "btd,dhk->bthk")
-        k = linear(h, lp["wk"], "btd,dhk->bthk")
-        v = linear(h, lp["wv"], "btd,dhk->bthk")
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    if cfg.qk_norm:
-        norm = norm or (lambda x, w: rms_norm(x, w, cfg.rms_norm_eps))
-        q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
-    return rotate(cfg, q, rope), rotate(cfg, k, rope), v
-
-
-def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
-                   write_at: jax.Array | None, fused: bool = False, norm=None):
-    """The attention sublayer every family shares, on the normed input ``h``: q/k/v (biases and q/k norms as lp
-    holds), this layer's rope and mask from ``att``, the cache write and read, the config's score scale and softcap,
-    the output projection. Returns (out [B,T,D], cache)."""
-    b, t, _ = h.shape
-    rope, mask = att.for_layer(layer_idx)
-    q, k, v = _qkv(cfg, lp, h, rope, fused, norm)
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, T, hd]
-    if cache is not None:
-        cache = kvc.write_layer(cache, layer_index(layer_idx), k, v, write_at)
-        k, v = cache.layer(layer_index(layer_idx))  # [B, KV, hd, S], [B, KV, S, hd]
-    else:
-        k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
-    fam = family_of(cfg)
-    a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-               sinks=lp["sinks"] if fam.attention_sinks else None)
-    if fused:  # decode layout: wo [H*hd, D]
-        out = linear(a.reshape(b, t, -1), lp["wo"])
-    else:
-        out = linear(a, lp["wo"], "bthk,hkd->btd")
-    if fam.output_bias:
-        out = out + lp["bo"]
-    return out, cache
-
-
 def llama_block(cfg: ModelConfig, lp: Params, x: jax.Array, att: Attention, cache: kvc.KVCache | None, layer_idx,
                 write_at: jax.Array | None, fused: bool = False):
     """The pre-norm Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
@@ -370,6 +249,10 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
     `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
     (x, cache, layer_hidden). ``layer_inputs``: the family's per-forward inputs (`Family.layer_inputs`)."""
+    if cache is None and cfg.kv_shared_layers:  # kv-shared layers read their sources' keys from a cache: this pass's
+        c, w, m = pass_cache(cfg, layers, x_BTD, mask_BTS)
+        x_BTD, _, hid = run_layers(cfg, layers, x_BTD, positions_BT, m, c, w, hidden_layers, rope_table, layer_inputs)
+        return x_BTD, None, hid
     att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_inputs=layer_inputs)
     if isinstance(layers, DecodeLayers):
         num_layers = len(layers)
@@ -407,14 +290,6 @@ def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: At
     """`run_layers` over `LayerGroups`: one `lax.scan` per group over its repeats, the period's blocks unrolled in the
     body (each given a `LayerRef`); a group of one repeat runs its blocks with static indices."""
     num_layers = layers.num_layers
-    if cache is None and cfg.kv_shared_layers:  # kv-shared layers read their source's keys from this very pass
-        lays = layers.per_layer()  # (`Attention.extra`): every block with its static index
-        hid = []
-        for i, lp in enumerate(lays):
-            x_BTD, _ = _block(cfg, lp, x_BTD, att, None, i, write_at_B)
-            hid.append(x_BTD)
-        sel = [hid[layer % num_layers] for layer in hidden_layers]
-        return x_BTD, None, (jnp.stack(sel) if sel else None)
     n_hid = len(hidden_layers)
     slot_of = np.full((num_layers,), n_hid, np.int32)
     for s, layer in enumerate(hidden_layers):
@@ -445,6 +320,15 @@ def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: At
     return x_BTD, cache, hid
 
 
+def pass_cache(cfg: ModelConfig, layers, x_BTD: jax.Array, mask_BTS):
+    """(cache, write offsets, mask) for a pass without a KV cache whose kv-shared layers read their sources' keys
+    from one: a cache of the pass's own T tokens (slot t holds token t, as the keys of a cache-less pass are laid
+    out), in the activations' dtype and the layers' layout; the pass then runs cached and drops it."""
+    b, t = x_BTD.shape[:2]
+    cache = kvc.init_cache(cfg, b, t, x_BTD.dtype, per_layer=isinstance(layers, DecodeLayers))
+    return cache, jnp.zeros((b,), jnp.int32), mask_BTS.mask if isinstance(mask_BTS, CausalSelfMask) else mask_BTS
+
+
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
             cache: kvc.KVCache | None = None, write_at_B: jax.Array | None = None,
             hidden_layers: tuple[int, ...] = ()) -> ForwardOut:
@@ -473,6 +357,15 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
     """Run only the blocks ``ids`` (static, increasing) of a stack, each writing its own layer of ``cache``.
     Returns (x, cache, the hidden state entering block ``capture``, i.e. after the ids below it; None unless asked).
     Self-speculation drafts with a subset of the target's layers and verifies with the rest through this."""
+    if cache is None and cfg.kv_shared_layers:  # as `run_layers`: the pass's own cache, each source in the pass
+        missing = sorted({cfg.kv_source(i) for i in ids} - set(ids))
+        if missing:
+            raise ValueError(f"{cfg.family}: layers {[i for i in ids if cfg.kv_source(i) in missing]} attend with the "
+                             f"keys and values of layers {missing}; run those in the same pass")
+        c, w, m = pass_cache(cfg, layers, x_BTD, mask_BTS)
+        x_BTD, _, cap = run_layer_ids(cfg, layers, x_BTD, positions_BT, m, c, w, ids, capture, rope_table,
+                                      layer_inputs)
+        return x_BTD, None, cap
     att = attention_for(cfg, positions_BT, mask_BTS, rope_table, layer_ids=ids, layer_inputs=layer_inputs)
     groups = [tuple(i for i in ids if capture is None or i < capture)]
     if capture is not None:

@@ -244,7 +244,6 @@ class Gemma4(LayerwiseFamily):
         rope, mask = att.for_layer(i)
         q = apply_rope(gemma4_norm(linear(h, lp["wq"], "btd,dhk->bthk"), lp["q_norm"], eps), rope)
         src = cfg.kv_source(rep)  # a kv-shared layer's source is the same for every repeat of its group
-        shared = att.extra["kv"] if att.extra is not None else {}
         given = att.extra.get("given", {}) if att.extra is not None else {}
         if rep in given and not isinstance(i, LayerRef):  # keys and values handed in (an assistant's: its target's)
             k, v = given[i]
@@ -259,15 +258,10 @@ class Gemma4(LayerwiseFamily):
                 k, v = cache.layer(i)  # [B, KV, hd, S], [B, KV, S, hd]
             else:
                 k = jnp.swapaxes(k, 2, 3)
-            if not isinstance(i, LayerRef):  # (a scanned pass has a cache: its kv-shared layers read that)
-                shared[i] = (k, v)
-        elif cache is not None:
-            k, v = cache.layer(src)  # its source wrote this forward's keys first (or, in a partial pass, did not)
-        elif src in shared:
-            k, v = shared[src]
+        elif cache is not None:  # its source wrote this forward's keys first (a pass without a cache gets one of its
+            k, v = cache.layer(src)  # own tokens: `transformer.pass_cache`)
         else:
-            raise ValueError(f"gemma4: layer {i} attends with layer {src}'s keys and values; run layer {src} in the "
-                             "same pass")
+            raise ValueError(f"gemma4: layer {rep} attends with layer {src}'s keys and values from a KV cache")
         a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=1.0)
         return linear(a, lp["wo"], "bthk,hkd->btd"), cache
 
@@ -275,7 +269,7 @@ class Gemma4(LayerwiseFamily):
         """The experts beside the dense MLP: routed from the residual (RMS-normalised, x scale / sqrt(D)), softmax
         over all, top k renormalised, times each chosen expert's scale; the experts read the residual normed by
         pre_moe_norm."""
-        from pdecode.model.families.moe import run_experts
+        from pdecode.model.layers.experts import run_experts
         from pdecode.model.transformer import linear
 
         b, t, d = res_BTD.shape

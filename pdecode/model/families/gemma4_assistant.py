@@ -156,7 +156,7 @@ def step(ap, acfg: AssistantConfig, tcfg: ModelConfig, tparams, tok_B: jax.Array
     store = store_layers(tcfg)
     given = {i: tcache.layer(store[k]) for i, k in enumerate(kinds)}
     att = Attention(rope_tables(c, pos), full, rope_tables(c, pos, local=True), win,
-                    tuple(k == "sliding" for k in kinds), {"inputs": None, "kv": {}, "given": given})
+                    tuple(k == "sliding" for k in kinds), {"inputs": None, "given": given})
     for i, lp in enumerate(ap["layers"]):
         x, _ = GEMMA4.block(c, lp, x, att, None, i, None, False)
     h = final_norm({"final_norm": ap["final_norm"]}, c, x)
