@@ -196,21 +196,22 @@ def _load_builtin() -> None:
             importlib.import_module(mod)
 
 
+def _registered(name, unknown: str) -> Family:
+    """The family registered under ``name``, or a ConfigError: ``unknown`` followed by the names known."""
+    _load_builtin()
+    if name not in FAMILIES:
+        raise ConfigError(f"{unknown}{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
 def family_for_model_type(model_type: str | None) -> Family:
     """The family registered for an HF ``model_type``, or a ConfigError listing the supported ones."""
-    _load_builtin()
-    if model_type not in FAMILIES:
-        raise ConfigError(f"unsupported model_type {model_type!r} in config.json; pdecode loads "
-                          f"{', '.join(sorted(FAMILIES))} (and llada, dream)")
-    return FAMILIES[model_type]
+    return _registered(model_type, f"unsupported model_type {model_type!r} in config.json; pdecode loads ")
 
 
 def family_of(cfg) -> Family:
     """The family of a config (`ModelConfig.family`), or a ConfigError listing the known ones."""
-    _load_builtin()
-    if cfg.family not in FAMILIES:
-        raise ConfigError(f"unknown family {cfg.family!r}; expected one of {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[cfg.family]
+    return _registered(cfg.family, f"unknown family {cfg.family!r}; expected one of ")
 
 
 def supported() -> list[str]:
@@ -265,6 +266,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     fam.config_from_hf(model_type, hf, cfg_kw)
     return ModelConfig(**cfg_kw)
 
+
 def _from_llada(hf: dict[str, Any]) -> ModelConfig:
     try:
         d, heads, layers = int(hf["d_model"]), int(hf["n_heads"]), int(hf["n_layers"])
@@ -274,13 +276,15 @@ def _from_llada(hf: dict[str, Any]) -> ModelConfig:
     vocab = int(hf.get("embedding_size") or hf["vocab_size"])
     eos = hf.get("eos_token_id")
     return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_layers=layers, num_heads=heads,
-               num_kv_heads=int(hf.get("n_kv_heads") or heads), head_dim=d // heads, family="llama",
-               max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
-               rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-               tie_word_embeddings=bool(hf.get("weight_tying", False)), causal=False,
-               eos_token_ids=(int(eos),) if eos is not None else (), pad_token_id=hf.get("pad_token_id"),
-               mask_token_id=hf.get("mask_token_id", 126336), layout="llada",
-               dtype=str(hf.get("torch_dtype") or "float32"))
+                       num_kv_heads=int(hf.get("n_kv_heads") or heads), head_dim=d // heads, family="llama",
+                       max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
+                       rope_theta=float(hf.get("rope_theta", 10000.0)),
+                       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                       tie_word_embeddings=bool(hf.get("weight_tying", False)), causal=False,
+                       eos_token_ids=(int(eos),) if eos is not None else (), pad_token_id=hf.get("pad_token_id"),
+                       mask_token_id=hf.get("mask_token_id", 126336), layout="llada",
+                       dtype=str(hf.get("torch_dtype") or "float32"))
+
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A config.json dictionary that `transformers` loads (AutoConfig / AutoModelForCausalLM)."""
@@ -315,6 +319,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["pdecode_causal"] = False
         out["pdecode_diffusion_shift"] = cfg.diffusion_shift
     return out
+
 
 def load_config(path: str | Path) -> ModelConfig:
     """The config of a model directory (its config.json) or of a config.json file."""

@@ -265,12 +265,8 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     if isinstance(layers, LayerGroups):
         return _run_groups(cfg, layers, x_BTD, att, cache, write_at_B, hidden_layers)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    n_hid = len(hidden_layers)
-    slot_of = np.full((num_layers,), n_hid, np.int32)
-    for i, layer in enumerate(hidden_layers):
-        slot_of[layer % num_layers] = i
+    slot_of, hid0 = _hidden_slots(hidden_layers, num_layers, x_BTD)
     slot_of = jnp.asarray(slot_of)
-    hid0 = jnp.zeros((n_hid,) + x_BTD.shape, x_BTD.dtype) if n_hid else None
 
     def body(carry, xs):
         x, c, hid = carry
@@ -285,16 +281,22 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     return x, cache, hid
 
 
-def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: Attention, cache, write_at_B,
-                hidden_layers: tuple[int, ...]):
-    """`run_layers` over `LayerGroups`: one `lax.scan` per group over its repeats, the period's blocks unrolled in the
-    body (each given a `LayerRef`); a group of one repeat runs its blocks with static indices."""
-    num_layers = layers.num_layers
+def _hidden_slots(hidden_layers: tuple[int, ...], num_layers: int, x_BTD: jax.Array):
+    """(slot of each layer's output in the buffer, numpy: ``len(hidden_layers)`` for a layer not asked for; the
+    zeroed buffer [n, B, T, D], or None) of a scanned forward that returns the outputs of ``hidden_layers``."""
     n_hid = len(hidden_layers)
     slot_of = np.full((num_layers,), n_hid, np.int32)
     for s, layer in enumerate(hidden_layers):
         slot_of[layer % num_layers] = s
-    hid = jnp.zeros((n_hid,) + x_BTD.shape, x_BTD.dtype) if n_hid else None
+    return slot_of, (jnp.zeros((n_hid,) + x_BTD.shape, x_BTD.dtype) if n_hid else None)
+
+
+def _run_groups(cfg: ModelConfig, layers: LayerGroups, x_BTD: jax.Array, att: Attention, cache, write_at_B,
+                hidden_layers: tuple[int, ...]):
+    """`run_layers` over `LayerGroups`: one `lax.scan` per group over its repeats, the period's blocks unrolled in the
+    body (each given a `LayerRef`); a group of one repeat runs its blocks with static indices."""
+    slot_of, hid = _hidden_slots(hidden_layers, layers.num_layers, x_BTD)
+    n_hid = len(hidden_layers)
     for group, plan in zip(layers, layers.plan):
         if plan.count == 1:
             for u, lp in enumerate(group):

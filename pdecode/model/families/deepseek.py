@@ -38,8 +38,6 @@ from pdecode.model.layers.latent import (  # noqa: F401  (importable from the fa
     latent_attention, mla_expanded, rope_pairs)
 from pdecode.model.families.llama import check_act
 
-_NEG = -1e30
-
 
 def routing_from_hf(model_type: str, hf: dict, kw: dict) -> None:
     """DeepSeek-V3's expert fields (GLM-4.5 shares them) into ``kw``."""
@@ -149,14 +147,14 @@ class DeepseekV3(LayerwiseFamily):
         """Latent attention of layer ``i`` on the normed input (`layers.latent.latent_attention`)."""
         return latent_attention(cfg, lp, h, att, cache, i, write_at, form)
 
-    def moe(self, cfg, lp, h_BTD, shared: bool = True):
+    def moe(self, cfg, lp, h_BTD):
         from pdecode.model.transformer import glu_mlp
 
         b, t, d = h_BTD.shape
         x = h_BTD.reshape(b * t, d)
         w, idx = route_grouped(cfg, lp, x)
         out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
-        return out + glu_mlp(cfg, lp, h_BTD, False) if shared else out
+        return out + glu_mlp(cfg, lp, h_BTD, False) if cfg.shared_expert_size else out
 
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp, rms_norm
@@ -166,7 +164,7 @@ class DeepseekV3(LayerwiseFamily):
         x = x + a
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         if cfg.moe_layer(static_layer(layer_idx)):
-            return x + self.moe(cfg, lp, h, shared=bool(cfg.shared_expert_size)), cache
+            return x + self.moe(cfg, lp, h), cache
         return x + glu_mlp(cfg, lp, h, False), cache
 
     # -------------------------------------------------------------------------------- checkpoints

@@ -9,13 +9,11 @@ import jax.numpy as jnp
 
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
-from pdecode.model.attention import CausalSelfMask
+from pdecode.model.attention import _NEG, CausalSelfMask
 from pdecode.model.groups import layer_index
 from pdecode.model.layers.linear import linear
 from pdecode.model.layers.norms import rms_norm
 from pdecode.model.layers.rope import apply_rope
-
-_NEG = -1e30
 
 
 def mla_expanded(cfg, t: int, s: int) -> bool:
@@ -55,7 +53,7 @@ def latent_attention(cfg, lp, h, att, cache, i, write_at, form: str | None = Non
         raise ConfigError(f"attention impl {cfg.attention_impl!r}: latent attention (deepseek_v3) runs its own "
                           "XLA attention; use 'auto' or 'xla'")
     b, t, _ = h.shape
-    H, r, dn, dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim
+    r, dn = cfg.kv_lora_rank, cfg.qk_nope_dim
     rope, mask = att.for_layer(i)
     if isinstance(mask, CausalSelfMask):
         mask = mask.mask
