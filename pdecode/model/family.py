@@ -196,22 +196,23 @@ def _load_builtin() -> None:
             importlib.import_module(mod)
 
 
-def _registered(name, unknown: str) -> Family:
-    """The family registered under ``name``, or a ConfigError: ``unknown`` followed by the names known."""
+def _registered(name, unknown) -> Family:
+    """The family registered under ``name``, or a ConfigError whose message ``unknown(known names)`` gives."""
     _load_builtin()
     if name not in FAMILIES:
-        raise ConfigError(f"{unknown}{', '.join(sorted(FAMILIES))}")
+        raise ConfigError(unknown(", ".join(sorted(FAMILIES))))
     return FAMILIES[name]
 
 
 def family_for_model_type(model_type: str | None) -> Family:
     """The family registered for an HF ``model_type``, or a ConfigError listing the supported ones."""
-    return _registered(model_type, f"unsupported model_type {model_type!r} in config.json; pdecode loads ")
+    return _registered(model_type, lambda known: f"unsupported model_type {model_type!r} in config.json; pdecode "
+                                                 f"loads {known} (and llada, dream)")
 
 
 def family_of(cfg) -> Family:
     """The family of a config (`ModelConfig.family`), or a ConfigError listing the known ones."""
-    return _registered(cfg.family, f"unknown family {cfg.family!r}; expected one of ")
+    return _registered(cfg.family, lambda known: f"unknown family {cfg.family!r}; expected one of {known}")
 
 
 def supported() -> list[str]:
