@@ -536,7 +536,7 @@ def run(args) -> int:
     if getattr(args, "tune_dico", False):
         tune_dico(m, max(args.gen_lengths), max(args.batch), args.out)
         return 0
-    block = bool(m.cfg.canvas_length)
+    block = bool(m.cfg.arch.canvas_length)
     samplers = args.samplers or (list(BLOCK_SAMPLERS) if block else [s for s in SAMPLERS if not s.startswith("bd-")])
     wrong = [s for s in samplers if s in SAMPLERS and s.startswith("bd-") != block]
     if wrong:

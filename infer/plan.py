@@ -18,7 +18,13 @@ import argparse
 import json
 import os
 import sys
+from pdecode.model.families.deepseek import DeepseekArch
+from pdecode.model.families.diffusion_gemma import DiffusionGemmaArch
+from pdecode.model.families.gemma4 import Gemma4Arch
+from pdecode.model.families.moe import MoEArch
 from pdecode.model.family import config_from_hf
+from pdecode.model.layers.experts import Experts
+from pdecode.model.layers.latent import Latent
 from pdecode.model.transformer import active_params, num_params
 import time
 
@@ -47,26 +53,25 @@ CONFIGS = {
                         num_kv_heads=16, head_dim=256, max_position_embeddings=262144, rope_theta=1000000.0,
                         local_rope_theta=10000.0, family="gemma4_text", qk_norm=True, hidden_act="gelu_tanh",
                         attn_scale=1.0, final_softcap=30.0, sliding_window=1024, tie_word_embeddings=True,
-                        global_head_dim=512, global_kv_heads=4, k_eq_v=True, rope_fraction=0.25,
+                        arch=Gemma4Arch(global_head_dim=512, global_kv_heads=4, k_eq_v=True, rope_fraction=0.25),
                         layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(60))),
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
-                         family="mixtral", num_experts=8, experts_per_tok=2, moe_intermediate_size=14336),
+                         family="mixtral", arch=MoEArch(Experts(8, 2, 14336))),
     "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
                           num_kv_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
-                          family="qwen3_moe", qk_norm=True, num_experts=128, experts_per_tok=8,
-                          moe_intermediate_size=768),
+                          family="qwen3_moe", qk_norm=True, arch=MoEArch(Experts(128, 8, 768))),
     "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94,
                             num_heads=64, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
-                            rope_theta=1000000.0, family="qwen3_moe", qk_norm=True, num_experts=128,
-                            experts_per_tok=8, moe_intermediate_size=1536),
+                            rope_theta=1000000.0, family="qwen3_moe", qk_norm=True,
+                            arch=MoEArch(Experts(128, 8, 1536))),
     "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=36, num_heads=64,
                          num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=150000.0,
                          rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
                                        ("original_max_position_embeddings", 4096), ("rope_type", "yarn"),
                                        ("truncate", False)),
-                         family="gpt_oss", attention_bias=True, num_experts=128, experts_per_tok=4,
-                         moe_intermediate_size=2880, swiglu_limit=7.0, sliding_window=128,
+                         family="gpt_oss", attention_bias=True, sliding_window=128,
+                         arch=MoEArch(Experts(128, 4, 2880, swiglu_limit=7.0)),
                          layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(36))),
     # DeepSeek-V3 / R1 (671B, 37B active): latent attention (kv_lora 512 + a 64-dim rope key cached per token), 256
     # routed experts in 8 groups (4 chosen), 1 shared, the first 3 layers dense; its MTP layer is `--method mtp`
@@ -75,16 +80,18 @@ CONFIGS = {
                         rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 40.0), ("mscale", 1.0),
                                       ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 4096),
                                       ("rope_type", "yarn")),
-                        family="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, v_head_dim=128,
-                        rope_interleave=True, attn_scale=192 ** -0.5 * (0.1 * __import__("math").log(40.0) + 1) ** 2,
-                        num_experts=256, experts_per_tok=8, moe_intermediate_size=2048, shared_expert_size=2048,
-                        router_score="sigmoid", expert_groups=8, groups_per_tok=4, routed_scale=2.5, dense_layers=3),
+                        family="deepseek_v3",
+                        attn_scale=192 ** -0.5 * (0.1 * __import__("math").log(40.0) + 1) ** 2,
+                        arch=DeepseekArch(Experts(256, 8, 2048, shared_expert_size=2048, router_score="sigmoid",
+                                                  expert_groups=8, groups_per_tok=4, routed_scale=2.5, dense_layers=3),
+                                          Latent(kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, v_head_dim=128,
+                                                 rope_interleave=True))),
     # GLM-4.5-Air (106B, 12B active): GQA with q/k/v biases, RoPE over half of each head, 128 experts, 1 shared
     "glm-4.5-air": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_layers=46, num_heads=96,
                         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=1000000.0,
-                        rms_norm_eps=1e-5, family="glm4_moe", attention_bias=True, rotary_dims=64, num_experts=128,
-                        experts_per_tok=8, moe_intermediate_size=1408, shared_expert_size=1408, router_score="sigmoid",
-                        dense_layers=1),
+                        rms_norm_eps=1e-5, family="glm4_moe", attention_bias=True, rotary_dims=64,
+                        arch=MoEArch(Experts(128, 8, 1408, shared_expert_size=1408, router_score="sigmoid",
+                                             dense_layers=1))),
     # DiffusionGemma 26B-A4B (google/diffusiongemma-26B-A4B-it): Gemma 4 26B-A4B's network as a block-diffusion
     # encoder-decoder over canvases of 256. Figures from third-party model cards (not checked against the release):
     # 30 layers (5:1 sliding 1024 / full), hidden 2816, 16 heads, 8 kv heads of 256 (full layers: 512, 2 kv heads,
@@ -93,9 +100,10 @@ CONFIGS = {
                                    num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=262144,
                                    rope_theta=1000000.0, local_rope_theta=10000.0, family="diffusion_gemma",
                                    qk_norm=True, hidden_act="gelu_tanh", attn_scale=1.0, final_softcap=30.0,
-                                   sliding_window=1024, tie_word_embeddings=True, global_head_dim=512,
-                                   global_kv_heads=2, k_eq_v=True, rope_fraction=0.25, num_experts=128,
-                                   experts_per_tok=8, moe_intermediate_size=704, causal=False, canvas_length=256,
+                                   sliding_window=1024, tie_word_embeddings=True, causal=False,
+                                   arch=DiffusionGemmaArch(global_head_dim=512, global_kv_heads=2, k_eq_v=True,
+                                                           rope_fraction=0.25, experts=Experts(128, 8, 704),
+                                                           canvas_length=256),
                                    layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(30))),
 }
 DEFAULT_DRAFT = "llama-3.2-1b"
@@ -229,7 +237,7 @@ def _canvas_costs(cfg, params, mesh, batch: int, max_len: int, cache_dtype) -> d
     from pdecode.model.families import diffusion_gemma as bd
     from pdecode.sharding import batch_sharding, constrain_cache
 
-    L = cfg.canvas_length
+    L = cfg.arch.canvas_length
     cache = _cache_shapes(cfg, batch, max_len, cache_dtype, mesh)
     toks = jax.ShapeDtypeStruct((batch, L), jnp.int32, sharding=batch_sharding(mesh, (batch, L)))
     sc = jax.ShapeDtypeStruct((batch, L, cfg.vocab_size), jnp.float32,
@@ -267,14 +275,14 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     if data * model_ax != devices:
         raise InputError(f"--mesh {data}x{model_ax} does not use --devices {devices}")
     mesh = make_mesh(data, model_ax, devices=jax.devices()[:devices])
-    cfg = model_config(config).replace(activation_dtype=None)
+    cfg = model_config(config).with_run(activation_dtype=None)
     jdt = jnp.dtype(dtype)
     cdt = jnp.dtype(cache_dtype or dtype)
     if max_len > cfg.max_position_embeddings:
         raise InputError(f"--max-len {max_len} exceeds the model's context ({cfg.max_position_embeddings})")
     if method not in ("ar", "sd", "eagle", "mtp", "diffusion"):
         raise InputError(f"plan covers ar, sd, eagle, mtp and diffusion; got {method!r}")
-    if (method == "diffusion") != bool(cfg.canvas_length):
+    if (method == "diffusion") != bool(cfg.arch.canvas_length):
         raise InputError(f"--method diffusion plans a block-diffusion model (such as diffusiongemma-26b-a4b) and a "
                          f"block-diffusion model plans only with it; {config} with {method!r} is neither")
     meth = registry.get(method)
@@ -306,8 +314,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     opts = registry.resolve_options(meth, {**opts, **(options or {})})
     samp = sampling.validate(0.0, 0, 1.0, cfg.vocab_size)
     if method == "diffusion":  # whole canvases after the prompt
-        p = meth.prepare(target, draft, opts, samp, max_new=(max_len - prompt_len) // cfg.canvas_length
-                         * cfg.canvas_length)
+        p = meth.prepare(target, draft, opts, samp, max_new=(max_len - prompt_len) // cfg.arch.canvas_length
+                         * cfg.arch.canvas_length)
     else:
         p = meth.prepare(target, draft, opts, samp)
     max_new = max_len - prompt_len - p.extra_len
@@ -349,7 +357,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     else:
         mem["weights_and_caches"] = held(cfg, params)
     if method == "diffusion":
-        kinds = [("denoise_canvas", cfg, params, cfg.canvas_length), ("encode_canvas", cfg, params, cfg.canvas_length)]
+        kinds = [("denoise_canvas", cfg, params, cfg.arch.canvas_length), ("encode_canvas", cfg, params, cfg.arch.canvas_length)]
 
     def counted(c, w, k):
         """A step by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per weight
@@ -358,7 +366,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         if method == "diffusion":  # a token runs through k of E experts (the other plans count every weight)
             n_w *= active_params(c) / num_params(c)
         heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
-        per_key = (2 * c.kv_lora_rank + c.head_dim) if c.kv_lora_rank else 2 * c.head_dim  # (latent: absorbed form)
+        la = c.arch.latent
+        per_key = (2 * la.kv_lora_rank + c.head_dim) if la is not None else 2 * c.head_dim  # (latent: absorbed form)
         return {"flops": float(2 * n_w * batch / data * k + 2 * batch / data * k * c.num_layers * heads_dev
                                * per_key * max_len), "bytes": float(held(c, w))}
 
@@ -376,7 +385,7 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
             proj[hw] = {"ar_tokens_per_s": None, "fits": mem["total"] <= h["hbm"],
                         "fits_weights_and_caches": mem["weights_and_caches"] <= h["hbm"],
                         "denoise_step_s": t(analytic["denoise_canvas"]),
-                        "tokens_per_s": batch * cfg.canvas_length / canvas_s}
+                        "tokens_per_s": batch * cfg.arch.canvas_length / canvas_s}
             continue
         ar = batch / t(analytic["target_1"])
         row = {"ar_tokens_per_s": ar, "fits": mem["total"] <= h["hbm"],
@@ -399,9 +408,12 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
 def _cache_values(cfg) -> dict:
     """Values the KV cache holds per token (all layers), and what full per-head K and V would hold: for latent
     attention, the latent and rope key against every head's key (nope + rope) and value."""
-    held = sum(cfg.layer_attention(i)[0] * (cfg.layer_attention(i)[1] + cfg.cache_value_dim(i))
+    from pdecode.model.cache import value_dim
+
+    held = sum(cfg.layer_attention(i)[0] * (cfg.layer_attention(i)[1] + value_dim(cfg, i))
                for i in range(cfg.num_layers) if cfg.kv_source(i) == i)
-    full = cfg.num_layers * cfg.num_heads * (cfg.qk_nope_dim + cfg.head_dim + cfg.v_head_dim) if cfg.kv_lora_rank \
+    la = cfg.arch.latent
+    full = cfg.num_layers * cfg.num_heads * (la.qk_nope_dim + cfg.head_dim + la.v_head_dim) if la is not None \
         else held
     return {"held": int(held), "full_kv": int(full), "per_layer_held": int(held // cfg.num_layers),
             "per_layer_full_kv": int(full // cfg.num_layers)}
@@ -445,7 +457,7 @@ def plan_train_heads(config: str, devices: int, kind: str = "eagle", batch: int 
     if batch % (data * accum):
         raise InputError(f"--batch {batch} must be a multiple of the data axis times --accum ({data} x {accum})")
     mesh = make_mesh(data, model_ax, devices=jax.devices()[:devices])
-    cfg = model_config(config).replace(activation_dtype=None)
+    cfg = model_config(config).with_run(activation_dtype=None)
     hcfg, ttt = head_config(kind, cfg)
     r = HeadRecipe("eagle" if kind == "eagle3" else kind, hcfg, TrainConfig(steps=1, accum=accum), seq_len, batch, ttt)
     mp = MeshPlan(mesh, hcfg.specs(cfg), param_specs(cfg), fsdp)

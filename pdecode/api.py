@@ -124,7 +124,7 @@ def load(name_or_path: str | os.PathLike, dtype: str = "auto", mesh=None,
         raise InputError(f"activation_dtype must be one of {', '.join(_DTYPES)}, got {activation_dtype!r}")
     if activation_dtype is not None and activation_dtype != dtype:
         m = load(name_or_path, dtype=dtype, mesh=mesh, indivisible=indivisible)
-        return dataclasses.replace(m, cfg=m.cfg.replace(activation_dtype=activation_dtype), _sharded={})
+        return dataclasses.replace(m, cfg=m.cfg.with_run(activation_dtype=activation_dtype), _sharded={})
     path = resolve_path(name_or_path)
     from pdecode.checkpoint import heads_io
     from pdecode.checkpoint import orbax as orbax_ckpt
@@ -248,7 +248,7 @@ def stored_kv_heads(m: Model) -> tuple:
         take = lambda a, s: jax.lax.slice_in_dim(a, 0, a.shape[s.axes.index("kv_heads")], r,  # noqa: E731
                                                  axis=s.axes.index("kv_heads")) if "kv_heads" in s.axes else a
         params = jax.tree.map(take, params, param_specs(cfg))
-        cfg = cfg.replace(num_kv_heads=src.num_kv_heads, global_kv_heads=src.global_kv_heads)
+        cfg = cfg.replace(num_kv_heads=src.num_kv_heads, arch=src.arch)
     return cfg, params
 
 
@@ -416,7 +416,7 @@ FP8_BACKENDS = ("gpu", "tpu", "cpu")  # where XLA stores and reads float8 buffer
 def resolve_cache_dtype(m: Model, cache_dtype: str | None):
     """The KV caches' dtype: ``cache_dtype``, else the activations' dtype (the params' unless set apart)."""
     if cache_dtype is None:
-        return jnp.dtype(m.cfg.activation_dtype or m.dtype)
+        return jnp.dtype(m.cfg.run.activation_dtype or m.dtype)
     if cache_dtype not in CACHE_DTYPES:
         raise InputError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
     if cache_dtype.startswith("float8") and jax.default_backend() not in FP8_BACKENDS:

@@ -59,7 +59,7 @@ def tie_tolerance(m, logit: float = 0.0) -> float:
     against float32, the error of the top-2 gap reached 0.38 (code-target, 6 layers, logits to 13) and 0.65
     (SmolLM2-135M, 30 layers, logits to 48) of u * z * sqrt(layers): 0.42 nats on SmolLM2, where a fixed 0.05 called
     a 0.059-nat divergence a bug. A confident position (a gap of nats) stays far above it (docs/methods.md)."""
-    dt = str(jnp.dtype(m.cfg.activation_dtype or m.dtype))
+    dt = str(jnp.dtype(m.cfg.run.activation_dtype or m.dtype))
     return max(TIE_TOLERANCE[dt], UNIT_ROUNDOFF[dt] * abs(float(logit)) * float(np.sqrt(m.cfg.num_layers)))
 
 
@@ -91,7 +91,7 @@ def first_divergences(m, prompts, reference: Sequence[Sequence[int]],
     batch = np.zeros((len(contexts), width), np.int32)
     for r, c in enumerate(contexts):
         batch[r, :len(c)] = c  # right padding: a causal pass reads only what lies before each row's last token
-    exact = Model(cfg=m.cfg.replace(activation_dtype="float32"), params=cast_params(m.params, jnp.float32))
+    exact = Model(cfg=m.cfg.with_run(activation_dtype="float32"), params=cast_params(m.params, jnp.float32))
     logits = np.asarray(forward_logits(exact, batch), np.float64)
     for r, (i, p) in enumerate(found):
         lg = logits[r, len(contexts[r]) - 1]  # a gap of logits is the gap of their log-probs

@@ -579,7 +579,7 @@ class Engine:
         full = st.loop
         n_rows = rows or self.slots
         gather = self.kv_pages is None or n_rows * span <= self.kv_pages * self.page_size
-        is_cache = lambda x: isinstance(x, (kvc.KVCache, kvc.PagedKVCache))  # noqa: E731
+        is_cache = kvc.is_cache
         cut = lambda tree: jax.tree.map(lambda c: kvc.head(c, span, gather) if is_cache(c) else c, tree,  # noqa: E731
                                         is_leaf=is_cache)
         put = lambda win: lambda c, p: kvc.put_head(c, p, win) if is_cache(c) else p  # noqa: E731
@@ -754,7 +754,7 @@ class Engine:
         return exe
 
     def _hidden_dtype(self):
-        return jnp.dtype(self.model.cfg.activation_dtype or self.model.dtype)
+        return jnp.dtype(self.model.cfg.run.activation_dtype or self.model.dtype)
 
     def _blank_prefill(self) -> Prefill:
         """A long prompt's empty prefill state (numpy zeros: no device op, nothing compiled)."""

@@ -178,7 +178,7 @@ def kv_repeat(cfg, mesh: Mesh | None) -> int:
     reads kv head h // (H / KV) before, h // (H / (KV r)) after, and the second over r is the first), so outputs
     are unchanged, and each device then holds only the kv head its own query heads read. 1 when not needed or not
     possible (the model axis must be a multiple of the kv heads, and the query heads a multiple of the axis)."""
-    if mesh is None or "model" not in mesh.shape or cfg.kv_lora_rank:  # a latent cache serves every head
+    if mesh is None or "model" not in mesh.shape or cfg.arch.latent is not None:  # a latent cache serves every head
         return 1
     m, kv, h = mesh.shape["model"], cfg.num_kv_heads, cfg.num_heads
     if kv >= m or m % kv or h % m:
@@ -190,16 +190,16 @@ def kv_repeated_cfg(cfg, r: int):
     """``cfg`` with every layer's kv heads repeated ``r`` times (`kv_repeat`; Gemma 4's full layers too)."""
     if r == 1:
         return cfg
-    gkv = cfg.global_kv_heads
-    return cfg.replace(num_kv_heads=cfg.num_kv_heads * r, global_kv_heads=gkv and gkv * r)
+    return cfg.replace(num_kv_heads=cfg.num_kv_heads * r, arch=cfg.arch.repeat_kv_heads(r))
 
 
 def placed_cfg(cfg, mesh: Mesh | None):
     """``cfg`` as placed on ``mesh``: kv heads repeated to the model axis (`kv_repeat`) and, when the model axis
-    splits the experts, ``experts_sharded`` set (the expert path that keeps each device's experts at home)."""
+    splits the experts, ``run.experts_sharded`` set (the expert path that keeps each device's experts at home)."""
     cfg = kv_repeated_cfg(cfg, kv_repeat(cfg, mesh))
     m = mesh.shape.get("model", 1) if mesh is not None else 1
-    return cfg.replace(experts_sharded=bool(cfg.num_experts and m > 1 and cfg.num_experts % m == 0))
+    ex = cfg.arch.experts
+    return cfg.with_run(experts_sharded=bool(ex is not None and m > 1 and ex.num_experts % m == 0))
 
 
 def repeat_kv_heads(params, specs, r: int, shardings=None):

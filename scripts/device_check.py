@@ -75,7 +75,7 @@ def random_model(name: str, layers: int | None, quick: bool):
     from pdecode.model.transformer import init_params, param_specs
     from pdecode.sharding import make_mesh, param_shardings
 
-    cfg = model_config(name).replace(activation_dtype=None, dtype="bfloat16")
+    cfg = model_config(name).with_run(activation_dtype=None).replace(dtype="bfloat16")
     if quick:  # the CPU smoke run: the config's kind, tiny
         cfg = cfg.replace(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16)

@@ -32,17 +32,21 @@ sys.path.insert(0, str(ROOT))
 
 def configs(vocab: int):
     from pdecode.config import ModelConfig
+    from pdecode.model.families.deepseek import DeepseekArch
+    from pdecode.model.families.moe import MoEArch
+    from pdecode.model.layers.experts import Experts
+    from pdecode.model.layers.latent import Latent
 
     common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
-                  max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=None, eos_token_ids=(),
-                  num_experts=8, experts_per_tok=2, moe_intermediate_size=128, shared_expert_size=128,
-                  router_score="sigmoid", expert_groups=4, groups_per_tok=2, routed_scale=2.5, dense_layers=1)
+                  max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=None, eos_token_ids=())
+    experts = Experts(8, 2, 128, shared_expert_size=128, router_score="sigmoid", expert_groups=4, groups_per_tok=2,
+                      routed_scale=2.5, dense_layers=1)
     return {
-        "deepseek_v3": ModelConfig(**common, family="deepseek_v3", num_kv_heads=1, head_dim=16, kv_lora_rank=64,
-                                   q_lora_rank=96, qk_nope_dim=32, v_head_dim=32, rope_interleave=True,
-                                   attn_scale=48 ** -0.5),
+        "deepseek_v3": ModelConfig(**common, family="deepseek_v3", num_kv_heads=1, head_dim=16, attn_scale=48 ** -0.5,
+                                   arch=DeepseekArch(experts, Latent(kv_lora_rank=64, q_lora_rank=96, qk_nope_dim=32,
+                                                                     v_head_dim=32, rope_interleave=True))),
         "glm4_moe": ModelConfig(**common, family="glm4_moe", num_kv_heads=2, head_dim=32, rotary_dims=16,
-                                attention_bias=True),
+                                attention_bias=True, arch=MoEArch(experts)),
     }
 
 

@@ -63,7 +63,7 @@ def _release_executables():
 
 # the fast tier (`pytest -m fast`, a minute or two): unit tests of verification, the cache, masks, attention,
 # routing and trees against brute-force references; everything else is the end-to-end tier (`-m "not fast"`)
-FAST = ("tests/test_cache_attention.py", "tests/test_attention_impl.py", "tests/test_layout.py",
+FAST = ("tests/test_cache_attention.py", "tests/test_config.py", "tests/test_attention_impl.py", "tests/test_layout.py",
         "tests/test_speculative.py::test_greedy_verify_matches_brute_force",
         "tests/test_speculative.py::test_sampled_verify_is_lossless",
         "tests/test_speculative.py::test_wrong_acceptance_rule_is_detected",

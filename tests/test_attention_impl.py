@@ -200,7 +200,7 @@ def test_attend_refuses_before_tracing_anything():
 def test_model_config_validates_attention_impl():
     base = dict(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                 head_dim=4)
-    assert ModelConfig(**base).attention_impl == "auto"
-    assert ModelConfig(**base, attention_impl="dot_product").attention_impl == "dot_product"
+    assert ModelConfig(**base).run.attention_impl == "auto"
+    assert ModelConfig(**base).with_run(attention_impl="dot_product").run.attention_impl == "dot_product"
     with pytest.raises(ConfigError, match="attention_impl"):
-        ModelConfig(**base, attention_impl="flash")
+        ModelConfig(**base).with_run(attention_impl="flash")

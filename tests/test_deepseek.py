@@ -102,7 +102,7 @@ def test_latent_attention_forms_agree(ds):
     cache = cache.replace(v=tuple(jax.random.normal(jax.random.PRNGKey(i + 1), a.shape) for i, a in enumerate(cache.v)),
                           k=tuple(jax.random.normal(jax.random.PRNGKey(i + 9), a.shape) for i, a in enumerate(cache.k)),
                           lengths=jnp.array([3, 3], jnp.int32))
-    assert cache.v[1].shape == (b, 1, s, cfg.kv_lora_rank) and cache.k[1].shape == (b, 1, cfg.head_dim, s)
+    assert cache.v[1].shape == (b, 1, s, cfg.arch.latent.kv_lora_rank) and cache.k[1].shape == (b, 1, cfg.head_dim, s)
     mask = attention.cache_mask(cache.lengths, attention.causal_intra(t), s)
     att = attention_for(cfg, pos, mask)
     outs = [DEEPSEEK_V3.attention(cfg, lp, h, att, cache, 1, cache.lengths, form)[0] for f in (0,)

@@ -67,7 +67,8 @@ def test_forward_parity(dg):
     from transformers import DynamicCache
 
     ref, m, _ = dg
-    assert m.cfg.family == "diffusion_gemma" and m.cfg.canvas_length == 8 and m.cfg.k_eq_v and m.cfg.num_experts == 4
+    assert m.cfg.family == "diffusion_gemma" and m.cfg.arch.canvas_length == 8 and m.cfg.arch.k_eq_v and \
+        m.cfg.arch.experts.num_experts == 4
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 99, (2, 13), generator=g)
     canvas, canvas2 = torch.randint(0, 99, (2, 2, 8), generator=g)
@@ -278,7 +279,7 @@ def test_on_a_mesh_with_experts_sharded(dg):
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     mesh = make_mesh(2, 2, devices=jax.devices()[:4])
     mm = pdecode.load(d, dtype="float32", mesh=mesh, indivisible="replicate")
-    assert mm.cfg.experts_sharded and "model" in str(mm.params["layers"][0]["we_gate"].sharding.spec)
+    assert mm.cfg.run.experts_sharded and "model" in str(mm.params["layers"][0]["we_gate"].sharding.spec)
     prompts = PROMPTS + [[7, 8, 9]]
     for kw in (dict(steps=3), dict(rule="schedule", steps=2)):
         a = pdecode.generate(m, prompts, method="diffusion", max_new_tokens=16, **kw)

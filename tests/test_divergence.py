@@ -65,7 +65,7 @@ def test_real_model_tolerance_follows_its_logits():
     m = pdecode.load("smollm2-135m-instruct", dtype="bfloat16")
     prompt = "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n"
     ref = pdecode.generate(m, [prompt], max_new_tokens=24, stop_at_eos=False).tokens[0]
-    exact = pdecode.api.Model(cfg=m.cfg.replace(activation_dtype="float32"),
+    exact = pdecode.api.Model(cfg=m.cfg.with_run(activation_dtype="float32"),
                               params=pdecode.model.transformer.cast_params(m.params, np.float32))
     ids = pdecode.api.encode_prompts(m, [prompt])[0]
     lg = np.asarray(pdecode.forward_logits(exact, [ids + ref]), np.float64)[0, len(ids) - 1: len(ids) - 1 + len(ref)]

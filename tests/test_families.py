@@ -67,7 +67,7 @@ def test_family_matches_transformers(fam_dirs, fam, tmp_path):
     lb = np.asarray(pdecode.forward_logits(mb, ids))
     per_pos = np.abs(lb - want).max(-1)
     # a mixture of experts may route one token differently in bfloat16 (a tie broken otherwise): one position of 80
-    flips = 1 if m.cfg.num_experts else 0
+    flips = 1 if m.cfg.arch.experts else 0
     assert np.isfinite(lb).all() and np.sort(per_pos.ravel())[-1 - flips] <= 0.25 * np.abs(want).max()
 
 
@@ -254,7 +254,7 @@ def test_qwen_moe_dense_layers_match_transformers(tmp_path, fam, dense, ids):
 
     ref = make_hf_model(fam, tmp_path / "m", seed=3, num_hidden_layers=3, **dense)
     m = pdecode.load(tmp_path / "m")
-    assert m.cfg.dense_layer_ids == ids
+    assert m.cfg.arch.experts.dense_layer_ids == ids
     x = _ids(2, 40, seed=1)
     with torch.no_grad():
         want = ref(torch.tensor(x)).logits.numpy()
@@ -308,12 +308,11 @@ def test_moe_decode_step_computes_only_selected_experts():
     import jax.numpy as jnp
 
     from pdecode.config import ModelConfig
-    from pdecode.model.families.moe import moe_mlp
+    from pdecode.model.families.moe import Experts, MoEArch, moe_mlp
     from pdecode.model.transformer import init_params
 
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=32, family="qwen3_moe", num_experts=16, experts_per_tok=2,
-                      moe_intermediate_size=256)
+                      num_kv_heads=2, head_dim=32, family="qwen3_moe", arch=MoEArch(Experts(16, 2, 256)))
     lp = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.PRNGKey(0))["layers"])
     h = jax.random.normal(jax.random.PRNGKey(1), (4, 1, 128))  # a decode step of 4 rows: 8 pairs <= 16 experts
 
@@ -339,8 +338,7 @@ def test_moe_expert_paths_agree():
     from pdecode.model.transformer import init_params
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16, family="mixtral", num_experts=4, experts_per_tok=2,
-                      moe_intermediate_size=48)
+                      num_kv_heads=1, head_dim=16, family="mixtral", arch=moe.MoEArch(moe.Experts(4, 2, 48)))
     lp = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.PRNGKey(0), std=0.2)["layers"])
     x = jax.random.normal(jax.random.PRNGKey(1), (12, 32))
     w, idx = moe.route(cfg, lp["router"], x)
@@ -440,7 +438,8 @@ def test_heads_trained_on_a_family_decode_like_ar(tmp_path, fam, kind):
     shutil.copy(root / "zoo" / "code-target" / "tokenizer.json", d / "tokenizer.json")
     out = tmp_path / "heads"
     cli.main(["train", "heads", "--base", str(d), "--kind", kind, "--data", str(root / "pdecode" / "model"),
-              "--out", str(out), "--steps", "3", "--seq-len", "48", "--batch-size", "4", "--work", str(tmp_path / "w")])
+              "--out", str(out), "--steps", "3", "--seq-len", "48", "--batch-size", "4", "--work", str(tmp_path / "w"),
+              "--calibration-prompts", "0"])  # (EAGLE's tree calibration: tests/test_train_cli.py)
     m = pdecode.load(out)
     assert kind in m.extras and m.cfg.family == pdecode.load(d).cfg.family
     prompts = ["def fib(n):", "import os\n", "class Stack:\n    def push(self, x):"]
@@ -468,7 +467,7 @@ def test_gemma4_multimodal_checkpoint_loads_its_text_model(fam_dirs, tmp_path):
     (mm / "config.json").write_text(json.dumps({"model_type": "gemma4", "architectures": [
         "Gemma4ForConditionalGeneration"], "text_config": cfg, "vision_config": {"hidden_size": 4}}))
     m = pdecode.load(mm)
-    assert m.cfg.family == "gemma4" and m.cfg.kv_shared_layers == 2
+    assert m.cfg.family == "gemma4" and m.cfg.arch.kv_shared_layers == 2
     ids = _ids(2, 12, seed=7)
     want = np.asarray(pdecode.forward_logits(text, ids))
     np.testing.assert_allclose(np.asarray(pdecode.forward_logits(m, ids)), want, atol=1e-6)

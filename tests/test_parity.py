@@ -111,7 +111,7 @@ def test_mixed_precision(hf_dirs):
     d, ref_model = hf_dirs["llama"]
     mix = pdecode.load(d, dtype="bfloat16", activation_dtype="float32")
     m16 = pdecode.load(d, dtype="bfloat16")
-    assert str(mix.dtype) == "bfloat16" and mix.cfg.activation_dtype == "float32"
+    assert str(mix.dtype) == "bfloat16" and mix.cfg.run.activation_dtype == "float32"
     ids = _ids(2, 24, seed=5)
     with torch.no_grad():
         ref = ref_model(torch.tensor(ids)).logits.numpy()

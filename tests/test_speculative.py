@@ -91,7 +91,7 @@ def test_greedy_identical_to_ar_in_mixed_precision(models, method, draft, opts):
     from pdecode.model.transformer import cast_params
 
     def mixed(m):
-        return None if m is None else pdecode.Model(cfg=m.cfg.replace(activation_dtype="float32"),
+        return None if m is None else pdecode.Model(cfg=m.cfg.with_run(activation_dtype="float32"),
                                                     params=cast_params(m.params, jnp.bfloat16))
 
     t = mixed(models["target"])

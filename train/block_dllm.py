@@ -143,9 +143,9 @@ def main(argv=None):
     tok = ensure_tokenizer(zoo)
     tr, va = token_streams(tok, args.work / "data")
     train_items, _ = tasks.split()
-    batches = CanvasBatches(tok, tr, train_items, tc.seed, r.prefix, cfg.canvas_length, bs, r.task_fraction,
+    batches = CanvasBatches(tok, tr, train_items, tc.seed, r.prefix, cfg.arch.canvas_length, bs, r.task_fraction,
                             r.long_fraction)
-    val = CanvasBatches(tok, va, tasks.split()[1], tc.seed + 1, r.prefix, cfg.canvas_length, bs, r.task_fraction,
+    val = CanvasBatches(tok, va, tasks.split()[1], tc.seed + 1, r.prefix, cfg.arch.canvas_length, bs, r.task_fraction,
                         r.long_fraction)
     loss = block_diffusion_loss(cfg, pad_rate=PAD_NOISE_RATE)
     val_loss = jax.jit(lambda p, b, k: loss(p, None, b, k)[0])
@@ -157,22 +157,22 @@ def main(argv=None):
 
     params = init_params(cfg, jax.random.PRNGKey(tc.seed))
     print(f"{NAME}: {num_params(cfg) / 1e6:.2f}M params ({active_params(cfg) / 1e6:.2f}M active), canvas "
-          f"{cfg.canvas_length}, {tc.steps} steps of {bs} canvases after prefixes of up to {r.prefix}", file=sys.stderr)
+          f"{cfg.arch.canvas_length}, {tc.steps} steps of {bs} canvases after prefixes of up to {r.prefix}", file=sys.stderr)
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc, ckpt_dir=None, eval_fn=eval_fn, desc=NAME,
-                         tokens_per_step=bs * (r.prefix + cfg.canvas_length))
+                         tokens_per_step=bs * (r.prefix + cfg.arch.canvas_length))
     wall = time.perf_counter() - t0
     save_hf(cfg, params, args.out, dtype="float32", tokenizer_dir=zoo / "code-target")
     # the sampler's defaults, where the reference reads them
     gen = json.loads((args.out / "generation_config.json").read_text())
-    gen.update(max_denoising_steps=cfg.canvas_length, t_min=0.4, t_max=0.8, stability_threshold=1,
+    gen.update(max_denoising_steps=cfg.arch.canvas_length, t_min=0.4, t_max=0.8, stability_threshold=1,
                confidence_threshold=0.005, sampler_config={"entropy_bound": 0.1})
     (args.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     command = "python -m train.block_dllm" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     info = {"name": NAME, "command": command, "params": num_params(cfg), "active_params": active_params(cfg),
             "steps": hist["last_step"], "train_minutes": round(wall / 60, 2), "evals": hist["eval"],
             "loss_curve": {"step": hist["step"], "loss": hist["loss"]}, "train_config": dataclasses.asdict(tc),
-            "batch": bs, "prefix": r.prefix, "canvas": cfg.canvas_length, "eos_fill_weight": EOS_FILL_WEIGHT,
+            "batch": bs, "prefix": r.prefix, "canvas": cfg.arch.canvas_length, "eos_fill_weight": EOS_FILL_WEIGHT,
             "pad_noise_rate": PAD_NOISE_RATE}
     (args.out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
     last = hist["eval"][-1] if hist["eval"] else {}

@@ -41,7 +41,7 @@ def draft_config(base: ModelConfig, layers: int | None = None, hidden: int | Non
         raise InputError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     return base.with_layers(layers or max(2, base.num_layers // 4)).replace(hidden_size=hidden,
                         intermediate_size=intermediate or 3 * hidden, num_heads=heads, num_kv_heads=kv_heads,
-                        tie_word_embeddings=True, activation_dtype=None)
+                        tie_word_embeddings=True).with_run(activation_dtype=None)
 
 
 FROM_BASE_LAYERS = 4  # a draft started from the base keeps this many of its layers unless --layers says
@@ -76,7 +76,7 @@ def draft_from_base(base: ModelConfig, params, idx: list[int]):
                          "layer: train a draft of its own shape instead")
     import jax.numpy as jnp
 
-    cfg = base.with_layers(len(idx)).replace(activation_dtype=None)
+    cfg = base.with_layers(len(idx)).with_run(activation_dtype=None)
     take = jnp.asarray(idx)
     return cfg, {**params, "layers": {k: jnp.take(v, take, axis=0) for k, v in params["layers"].items()}}
 

@@ -27,9 +27,14 @@ from pdecode.model.transformer import param_specs
 import jax
 
 
-def rules_for(cfg: ModelConfig) -> list[Rule]:
-    """The tensor names of a config's checkpoint: its family's (`Family.hf_rules`), or LLaDA's."""
-    return llada_rules(cfg) if cfg.layout == "llada" else family_of(cfg).hf_rules(cfg)
+def rules_for(cfg: ModelConfig, hf_cfg: dict | None = None) -> list[Rule]:
+    """The tensor names of a config's checkpoint: its family's (`Family.hf_rules`), or LLaDA's when the source's
+    config.json (``hf_cfg``) is one of LLaDA's own layout."""
+    return llada_rules(cfg) if _llada(hf_cfg) else family_of(cfg).hf_rules(cfg)
+
+
+def _llada(hf_cfg: dict | None) -> bool:
+    return (hf_cfg or {}).get("model_type") == "llada"
 
 
 def _to_ours(a: np.ndarray, layout: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -230,7 +235,7 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
     path = Path(path)
     cfg, hf_cfg, src = _open(path)
     specs = param_specs(cfg)
-    rules = rules_for(cfg)
+    rules = rules_for(cfg, hf_cfg)
     _check(src, specs, rules, cfg.num_layers, str(path))
     if dtype == "auto":
         dtype = stored_dtype(src, hf_cfg)
@@ -264,7 +269,7 @@ def load_hf_arrays(path: str | Path, dtype="auto", mesh=None, indivisible: str =
             src.release(n)
     LAST_LOAD.clear()
     LAST_LOAD.update(path=str(path), **src.read_stats())
-    return cfg.replace(layout="hf"), _like(params, specs)
+    return cfg, _like(params, specs)
 
 
 def params_to_tensors(params: dict, rules: list[Rule], dtype=None) -> dict[str, np.ndarray]:
@@ -327,7 +332,7 @@ def _open(path: Path):
         raise CheckpointError(f"{path}{'' if gguf else '/config.json'}: {e}") from None
     src = src if gguf else CheckpointTensors(path)
 
-    if cfg.layout == "hf":
+    if not _llada(hf_cfg):
         src.alias(family_of(cfg).tensor_aliases(list(src)))
     if SHARED_KEY in hf_cfg:
         src = _with_shared(path, hf_cfg, src)
@@ -375,10 +380,11 @@ def _with_shared(path: Path, hf_cfg: dict, src):
 def load_hf(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
     """Read an HF directory (config.json + model.safetensors or sharded with index) -> (cfg, numpy params)."""
     path = Path(path)
-    cfg, _, src = _open(path)
-    params = tensors_to_params(src, param_specs(cfg), rules_for(cfg), cfg.num_layers, dtype, source=str(path))
+    cfg, hf_cfg, src = _open(path)
+    params = tensors_to_params(src, param_specs(cfg), rules_for(cfg, hf_cfg), cfg.num_layers, dtype,
+                               source=str(path))
     # once loaded, the params are ours: saving writes the transformers (Llama/Qwen) naming
-    return cfg.replace(layout="hf"), params
+    return cfg, params
 
 
 SHARED_KEY = "pdecode_shared_tensors"  # config.json: tensors a model reads from another checkpoint (`save_hf`)
@@ -421,7 +427,7 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str | Path, dtype: str = "f
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    rules = rules_for(cfg.replace(layout="hf"))
+    rules = rules_for(cfg)
     tensors = params_to_tensors(params, rules, np_dtype)
     hf = config_to_hf(cfg.replace(dtype=dtype))
     if shared:

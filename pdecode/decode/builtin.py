@@ -346,7 +346,7 @@ def _prepare_diffusion_draft(model, draft, opts, samp):
     from pdecode.decode.diffusion_draft import BlockDiffusionDrafter, DiffusionDrafter
 
     check_same_vocab(model.cfg, draft.cfg)
-    block = bool(draft.cfg.canvas_length)  # DiffusionGemma: no mask token; undecided positions are the pad token
+    block = bool(draft.cfg.arch.canvas_length)  # DiffusionGemma: no mask token; undecided positions are the pad token
     mask_id = int(draft.cfg.pad_token_id or 0) if block else _diffusion_model(draft, "diffusion_draft")
     g, steps, k = (_int_opt(opts, n) for n in ("gamma", "steps", "tree_top_k"))
     if steps > g:
@@ -584,7 +584,7 @@ def _diffusion_model(model, method):
     if model.cfg.causal:
         raise InputError(f"method {method!r} needs a masked-diffusion (bidirectional) model such as code-dllm; "
                          f"{model.name or 'this model'} is autoregressive")
-    if model.cfg.canvas_length:  # (diffusion and dico handle block-diffusion models before asking for a mask token)
+    if model.cfg.arch.canvas_length:  # (diffusion and dico handle block-diffusion models before asking for a mask token)
         raise InputError(f"method {method!r} needs a mask token; {model.name or 'this model'} is a block-diffusion "
                          "model (noise, not masks, in its canvases): use method='diffusion' or 'dico'")
     mask_id = model.cfg.mask_token_id
@@ -604,7 +604,7 @@ def _prepare_block_diffusion(model, opts, max_new):
     from pdecode.decode import block_diffusion as bdf
 
     name = model.name or "this model"
-    L = model.cfg.canvas_length
+    L = model.cfg.arch.canvas_length
     defaults = METHODS["diffusion"].defaults
     own = opts.get("rule") in (None, "model")
     if own:
@@ -663,7 +663,7 @@ def _block_settings(model, opts) -> dict:
 def _masked_canvas_plan(model, rule_opts, sampler, kw, max_new):
     from pdecode.decode import block_diffusion as bdf
 
-    L = model.cfg.canvas_length
+    L = model.cfg.arch.canvas_length
     o = bdf.MaskedCanvasOptions(canvases=-(-max_new // L), canvas=L, sampler=sampler, rule_opts=rule_opts,
                                 t_min=float(kw["t_min"]), t_max=float(kw["t_max"]),
                                 noise_id=int(model.cfg.pad_token_id or 0))
@@ -674,7 +674,7 @@ def _masked_canvas_plan(model, rule_opts, sampler, kw, max_new):
 def _prepare_diffusion(model, draft, opts, samp, max_new=None):
     from pdecode.decode import diffusion
 
-    if model.cfg.canvas_length:
+    if model.cfg.arch.canvas_length:
         return _prepare_block_diffusion(model, opts, max_new)
     if opts.get("rule") == "model":
         raise InputError("rule 'model' (the model's own sampler) is for block-diffusion models such as DiffusionGemma; "
@@ -698,8 +698,8 @@ def _prepare_diffusion(model, draft, opts, samp, max_new=None):
 def _prepare_dico(model, draft, opts, samp, max_new=None):
     from pdecode.decode import dico
 
-    if model.cfg.canvas_length:  # DiffusionGemma: divide / conquer / finalize inside each canvas
-        return _masked_canvas_plan(model, dico.DiCoOptions(gen_length=model.cfg.canvas_length, shift=False, **opts),
+    if model.cfg.arch.canvas_length:  # DiffusionGemma: divide / conquer / finalize inside each canvas
+        return _masked_canvas_plan(model, dico.DiCoOptions(gen_length=model.cfg.arch.canvas_length, shift=False, **opts),
                                    "dico", _block_settings(model, {}), max_new)
     mask_id = _diffusion_model(model, "dico")
     o = dico.DiCoOptions(gen_length=max_new, shift=model.cfg.diffusion_shift, **opts)

@@ -83,7 +83,7 @@ class LayerSkipDrafter(StaticTreeShape, Drafter):
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)[:, 0]
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root)
         d = cfg.hidden_size
-        act = jnp.dtype(cfg.activation_dtype) if cfg.activation_dtype else tp["embed"].dtype
+        act = jnp.dtype(cfg.run.activation_dtype) if cfg.run.activation_dtype else tp["embed"].dtype
         hid = jnp.zeros((b, n, d), act)
         q = None if samp.greedy else jnp.zeros((b, n, cfg.vocab_size), jnp.float32)
         causal = attention.causal_intra(n)

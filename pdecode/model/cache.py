@@ -11,7 +11,7 @@ both attention matmuls get their operands in the layout CPU/GPU matmul kernels w
   of one ``[batch, kv_heads, head_dim, max_len]`` / ``[batch, kv_heads, max_len, head_dim]`` buffer per layer, so a
   layer reads its own buffer with no slice copied per step. Layers of different shapes (Gemma 4's full-attention
   layers: other head size and kv heads) have buffers of their own shapes, and a kv-shared layer none (``None``: it
-  reads the buffer of `ModelConfig.kv_source`); such configs always use this layout.
+  reads the buffer of `ModelConfig.kv_source`, its arch section's answer); such configs always use this layout.
 * latent attention (DeepSeek-V3's MLA): ``k`` holds the one rotated key per token (``kv_heads`` 1, ``head_dim`` the
   rope size) and ``v`` the latent (``[.., 1, max_len, kv_lora_rank]``): the compressed cache, nothing per head.
 
@@ -145,6 +145,12 @@ class PagedKVCache(_Rows):
         return _gather_pages(k, self.pages, True), _gather_pages(v, self.pages, False)
 
 
+def is_cache(x) -> bool:
+    """Whether ``x`` is a KV cache of any kind (contiguous, per layer, grouped or paged): a leaf to stop at when
+    mapping over a state that holds caches."""
+    return isinstance(x, _Rows)
+
+
 def _gather_pages(pool: jax.Array, pages_Bn: jax.Array, keys: bool) -> jax.Array:
     """Rows' pages of one pool (keys [.., P, KV, hd, page], values [.., P, KV, page, hd]; ``..``: a layer axis or
     none) as the contiguous layout (keys [.., B, KV, hd, n*page], values [.., B, KV, n*page, hd]); a page index past
@@ -253,18 +259,31 @@ def _row_axis(a) -> int:
     return a.ndim - 4
 
 
+def value_dim(cfg: ModelConfig, i: int) -> int:
+    """The size of what layer ``i``'s cache holds per token as its "values": the head size, or with latent
+    attention the latent (``kv_lora_rank``; its "keys" are then the one rotated key of ``head_dim``)."""
+    la = cfg.arch.latent
+    return la.kv_lora_rank if la is not None else cfg.layer_attention(i)[1]
+
+
+def uniform_layers(cfg: ModelConfig) -> bool:
+    """Whether every layer has a cache of its own of one shape (else the cache is per layer or grouped)."""
+    return not (cfg.arch.kv_shared_layers or len({cfg.layer_attention(i) for i in range(cfg.num_layers)}) > 1)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
                per_layer: bool = False) -> KVCache:
     n = num_layers or cfg.num_layers
     kv, hd = cfg.layer_attention(0)  # every layer's, when uniform
     k_shape = (batch, kv, hd, max_len)
-    v_shape = (batch, kv, max_len, cfg.cache_value_dim(0))
-    if not cfg.uniform_layers and not per_layer:  # one stacked buffer per position of each group of layers
+    v_shape = (batch, kv, max_len, value_dim(cfg, 0))
+    uniform = uniform_layers(cfg)
+    if not uniform and not per_layer:  # one stacked buffer per position of each group of layers
         return _init_grouped(cfg, n, batch, max_len, dtype)
-    if not cfg.uniform_layers:
+    if not uniform:
         shapes = [cfg.layer_attention(i) if cfg.kv_source(i) == i else None for i in range(n)]
         k = tuple(None if s is None else jnp.zeros((batch, s[0], s[1], max_len), dtype) for s in shapes)
-        v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, cfg.cache_value_dim(i)), dtype)
+        v = tuple(None if s is None else jnp.zeros((batch, s[0], max_len, value_dim(cfg, i)), dtype)
                   for i, s in enumerate(shapes))
     elif per_layer:
         k = tuple(jnp.zeros(k_shape, dtype) for _ in range(n))
@@ -288,7 +307,7 @@ def _init_grouped(cfg: ModelConfig, n: int, batch: int, max_len: int, dtype) -> 
                 where[g.layer(r, u)] = (len(ks), r)
             period.append(g.period)
             ks.append(jnp.zeros((g.count, batch, kv, hd, max_len), dtype))
-            vs.append(jnp.zeros((g.count, batch, kv, max_len, cfg.cache_value_dim(i0)), dtype))
+            vs.append(jnp.zeros((g.count, batch, kv, max_len, value_dim(cfg, i0)), dtype))
     return KVCache(k=tuple(ks), v=tuple(vs), lengths=jnp.zeros((batch,), jnp.int32),
                    groups=CacheGroups(tuple(where), tuple(period)))
 

@@ -3,8 +3,9 @@
 A family is one module (`pdecode/model/families/<name>.py`) with one `Family` object that owns everything
 architecture-specific about its networks:
 
-* its HF config fields, both ways (`config_from_hf` fills the `ModelConfig` fields it reads, `config_to_hf`
-  writes them back, naming the field and value of anything it does not support);
+* its HF config fields, both ways (`config_from_hf` fills the core `ModelConfig` fields it reads and its own
+  architecture section, ``arch``, an instance of its `arch_type`, a `pdecode.config.Arch` subclass its module
+  defines; `config_to_hf` writes them back; anything it does not support is refused naming the field and value);
 * its params (`layer_specs`: one block's weights with logical axes, stacked on ``layers``; `extra_specs`: weights
   outside the blocks);
 * its forward pieces: `embed_scale`, `norm` (the final norm and any norm inside its block) and `block` (one
@@ -26,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdecode.config import ModelConfig
+from pdecode.config import Arch, ModelConfig
 from pdecode.errors import ConfigError
 from pdecode.model.groups import LayerGroups, plan_groups
 from pdecode.model.layers.norms import rms_norm
@@ -47,6 +48,7 @@ class Family:
 
     model_types: tuple[str, ...] = ()  # HF model_type values this family reads (and writes back as they were)
     architectures: dict[str, str] = {}  # model_type -> the HF architectures[0] written by `config_to_hf`
+    arch_type: type = Arch  # the class of its configs' ``arch`` section (`pdecode.config.Arch`: none of its own)
 
     own_rope: bool = False  # config_from_hf reads the rope fields itself (else `config.rope_from_hf` does)
     # the shared attention's optional weights beyond the config's (`attention_bias`, `qk_norm`): a bias on the
@@ -65,8 +67,8 @@ class Family:
 
     # -------------------------------------------------------------------------------- config
     def config_from_hf(self, model_type: str, hf: dict[str, Any], kw: dict[str, Any]) -> None:
-        """Fill ``kw`` (the ModelConfig fields, common ones already read) with this family's; raise ConfigError
-        naming the family, field and value for anything not implemented."""
+        """Fill ``kw`` (the ModelConfig fields, common ones already read) with this family's, its ``arch`` section
+        included; raise ConfigError naming the family, field and value for anything not implemented."""
 
     def config_to_hf(self, cfg, out: dict[str, Any]) -> None:
         """Complete ``out`` (common fields written) into a config.json transformers loads for this family."""
@@ -211,8 +213,13 @@ def family_for_model_type(model_type: str | None) -> Family:
 
 
 def family_of(cfg) -> Family:
-    """The family of a config (`ModelConfig.family`), or a ConfigError listing the known ones."""
-    return _registered(cfg.family, lambda known: f"unknown family {cfg.family!r}; expected one of {known}")
+    """The family of a config (`ModelConfig.family`), or a ConfigError listing the known ones or naming the
+    architecture section the family expects."""
+    fam = _registered(cfg.family, lambda known: f"unknown family {cfg.family!r}; expected one of {known}")
+    if type(cfg.arch) is not fam.arch_type:
+        raise ConfigError(f"family {cfg.family!r} takes an arch section of type {fam.arch_type.__name__} (got "
+                          f"{type(cfg.arch).__name__})")
+    return fam
 
 
 def supported() -> list[str]:
@@ -229,7 +236,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if model_type in ("Dream", "dream"):
         # Dream: a Qwen2 network run bidirectionally, logits shifted by one
         base = config_from_hf({**hf, "model_type": "qwen2"})
-        return base.replace(causal=False, diffusion_shift=True, layout="hf")
+        return base.replace(causal=False, diffusion_shift=True)
     fam = family_for_model_type(model_type)
     hf = fam.unwrap(model_type, hf)
     try:
@@ -283,7 +290,7 @@ def _from_llada(hf: dict[str, Any]) -> ModelConfig:
                        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                        tie_word_embeddings=bool(hf.get("weight_tying", False)), causal=False,
                        eos_token_ids=(int(eos),) if eos is not None else (), pad_token_id=hf.get("pad_token_id"),
-                       mask_token_id=hf.get("mask_token_id", 126336), layout="llada",
+                       mask_token_id=hf.get("mask_token_id", 126336),
                        dtype=str(hf.get("torch_dtype") or "float32"))
 
 

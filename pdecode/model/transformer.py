@@ -199,8 +199,8 @@ def embed(params: Params, tokens_BT: jax.Array, cfg: ModelConfig | None = None) 
         scale = family_of(cfg).embed_scale(cfg)
         if scale is not None:  # in the weights' dtype, as the reference rounds it
             x = x * jnp.asarray(scale, params["embed"].dtype)
-        if cfg.activation_dtype is not None:
-            x = x.astype(cfg.activation_dtype)
+        if cfg.run.activation_dtype is not None:
+            x = x.astype(cfg.run.activation_dtype)
     return x
 
 
@@ -249,7 +249,7 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
     `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
     (x, cache, layer_hidden). ``layer_inputs``: the family's per-forward inputs (`Family.layer_inputs`)."""
-    if cache is None and cfg.kv_shared_layers:  # kv-shared layers read their sources' keys from a cache: this pass's
+    if cache is None and cfg.arch.kv_shared_layers:  # kv-shared layers read their sources' keys from a cache: this pass's
         c, w, m = pass_cache(cfg, layers, x_BTD, mask_BTS)
         x_BTD, _, hid = run_layers(cfg, layers, x_BTD, positions_BT, m, c, w, hidden_layers, rope_table, layer_inputs)
         return x_BTD, None, hid
@@ -359,7 +359,7 @@ def run_layer_ids(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.
     """Run only the blocks ``ids`` (static, increasing) of a stack, each writing its own layer of ``cache``.
     Returns (x, cache, the hidden state entering block ``capture``, i.e. after the ids below it; None unless asked).
     Self-speculation drafts with a subset of the target's layers and verifies with the rest through this."""
-    if cache is None and cfg.kv_shared_layers:  # as `run_layers`: the pass's own cache, each source in the pass
+    if cache is None and cfg.arch.kv_shared_layers:  # as `run_layers`: the pass's own cache, each source in the pass
         missing = sorted({cfg.kv_source(i) for i in ids} - set(ids))
         if missing:
             raise ValueError(f"{cfg.family}: layers {[i for i in ids if cfg.kv_source(i) in missing]} attend with the "
@@ -406,11 +406,11 @@ def forward_layers(params: Params, cfg: ModelConfig, positions_BT: jax.Array, ma
     """`forward` through the blocks ``ids`` only, from tokens or from hidden states ``x_in`` (the input of the
     first of them), then the final norm. Returns (ForwardOut, the hidden entering block ``capture`` or None).
     A family with per-layer inputs (Gemma 4) needs ``tokens`` also when starting from ``x_in``."""
-    need_tokens = x_in_BTD is None or cfg.per_layer_input_size
+    need_tokens = x_in_BTD is None or cfg.arch.per_layer_input_size
     x0 = embed(params, tokens_BT, cfg) if tokens_BT is not None and need_tokens else None
     x = x0 if x_in_BTD is None else x_in_BTD
     layer_inputs = None if x0 is None else family_of(cfg).layer_inputs(cfg, params, tokens_BT, x0)
-    if layer_inputs is None and cfg.per_layer_input_size:
+    if layer_inputs is None and cfg.arch.per_layer_input_size:
         raise ValueError("forward_layers: this model's layers take per-layer inputs; pass tokens_BT")
     if cache is not None and write_at_B is None:
         write_at_B = cache.lengths
@@ -494,7 +494,8 @@ def unstack_layers(layers, cfg: ModelConfig, fuse: bool = True):
                 lp["bqkv"] = jnp.concatenate([lp.pop("bq").reshape(-1), lp.pop("bk").reshape(-1),
                                               lp.pop("bv").reshape(-1)])
             lp["wo"] = lp["wo"].reshape(-1, d)
-            if not cfg.num_experts or cfg.shared_expert_size:  # a dense (or shared-expert) MLP; routed experts
+            ex = cfg.arch.experts
+            if ex is None or ex.shared_expert_size:  # a dense (or shared-expert) MLP; routed experts
                 # stay apart
                 lp["w_gu"] = jnp.concatenate([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         per.append(lp)
@@ -513,11 +514,12 @@ def num_params(cfg: ModelConfig) -> int:
 
 def active_params(cfg: ModelConfig) -> int:
     """Parameters one token runs through (a mixture of experts: k of E experts)."""
-    if not cfg.num_experts:
+    ex = cfg.arch.experts
+    if ex is None:
         return num_params(cfg)
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per_expert = 3 * cfg.hidden_size * ex.moe_intermediate_size
     sparse = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
-    return num_params(cfg) - sparse * (cfg.num_experts - cfg.experts_per_tok) * per_expert
+    return num_params(cfg) - sparse * (ex.num_experts - ex.experts_per_tok) * per_expert
 
 
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
@@ -525,7 +527,8 @@ def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     matmul = active_params(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     # scores and the weighted sum per key: q.k over the key's size, p.v over the value's (latent attention in
     # its absorbed form reads the latent for both)
-    per_key = (2 * cfg.kv_lora_rank + cfg.head_dim) if cfg.kv_lora_rank else 2 * cfg.head_dim
+    la = cfg.arch.latent
+    per_key = (2 * la.kv_lora_rank + cfg.head_dim) if la is not None else 2 * cfg.head_dim
     attn = cfg.num_layers * cfg.num_heads * per_key * max(context, 1)
     return 2.0 * (matmul + attn)
 

@@ -30,40 +30,57 @@ read (`pdecode.checkpoint.safetensors_io.CheckpointTensors`). The checkpoint's M
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdecode.errors import ConfigError
 from pdecode.model.family import Family, LayerwiseFamily, register
 from pdecode.model.groups import static_layer
-from pdecode.model.layers.experts import route_grouped, run_experts
+from pdecode.model.layers.experts import Experts, route_grouped, run_experts
 from pdecode.model.layers.latent import (  # noqa: F401  (importable from the family too)
-    latent_attention, mla_expanded, rope_pairs)
+    Latent, latent_attention, mla_expanded, rope_pairs)
 from pdecode.model.families.llama import check_act
+from pdecode.model.families.moe import MoEArch
 
 
-def routing_from_hf(model_type: str, hf: dict, kw: dict) -> None:
-    """DeepSeek-V3's expert fields (GLM-4.5 shares them) into ``kw``."""
+@dataclasses.dataclass(frozen=True)
+class DeepseekArch(MoEArch):
+    """DeepSeek-V3's section: its experts (grouped sigmoid routing) and its latent attention."""
+
+    latent: Latent | None = None
+
+    def problems(self, cfg):
+        if not isinstance(self.latent, Latent):
+            return [f"deepseek_v3 needs its latent attention section (got {self.latent!r})"]
+        return super().problems(cfg) + self.latent.problems(cfg)
+
+
+def routing_from_hf(model_type: str, hf: dict, kw: dict) -> Experts:
+    """DeepSeek-V3's experts section (GLM-4.5 shares it)."""
     e = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
     if not e:
         raise ConfigError(f"{model_type}: config.json lacks n_routed_experts")
     f = int(hf["moe_intermediate_size"])
-    kw.update(num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=f,
-              shared_expert_size=int(hf.get("n_shared_experts") or 0) * f,
-              norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
-              expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
-              routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-              dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
+    return Experts(num_experts=e, experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=f,
+                   shared_expert_size=int(hf.get("n_shared_experts") or 0) * f,
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
+                   expert_groups=int(hf.get("n_group") or 1), groups_per_tok=int(hf.get("topk_group") or 1),
+                   routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                   dense_layers=min(int(hf.get("first_k_dense_replace") or 0), kw["num_layers"]))
 
 
 def routing_to_hf(cfg) -> dict:
     """The config.json expert fields of `routing_from_hf` (the MTP layers are not written: none are saved)."""
-    return dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
-                moe_intermediate_size=cfg.moe_intermediate_size,
-                n_shared_experts=cfg.shared_expert_size // cfg.moe_intermediate_size,
-                norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.expert_groups, topk_group=cfg.groups_per_tok,
-                routed_scaling_factor=cfg.routed_scale, first_k_dense_replace=cfg.dense_layers,
+    ex = cfg.arch.experts
+    return dict(n_routed_experts=ex.num_experts, num_experts_per_tok=ex.experts_per_tok,
+                moe_intermediate_size=ex.moe_intermediate_size,
+                n_shared_experts=ex.shared_expert_size // ex.moe_intermediate_size,
+                norm_topk_prob=ex.norm_topk_prob, n_group=ex.expert_groups, topk_group=ex.groups_per_tok,
+                routed_scaling_factor=ex.routed_scale, first_k_dense_replace=ex.dense_layers,
                 num_nextn_predict_layers=0)
 
 
 class DeepseekV3(LayerwiseFamily):
+    arch_type = DeepseekArch
     model_types = ("deepseek_v3",)
     architectures = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -99,43 +116,58 @@ class DeepseekV3(LayerwiseFamily):
         if fmt and fmt.get("quant_method") != "fp8":
             raise ConfigError(f"{model_type}: quantization_config {fmt.get('quant_method')!r} is not supported "
                               "(fp8 block scales are)")
-        kw.update(num_kv_heads=1, head_dim=dr, kv_lora_rank=int(hf["kv_lora_rank"]),
-                  q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_dim=dn, v_head_dim=int(hf["v_head_dim"]),
-                  rope_interleave=bool(hf.get("rope_interleave", True)), attn_scale=scale)
-        routing_from_hf(model_type, hf, kw)
+        latent = Latent(kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                        qk_nope_dim=dn, v_head_dim=int(hf["v_head_dim"]),
+                        rope_interleave=bool(hf.get("rope_interleave", True)))
+        kw.update(num_kv_heads=1, head_dim=dr, attn_scale=scale,
+                  arch=DeepseekArch(routing_from_hf(model_type, hf, kw), latent))
 
     def config_to_hf(self, cfg, out):
         super().config_to_hf(cfg, out)
         sc = cfg.rope_scaling_dict
         out.pop("rope_scaling", None)
         out.pop("head_dim", None)
-        out.update(num_key_value_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
-                   q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.head_dim, qk_nope_head_dim=cfg.qk_nope_dim,
-                   v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, attention_bias=False,
+        la = cfg.arch.latent
+        out.update(num_key_value_heads=cfg.num_heads, kv_lora_rank=la.kv_lora_rank,
+                   q_lora_rank=la.q_lora_rank or None, qk_rope_head_dim=cfg.head_dim, qk_nope_head_dim=la.qk_nope_dim,
+                   v_head_dim=la.v_head_dim, rope_interleave=la.rope_interleave, attention_bias=False,
                    **routing_to_hf(cfg), topk_method="noaux_tc", scoring_func="sigmoid",
                    rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {})})
 
     # -------------------------------------------------------------------------------- params
     def layer_spec(self, cfg, i: int) -> dict:
+        return {**self.attention_spec(cfg), **self.mlp_spec(cfg, i)}
+
+    def attention_spec(self, cfg) -> dict:
+        """One layer's latent attention weights and its input norm."""
         from pdecode.model.transformer import ParamSpec
 
-        D, H = cfg.hidden_size, cfg.num_heads
-        r, dr, dn, dv, rq = cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_dim, cfg.v_head_dim, cfg.q_lora_rank
-        vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
+        D, H, la = cfg.hidden_size, cfg.num_heads, cfg.arch.latent
+        r, dr, dn, dv, rq = la.kv_lora_rank, cfg.head_dim, la.qk_nope_dim, la.v_head_dim, la.q_lora_rank
+        vec = lambda n: ParamSpec((n,), (None,), "ones")  # noqa: E731
         s = {"attn_norm": vec(D), "wkv_a": ParamSpec((D, r + dr), ("embed", None)), "kv_a_norm": vec(r),
              "wkv_b": ParamSpec((r, H, dn + dv), (None, "heads", None)),
-             "wo": ParamSpec((H, dv, D), ("heads", None, "embed")), "mlp_norm": vec(D)}
+             "wo": ParamSpec((H, dv, D), ("heads", None, "embed"))}
         if rq:
             s.update(wq_a=ParamSpec((D, rq), ("embed", None)), q_a_norm=vec(rq),
                      wq_b=ParamSpec((rq, H, dn + dr), (None, "heads", None)))
         else:
             s["wq"] = ParamSpec((D, H, dn + dr), ("embed", "heads", None))
-        F = cfg.shared_expert_size if cfg.moe_layer(i) else cfg.intermediate_size
+        return s
+
+    def mlp_spec(self, cfg, i: int) -> dict:
+        """Layer ``i``'s MLP weights and its norm: dense, or routed experts beside shared ones."""
+        from pdecode.model.transformer import ParamSpec
+
+        D, ex = cfg.hidden_size, cfg.arch.experts
+        vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
+        s = {"mlp_norm": vec(D)}
+        F = ex.shared_expert_size if cfg.moe_layer(i) else cfg.intermediate_size
         if F:
             s.update(w_gate=ParamSpec((D, F), ("embed", "mlp")), w_up=ParamSpec((D, F), ("embed", "mlp")),
                      w_down=ParamSpec((F, D), ("mlp", "embed")))
         if cfg.moe_layer(i):
-            E, Fm = cfg.num_experts, cfg.moe_intermediate_size
+            E, Fm = ex.num_experts, ex.moe_intermediate_size
             s.update(router=ParamSpec((D, E), ("embed", None)), router_corr=vec(E, "zeros"),
                      we_gate=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
                      we_up=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
@@ -154,7 +186,7 @@ class DeepseekV3(LayerwiseFamily):
         x = h_BTD.reshape(b * t, d)
         w, idx = route_grouped(cfg, lp, x)
         out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
-        return out + glu_mlp(cfg, lp, h_BTD, False) if cfg.shared_expert_size else out
+        return out + glu_mlp(cfg, lp, h_BTD, False) if cfg.arch.experts.shared_expert_size else out
 
     def block(self, cfg, lp, x, att, cache, layer_idx, write_at, fused):
         from pdecode.model.transformer import glu_mlp, rms_norm
@@ -169,19 +201,27 @@ class DeepseekV3(LayerwiseFamily):
 
     # -------------------------------------------------------------------------------- checkpoints
     def layer_names(self, cfg, i: int) -> list[tuple]:
-        moe = cfg.moe_layer(i)
+        return self.attention_names(cfg) + self.mlp_names(cfg, i)
+
+    def attention_names(self, cfg) -> list[tuple]:
+        """The tensors of `attention_spec`: the input norm and the latent attention."""
         a = "self_attn."
         names = [("input_layernorm.weight", "attn_norm", "plain"),
                  (a + "kv_a_proj_with_mqa.weight", "wkv_a", "linear"), (a + "kv_a_layernorm.weight", "kv_a_norm", "plain"),
-                 (a + "kv_b_proj.weight", "wkv_b", "heads_in"), (a + "o_proj.weight", "wo", "heads_out"),
-                 ("post_attention_layernorm.weight", "mlp_norm", "plain")]
-        if cfg.q_lora_rank:
+                 (a + "kv_b_proj.weight", "wkv_b", "heads_in"), (a + "o_proj.weight", "wo", "heads_out")]
+        if cfg.arch.latent.q_lora_rank:
             names += [(a + "q_a_proj.weight", "wq_a", "linear"), (a + "q_a_layernorm.weight", "q_a_norm", "plain"),
                       (a + "q_b_proj.weight", "wq_b", "heads_in")]
         else:
             names.append((a + "q_proj.weight", "wq", "heads_in"))
+        return names
+
+    def mlp_names(self, cfg, i: int) -> list[tuple]:
+        """The tensors of `mlp_spec`."""
+        moe = cfg.moe_layer(i)
+        names = [("post_attention_layernorm.weight", "mlp_norm", "plain")]
         mlp = "mlp.shared_experts." if moe else "mlp."
-        if not moe or cfg.shared_expert_size:
+        if not moe or cfg.arch.experts.shared_expert_size:
             names += [(f"{mlp}{n}_proj.weight", f"w_{n}", "linear") for n in ("gate", "up", "down")]
         if moe:
             names += [("mlp.gate.weight", "router", "linear"),
@@ -199,6 +239,7 @@ class Glm4Moe(DeepseekV3):
     experts (sigmoid routing with the correction bias, groups, shared experts, the first dense layers); its releases
     carry one MTP layer in DeepSeek-V3's layout, attached as the `method="mtp"` drafter the same way."""
 
+    arch_type = MoEArch
     model_types = ("glm4_moe",)
     architectures = {"glm4_moe": "Glm4MoeForCausalLM"}
     own_rope = True  # partial_rotary_factor read here (rope_from_hf refuses it)
@@ -216,8 +257,8 @@ class Glm4Moe(DeepseekV3):
         if rot % 2:
             raise ConfigError(f"{model_type}: partial_rotary_factor {frac} of head_dim {hd} is odd ({rot})")
         kw.update(rope_theta=theta, rope_scaling=scaling, rotary_dims=rot if rot != hd else 0,
-                  attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)))
-        routing_from_hf(model_type, hf, kw)
+                  attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)),
+                  arch=MoEArch(routing_from_hf(model_type, hf, kw)))
 
     def config_to_hf(self, cfg, out):
         Family.config_to_hf(self, cfg, out)
@@ -228,31 +269,21 @@ class Glm4Moe(DeepseekV3):
                    rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default", **(sc or {}),
                                     "partial_rotary_factor": (cfg.rotary_dims or cfg.head_dim) / cfg.head_dim})
 
-    def layer_spec(self, cfg, i: int) -> dict:
+    def attention_spec(self, cfg) -> dict:
+        from pdecode.model.spec import drop_layers
         from pdecode.model.transformer import attention_specs
 
-        s = {k: dataclass_drop_layers(v) for k, v in attention_specs(cfg, 1).items()}
-        mlp = super().layer_spec(cfg, i)
-        s.update({k: v for k, v in mlp.items() if k == "mlp_norm" or k.startswith(("w_", "we_", "router"))})
-        return s
+        return {k: drop_layers(v) for k, v in attention_specs(cfg, 1).items()}
 
     def attention(self, cfg, lp, h, att, cache, i, write_at, form=None):
         from pdecode.model.transformer import self_attention
 
         return self_attention(cfg, lp, h, att, cache, i, write_at)
 
-    def layer_names(self, cfg, i: int) -> list[tuple]:
+    def attention_names(self, cfg) -> list[tuple]:
         from pdecode.model.rules import attention_names
 
-        names = [n for n in super().layer_names(cfg, i) if not n[0].startswith("self_attn.")]
-        return names + attention_names(cfg)
-
-
-def dataclass_drop_layers(spec):
-    """A stacked `ParamSpec` of one layer ([1, ...] on ``layers``) as that layer's own."""
-    import dataclasses
-
-    return dataclasses.replace(spec, shape=spec.shape[1:], axes=spec.axes[1:])
+        return [("input_layernorm.weight", "attn_norm", "plain"), *attention_names(cfg)]
 
 
 GLM4_MOE = register(Glm4Moe())

@@ -31,6 +31,8 @@ The decoder's input is the canvas embedding plus a self-conditioning MLP of the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -38,7 +40,7 @@ from pdecode.config import ModelConfig
 from pdecode.errors import ConfigError
 from pdecode.model import cache as kvc
 from pdecode.model.attention import cache_mask, causal_intra
-from pdecode.model.families.gemma4 import Gemma4, gemma4_norm
+from pdecode.model.families.gemma4 import Gemma4, Gemma4Arch, gemma4_norm
 from pdecode.model.family import family_of, register
 from pdecode.model.transformer import (
     Attention, activation, embed, final_norm, forward, linear, rope_tables, rope_tables_of, unembed)
@@ -48,7 +50,22 @@ ENC = "model.encoder.language_model."
 DEC = "model.decoder."
 
 
+@dataclasses.dataclass(frozen=True)
+class DiffusionGemmaArch(Gemma4Arch):
+    """Gemma 4's section plus the length of the canvas the decoder denoises at once."""
+
+    canvas_length: int = 256
+
+    def problems(self, cfg):
+        out = super().problems(cfg)
+        if self.canvas_length <= 0 or self.experts is None:
+            out.append(f"a block-diffusion model needs canvas_length > 0 and experts (got {self.canvas_length}, "
+                       f"{self.experts})")
+        return out
+
+
 class DiffusionGemma(Gemma4):
+    arch_type = DiffusionGemmaArch
     model_types = ("diffusion_gemma",)
     architectures = {"diffusion_gemma": "DiffusionGemmaForBlockDiffusion"}
 
@@ -75,8 +92,8 @@ class DiffusionGemma(Gemma4):
         body = {k: v for k, v in hf.items() if k not in ("num_kv_shared_layers", "hidden_size_per_layer_input",
                                                           "use_double_wide_mlp", "use_bidirectional_attention")}
         super().config_from_hf("gemma4_text", {**body, "enable_moe_block": True, "attention_k_eq_v": True}, kw)
-        kw.update(final_softcap=SOFTCAP, canvas_length=int(hf["canvas_length"]), causal=False,
-                  tie_word_embeddings=True)
+        kw.update(final_softcap=SOFTCAP, causal=False, tie_word_embeddings=True,
+                  arch=DiffusionGemmaArch(**vars(kw["arch"]), canvas_length=int(hf["canvas_length"])))
 
     def config_to_hf(self, cfg, out):
         text = dict(out)
@@ -94,7 +111,7 @@ class DiffusionGemma(Gemma4):
         vision = {"model_type": "gemma4_vision", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 32}
         out.update(model_type="diffusion_gemma", architectures=["DiffusionGemmaForBlockDiffusion"],
-                   canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
+                   canvas_length=cfg.arch.canvas_length, tie_word_embeddings=True, text_config=text,
                    vision_config=vision, **top)
 
     scan_groups = False  # its encoder and decoder passes loop over layers (`encode` and `denoise` below)
@@ -149,7 +166,7 @@ DIFFUSION_GEMMA = register(DiffusionGemma())
 
 # ------------------------------------------------------------------------------------------------ the passes
 def check(cfg: ModelConfig) -> None:
-    if not cfg.canvas_length:
+    if not cfg.arch.canvas_length:
         raise ValueError("block_diffusion: the config has no canvas_length (not a block-diffusion model)")
 
 

@@ -21,13 +21,79 @@ cache buffer per layer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from pdecode.config import Arch
 from pdecode.errors import ConfigError
 from pdecode.model.family import LayerwiseFamily, register
 from pdecode.model.groups import LayerRef, layer_index, static_layer
+from pdecode.model.layers.experts import Experts
 from pdecode.model.families.llama import check_act, sliding_from_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Arch(Arch):
+    """Gemma 4's section: the full-attention layers' head size and kv heads (None: the core's ``head_dim`` /
+    ``num_kv_heads``), their keys used as values too (``k_eq_v``) and the fraction of their head that rotates
+    (``rope_fraction``; the rest passes through); the last ``kv_shared_layers`` layers compute no keys or values and
+    attend with those of the last earlier layer of their kind; per-layer input embeddings of ``per_layer_input_size``
+    per layer (0: none) over ``per_layer_vocab`` tokens; ``double_wide_mlp``: kv-shared layers' MLPs are twice
+    intermediate_size; ``experts``: the mixture of experts beside each layer's dense MLP (enable_moe_block)."""
+
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    rope_fraction: float = 1.0
+    kv_shared_layers: int = 0
+    per_layer_input_size: int = 0
+    per_layer_vocab: int = 0
+    double_wide_mlp: bool = False
+    experts: Experts | None = None
+
+    def problems(self, cfg):
+        out = []
+        gkv = self.global_kv_heads or cfg.num_kv_heads
+        if gkv > 0 and cfg.num_heads % gkv:
+            out.append(f"num_heads ({cfg.num_heads}) must be a multiple of global_kv_heads ({gkv})")
+        if (self.global_head_dim or 2) % 2 or not 0 < self.rope_fraction <= 1:
+            out.append(f"global_head_dim must be even and rope_fraction in (0, 1] (got {self.global_head_dim}, "
+                       f"{self.rope_fraction})")
+        if not 0 <= self.kv_shared_layers < cfg.num_layers:
+            out.append(f"kv_shared_layers must be in 0..{cfg.num_layers - 1} (got {self.kv_shared_layers})")
+        elif self.kv_shared_layers:
+            kinds = cfg.layer_kinds()
+            if set(kinds) - set(kinds[: cfg.num_layers - self.kv_shared_layers]):
+                out.append("every attention kind of the kv-shared layers needs an earlier layer of that kind")
+        if self.experts is not None:
+            out += self.experts.problems(cfg.num_layers)
+        return out
+
+    def layer_attention(self, cfg, i):
+        if cfg.layer_kinds()[i] == "full":
+            return self.global_kv_heads or cfg.num_kv_heads, self.global_head_dim or cfg.head_dim
+        return cfg.num_kv_heads, cfg.head_dim
+
+    def full_head_dim(self, cfg):
+        return self.global_head_dim or cfg.head_dim
+
+    def kv_source(self, cfg, i):
+        """Itself, or for a kv-shared layer the last layer of its kind before the shared ones."""
+        first = cfg.num_layers - self.kv_shared_layers
+        if i < first:
+            return i
+        kinds = cfg.layer_kinds()
+        return max(j for j in range(first) if kinds[j] == kinds[i])
+
+    def repeat_kv_heads(self, r):
+        return dataclasses.replace(self, global_kv_heads=self.global_kv_heads and self.global_kv_heads * r)
+
+    def for_drafter(self):
+        return dataclasses.replace(self, kv_shared_layers=0, per_layer_input_size=0, per_layer_vocab=0,
+                                   double_wide_mlp=False,
+                                   experts=self.experts and self.experts.for_drafter())
 
 
 def gemma4_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
@@ -54,6 +120,7 @@ def _per_layer(hf: dict, key: str, full: list[int]):
 
 
 class Gemma4(LayerwiseFamily):
+    arch_type = Gemma4Arch
     model_types = ("gemma4_text", "gemma4")
     architectures = {"gemma4_text": "Gemma4ForCausalLM"}
     own_rope = True  # rope_parameters per layer kind, read by config_from_hf
@@ -100,26 +167,29 @@ class Gemma4(LayerwiseFamily):
             raise ConfigError(f"{model_type}: rope_parameters.full_attention.rope_type {gtype!r} is not supported "
                               "(default, proportional)")
         factor = float(glob.get("factor", 1.0)) if gtype == "proportional" else 1.0
-        moe = bool(hf.get("enable_moe_block", False))
-        kw.update(hidden_act="gelu_tanh", tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                  qk_norm=True, attn_scale=1.0, final_softcap=hf.get("final_logit_softcapping") or None,
-                  rope_theta=float(glob.get("rope_theta", 1e6)), local_rope_theta=float(slide.get("rope_theta", 1e4)),
-                  rope_scaling=(("factor", factor), ("rope_type", "linear")) if factor != 1.0 else None,
-                  rope_fraction=float(glob.get("partial_rotary_factor", 1.0)) if gtype == "proportional" else 1.0,
-                  global_head_dim=int(ghd) if ghd else None, global_kv_heads=int(gkv) if gkv else None,
-                  k_eq_v=k_eq_v, kv_shared_layers=int(hf.get("num_kv_shared_layers") or 0),
-                  per_layer_input_size=int(hf.get("hidden_size_per_layer_input") or 0),
-                  per_layer_vocab=int(hf.get("vocab_size_per_layer_input") or kw["vocab_size"])
-                  if hf.get("hidden_size_per_layer_input") else 0,
-                  double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)) and bool(hf.get("num_kv_shared_layers")))
-        if moe:
+        experts = None
+        if hf.get("enable_moe_block", False):
             e, k, f = hf.get("num_experts"), hf.get("top_k_experts"), hf.get("moe_intermediate_size")
             if not (e and k and f):
                 raise ConfigError(f"{model_type}: enable_moe_block needs num_experts, top_k_experts and "
                                   "moe_intermediate_size")
-            kw.update(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f), norm_topk_prob=True)
-        if kw["kv_shared_layers"] >= n:
-            raise ConfigError(f"{model_type}: num_kv_shared_layers {kw['kv_shared_layers']} of {n} layers (every "
+            experts = Experts(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f))
+        shared = int(hf.get("num_kv_shared_layers") or 0)
+        kw.update(hidden_act="gelu_tanh", tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                  qk_norm=True, attn_scale=1.0, final_softcap=hf.get("final_logit_softcapping") or None,
+                  rope_theta=float(glob.get("rope_theta", 1e6)), local_rope_theta=float(slide.get("rope_theta", 1e4)),
+                  rope_scaling=(("factor", factor), ("rope_type", "linear")) if factor != 1.0 else None,
+                  arch=Gemma4Arch(
+                      rope_fraction=float(glob.get("partial_rotary_factor", 1.0)) if gtype == "proportional" else 1.0,
+                      global_head_dim=int(ghd) if ghd else None, global_kv_heads=int(gkv) if gkv else None,
+                      k_eq_v=k_eq_v, kv_shared_layers=shared,
+                      per_layer_input_size=int(hf.get("hidden_size_per_layer_input") or 0),
+                      per_layer_vocab=int(hf.get("vocab_size_per_layer_input") or kw["vocab_size"])
+                      if hf.get("hidden_size_per_layer_input") else 0,
+                      double_wide_mlp=bool(hf.get("use_double_wide_mlp", False)) and bool(shared),
+                      experts=experts))
+        if shared >= n:
+            raise ConfigError(f"{model_type}: num_kv_shared_layers {shared} of {n} layers (every "
                               "layer shared: an assistant model) is not a model of its own")
 
     def config_to_hf(self, cfg, out):
@@ -135,31 +205,31 @@ class Gemma4(LayerwiseFamily):
         out.pop("hidden_act", None)
         out.pop("rope_theta", None)
         out.pop("rope_scaling", None)
-        full = {"rope_type": "proportional" if cfg.rope_fraction != 1.0 or cfg.rope_scaling else "default",
+        full = {"rope_type": "proportional" if cfg.arch.rope_fraction != 1.0 or cfg.rope_scaling else "default",
                 "rope_theta": cfg.rope_theta}
         if full["rope_type"] == "proportional":
-            full["partial_rotary_factor"] = cfg.rope_fraction
+            full["partial_rotary_factor"] = cfg.arch.rope_fraction
             if cfg.rope_scaling:
                 full["factor"] = float(cfg.rope_scaling_dict["factor"])
-        kinds = cfg.layer_kinds()
+        kinds, ex = cfg.layer_kinds(), cfg.arch.experts
         out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, final_logit_softcapping=cfg.final_softcap,
                    sliding_window=cfg.sliding_window or 512,
                    layer_types=[f"{k}_attention" for k in kinds],
                    rope_parameters={"full_attention": full, "sliding_attention": {
                        "rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}},
-                   attention_k_eq_v=cfg.k_eq_v, num_kv_shared_layers=cfg.kv_shared_layers,
-                   hidden_size_per_layer_input=cfg.per_layer_input_size,
-                   vocab_size_per_layer_input=cfg.per_layer_vocab or cfg.vocab_size,
-                   use_double_wide_mlp=cfg.double_wide_mlp, enable_moe_block=bool(cfg.num_experts))
+                   attention_k_eq_v=cfg.arch.k_eq_v, num_kv_shared_layers=cfg.arch.kv_shared_layers,
+                   hidden_size_per_layer_input=cfg.arch.per_layer_input_size,
+                   vocab_size_per_layer_input=cfg.arch.per_layer_vocab or cfg.vocab_size,
+                   use_double_wide_mlp=cfg.arch.double_wide_mlp, enable_moe_block=ex is not None)
         over = {}
-        if cfg.global_head_dim:
-            over["head_dim"] = cfg.global_head_dim
-        if cfg.global_kv_heads:
-            over["num_key_value_heads"] = cfg.global_kv_heads
+        if cfg.arch.global_head_dim:
+            over["head_dim"] = cfg.arch.global_head_dim
+        if cfg.arch.global_kv_heads:
+            over["num_key_value_heads"] = cfg.arch.global_kv_heads
         out["per_layer_config"] = {str(i): dict(over) for i, k in enumerate(kinds) if k == "full" and over}
-        if cfg.num_experts:
-            out.update(num_experts=cfg.num_experts, top_k_experts=cfg.experts_per_tok,
-                       moe_intermediate_size=cfg.moe_intermediate_size)
+        if ex is not None:
+            out.update(num_experts=ex.num_experts, top_k_experts=ex.experts_per_tok,
+                       moe_intermediate_size=ex.moe_intermediate_size)
 
     # -------------------------------------------------------------------------------- params
     def layer_spec(self, cfg, i: int, own_kv: bool | None = None) -> dict:
@@ -170,7 +240,7 @@ class Gemma4(LayerwiseFamily):
         D, H, F = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
         kv, hd = cfg.layer_attention(i)
         own_kv = cfg.kv_source(i) == i if own_kv is None else own_kv
-        if cfg.double_wide_mlp and not own_kv:
+        if cfg.arch.double_wide_mlp and not own_kv:
             F *= 2
         vec = lambda n, init="ones": ParamSpec((n,), (None,), init)  # noqa: E731
         s = {"attn_norm": vec(D), "wq": ParamSpec((D, H, hd), ("embed", "heads", None)), "q_norm": vec(hd),
@@ -182,12 +252,12 @@ class Gemma4(LayerwiseFamily):
             s.update(wk=ParamSpec((D, kv, hd), ("embed", "kv_heads", None)), k_norm=vec(hd))
             if not self.keys_are_values(cfg, i):
                 s["wv"] = ParamSpec((D, kv, hd), ("embed", "kv_heads", None))
-        if cfg.per_layer_input_size:
-            P = cfg.per_layer_input_size
+        if cfg.arch.per_layer_input_size:
+            P = cfg.arch.per_layer_input_size
             s.update(ple_gate=ParamSpec((D, P), ("embed", None)), ple_proj=ParamSpec((P, D), (None, "embed")),
                      ple_norm=vec(D))
-        if cfg.num_experts:
-            E, Fm = cfg.num_experts, cfg.moe_intermediate_size
+        if cfg.arch.experts is not None:
+            E, Fm = cfg.arch.experts.num_experts, cfg.arch.experts.moe_intermediate_size
             s.update(router=ParamSpec((D, E), ("embed", None)), router_scale=vec(D), expert_scale=vec(E),
                      we_gate=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
                      we_up=ParamSpec((E, D, Fm), ("experts", "embed", "expert_mlp")),
@@ -197,17 +267,17 @@ class Gemma4(LayerwiseFamily):
 
     @staticmethod
     def keys_are_values(cfg, i: int) -> bool:
-        return cfg.k_eq_v and cfg.layer_kinds()[i] == "full"
+        return cfg.arch.k_eq_v and cfg.layer_kinds()[i] == "full"
 
     def extra_specs(self, cfg):
         from pdecode.model.transformer import ParamSpec
 
-        if not cfg.per_layer_input_size:
+        if not cfg.arch.per_layer_input_size:
             return {}
-        LP = cfg.num_layers * cfg.per_layer_input_size
-        return {"ple_embed": ParamSpec((cfg.per_layer_vocab, LP), ("vocab", None)),
+        LP = cfg.num_layers * cfg.arch.per_layer_input_size
+        return {"ple_embed": ParamSpec((cfg.arch.per_layer_vocab, LP), ("vocab", None)),
                 "ple_model_proj": ParamSpec((cfg.hidden_size, LP), ("embed", None)),
-                "ple_proj_norm": ParamSpec((cfg.per_layer_input_size,), (None,), "ones")}
+                "ple_proj_norm": ParamSpec((cfg.arch.per_layer_input_size,), (None,), "ones")}
 
     # -------------------------------------------------------------------------------- forward
     def embed_scale(self, cfg):
@@ -221,10 +291,10 @@ class Gemma4(LayerwiseFamily):
         projection of its embedding (x 1/sqrt(D)), times 1/sqrt(2)."""
         from pdecode.model.transformer import linear
 
-        if not cfg.per_layer_input_size:
+        if not cfg.arch.per_layer_input_size:
             return None
         b, t = tokens_BT.shape
-        L, P = cfg.num_layers, cfg.per_layer_input_size
+        L, P = cfg.num_layers, cfg.arch.per_layer_input_size
         w = params["ple_embed"]
         tok = jnp.take(w, jnp.clip(tokens_BT, 0, w.shape[0] - 1), axis=0) * jnp.asarray(P ** 0.5, w.dtype)
         proj = linear(x_BTD, params["ple_model_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, x_BTD.dtype)
@@ -262,7 +332,7 @@ class Gemma4(LayerwiseFamily):
             k, v = cache.layer(src)  # own tokens: `transformer.pass_cache`)
         else:
             raise ValueError(f"gemma4: layer {rep} attends with layer {src}'s keys and values from a KV cache")
-        a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=1.0)
+        a = attend(q, k, v, mask, impl=cfg.run.attention_impl, scale=1.0)
         return linear(a, lp["wo"], "bthk,hkd->btd"), cache
 
     def moe(self, cfg, lp, res_BTD):
@@ -277,7 +347,7 @@ class Gemma4(LayerwiseFamily):
         r = gemma4_norm(x, None, cfg.rms_norm_eps) * lp["router_scale"].astype(x.dtype) * jnp.asarray(d ** -0.5,
                                                                                                      x.dtype)
         probs = jax.nn.softmax(linear(r, lp["router"]).astype(jnp.float32), axis=-1)
-        top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
+        top, idx = jax.lax.top_k(probs, cfg.arch.experts.experts_per_tok)
         top = top / jnp.sum(top, axis=-1, keepdims=True)
         w = (top * lp["expert_scale"].astype(jnp.float32)[idx]).astype(x.dtype)
         h = gemma4_norm(x, lp["pre_moe_norm"], cfg.rms_norm_eps)
@@ -290,10 +360,10 @@ class Gemma4(LayerwiseFamily):
         a, cache = self.attention(cfg, lp, norm(x, lp["attn_norm"]), att, cache, layer_idx, write_at)
         x = x + norm(a, lp["post_attn_norm"])
         m = glu_mlp(cfg, lp, norm(x, lp["mlp_norm"]), fused)
-        if cfg.num_experts:
+        if cfg.arch.experts is not None:
             m = norm(m, lp["post_mlp_norm_1"]) + norm(self.moe(cfg, lp, x), lp["post_moe_norm"])
         x = x + norm(m, lp["post_mlp_norm"])
-        if cfg.per_layer_input_size:
+        if cfg.arch.per_layer_input_size:
             inputs = att.extra["inputs"] if att.extra is not None else None
             if inputs is None:
                 raise ValueError("gemma4: this model's layers need their per-layer inputs (a forward from tokens)")
@@ -319,11 +389,11 @@ class Gemma4(LayerwiseFamily):
             names += [(a + "k_proj.weight", "wk", "heads_in"), (a + "k_norm.weight", "k_norm", "plain")]
         if own_kv and not self.keys_are_values(cfg, i):
             names.append((a + "v_proj.weight", "wv", "heads_in"))
-        if cfg.per_layer_input_size:
+        if cfg.arch.per_layer_input_size:
             names += [("per_layer_input_gate.weight", "ple_gate", "linear"),
                       ("per_layer_projection.weight", "ple_proj", "linear"),
                       ("post_per_layer_input_norm.weight", "ple_norm", "plain")]
-        if cfg.num_experts:
+        if cfg.arch.experts is not None:
             names += [("router.proj.weight", "router", "linear"), ("router.scale", "router_scale", "plain"),
                       ("router.per_expert_scale", "expert_scale", "plain"),
                       ("experts.gate_up_proj", "we_gate", "first_rows_t"),
@@ -342,7 +412,7 @@ class Gemma4(LayerwiseFamily):
 
         p = prefix or ("model.language_model." if cfg.family == "gemma4" else "model.")
         rules = super().hf_rules(cfg, p)
-        if cfg.per_layer_input_size:
+        if cfg.arch.per_layer_input_size:
             rules += [Rule(p + "embed_tokens_per_layer.weight", "ple_embed", "plain"),
                       Rule(p + "per_layer_model_projection.weight", "ple_model_proj", "linear"),
                       Rule(p + "per_layer_projection_norm.weight", "ple_proj_norm", "plain")]

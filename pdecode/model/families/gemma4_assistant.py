@@ -49,7 +49,7 @@ class AssistantConfig:
 def store_layers(tcfg: ModelConfig) -> dict[str, int]:
     """kind -> the target layer whose keys and values an assistant layer of that kind reads: the last layer of the
     kind before the kv-shared ones (transformers' "store" layers)."""
-    first = tcfg.num_layers - tcfg.kv_shared_layers
+    first = tcfg.num_layers - tcfg.arch.kv_shared_layers
     kinds = tcfg.layer_kinds()
     return {k: max(j for j in range(first) if kinds[j] == k) for k in set(kinds[:first])}
 

@@ -6,7 +6,7 @@ references: softmax over all E (float32), top k, renormalised to sum 1 when ``no
 weights cast to the activations' dtype. Qwen2-MoE adds a shared expert scaled by sigmoid(x @ shared_gate).
 
 Dense layers among the sparse ones (Qwen-MoE's ``mlp_only_layers``, and ``decoder_sparse_step``: layer i is sparse
-iff (i + 1) % step == 0 and i is not listed; `ModelConfig.dense_layer_ids`) have a plain SiLU-GLU MLP of
+iff (i + 1) % step == 0 and i is not listed; `Experts.dense_layer_ids`) have a plain SiLU-GLU MLP of
 ``intermediate_size`` (no shared expert). Such a stack holds blocks of two shapes, so its params are a tuple of
 per-layer dicts (`transformer.DecodeLayers`, run as a loop over layers, as DeepSeek-V3's first dense layers are) and
 its checkpoint names are per layer; a stack of sparse layers only keeps one stacked dict under `lax.scan`.
@@ -22,15 +22,34 @@ Expert parallelism: expert weights carry the logical axis ``experts`` (`pdecode.
 
 from __future__ import annotations
 
+import dataclasses
+
+from pdecode.config import Arch
 from pdecode.errors import ConfigError
 from pdecode.model.family import Family, LayerwiseFamily, register
 from pdecode.model.groups import static_layer
 from pdecode.model.layers.experts import (  # noqa: F401  (the names this family's users import from it)
-    DENSE_CHUNK, SWIGLU_ALPHA, experts_dense, experts_gathered, experts_grouped, moe_mlp, route, run_experts)
+    DENSE_CHUNK, SWIGLU_ALPHA, Experts, experts_dense, experts_gathered, experts_grouped, moe_mlp, route, run_experts)
 from pdecode.model.families.llama import check_act, sliding_from_hf
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEArch(Arch):
+    """The section of a family whose MLPs are mixtures of experts (`layers.experts.Experts`)."""
+
+    experts: Experts
+
+    def problems(self, cfg):
+        if not isinstance(self.experts, Experts):
+            return [f"a mixture-of-experts family needs its experts section (got {self.experts!r})"]
+        return self.experts.problems(cfg.num_layers)
+
+    def for_drafter(self):
+        return dataclasses.replace(self, experts=self.experts.for_drafter())
+
+
 class MoE(LayerwiseFamily):
+    arch_type = MoEArch
     model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
     architectures = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                      "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -42,39 +61,41 @@ class MoE(LayerwiseFamily):
         if not e or not k:
             raise ConfigError(f"{model_type}: config.json lacks num_experts / num_experts_per_tok")
         if model_type == "mixtral":
-            f = kw["intermediate_size"]
-            kw.update(norm_topk_prob=True, num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(f))
+            ex = Experts(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=kw["intermediate_size"])
         else:
-            kw["dense_layer_ids"] = dense = dense_layer_ids(model_type, hf, kw["num_layers"])
-            kw.update(num_experts=int(e), experts_per_tok=int(k), moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                      shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0)
-                      if model_type == "qwen2_moe" else 0,
-                      attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", model_type == "qwen2_moe"))),
+            dense = dense_layer_ids(model_type, hf, kw["num_layers"])
+            ex = Experts(num_experts=int(e), experts_per_tok=int(k),
+                         moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                         shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                         if model_type == "qwen2_moe" else 0, dense_layer_ids=dense)
+            kw.update(attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", model_type == "qwen2_moe"))),
                       qk_norm=model_type == "qwen3_moe")
-            if kw["shared_expert_size"] and not dense:  # (with dense layers: theirs, config.json's)
-                kw["intermediate_size"] = kw["shared_expert_size"]
+            if ex.shared_expert_size and not dense:  # (with dense layers: theirs, config.json's)
+                kw["intermediate_size"] = ex.shared_expert_size
+        kw["arch"] = MoEArch(ex)
         sliding_from_hf(model_type, {**hf, "sliding_window": hf.get("sliding_window") or None}, kw,
                         always=model_type == "mixtral")
 
     def config_to_hf(self, cfg, out):
         super().config_to_hf(cfg, out)
-        out.update(num_experts_per_tok=cfg.experts_per_tok, sliding_window=cfg.sliding_window)
+        ex = cfg.arch.experts
+        out.update(num_experts_per_tok=ex.experts_per_tok, sliding_window=cfg.sliding_window)
         if cfg.family == "mixtral":
-            out.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_intermediate_size)
+            out.update(num_local_experts=ex.num_experts, intermediate_size=ex.moe_intermediate_size)
             return
-        out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layer_ids),
+        out.update(num_experts=ex.num_experts, moe_intermediate_size=ex.moe_intermediate_size,
+                   norm_topk_prob=ex.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(ex.dense_layer_ids),
                    use_sliding_window=cfg.sliding_window is not None)
         if cfg.family == "qwen2_moe":
-            out.update(shared_expert_intermediate_size=cfg.shared_expert_size, qkv_bias=cfg.attention_bias)
+            out.update(shared_expert_intermediate_size=ex.shared_expert_size, qkv_bias=cfg.attention_bias)
         else:
             out["attention_bias"] = cfg.attention_bias
 
     def layer_specs(self, cfg, num_layers):
         """A stacked dict when every layer is sparse, else `LayerGroups` of the runs of sparse and dense layers."""
         c = cfg if num_layers == cfg.num_layers else cfg.with_layers(num_layers)
-        if not c.dense_layer_ids:
+        if not c.arch.experts.dense_layer_ids:
             return self.stacked_specs(c, num_layers)
         return LayerwiseFamily.layer_specs(self, c, num_layers)
 
@@ -90,7 +111,8 @@ class MoE(LayerwiseFamily):
         """Specs of ``num_layers`` sparse blocks stacked on ``layers``."""
         from pdecode.model.transformer import ParamSpec, attention_specs
 
-        L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        ex = cfg.arch.experts
+        L, D, E, F = num_layers, cfg.hidden_size, ex.num_experts, ex.moe_intermediate_size
         s = attention_specs(cfg, num_layers)
         s.update({
             "mlp_norm": ParamSpec((L, D), ("layers", None), "ones"),
@@ -99,8 +121,8 @@ class MoE(LayerwiseFamily):
             "we_up": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "expert_mlp")),
             "we_down": ParamSpec((L, E, F, D), ("layers", "experts", "expert_mlp", "embed")),
         })
-        if cfg.shared_expert_size:
-            S = cfg.shared_expert_size
+        if ex.shared_expert_size:
+            S = ex.shared_expert_size
             s.update({
                 "w_gate": ParamSpec((L, D, S), ("layers", "embed", "mlp")),
                 "w_up": ParamSpec((L, D, S), ("layers", "embed", "mlp")),
@@ -116,12 +138,12 @@ class MoE(LayerwiseFamily):
                                   write_at, fused)
         x = x + a
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        if cfg.dense_layer_ids and not cfg.moe_layer(static_layer(layer_idx)):
+        if cfg.arch.experts.dense_layer_ids and not cfg.moe_layer(static_layer(layer_idx)):
             return x + glu_mlp(cfg, lp, h, fused), cache
         return x + moe_mlp(cfg, lp, h, fused), cache
 
     def hf_rules(self, cfg, prefix="model."):
-        if cfg.dense_layer_ids:  # blocks of two shapes: per-layer names, as a layerwise family gives them
+        if cfg.arch.experts.dense_layer_ids:  # blocks of two shapes: per-layer names, as a layerwise family gives them
             return LayerwiseFamily.hf_rules(self, cfg, prefix)
         return Family.hf_rules(self, cfg, prefix)
 
@@ -146,7 +168,7 @@ class MoE(LayerwiseFamily):
         else:
             names += [("mlp.gate.weight", "router", "linear")]
             names += [(f"mlp.experts.{{e}}.{n}_proj.weight", f"we_{n}", "linear") for n in ("gate", "up", "down")]
-        if cfg.shared_expert_size:
+        if cfg.arch.experts.shared_expert_size:
             names += [(f"mlp.shared_expert.{n}_proj.weight", f"w_{n}", "linear") for n in ("gate", "up", "down")]
             names.append(("mlp.shared_expert_gate.weight", "shared_gate", "linear"))
         return names
@@ -183,15 +205,18 @@ class GptOss(MoE):
         alpha = float(hf.get("swiglu_alpha", SWIGLU_ALPHA))
         if abs(alpha - SWIGLU_ALPHA) > 1e-9:
             raise ConfigError(f"{model_type}: swiglu_alpha {alpha} is not supported (pdecode runs {SWIGLU_ALPHA})")
-        kw.update(num_experts=int(hf["num_local_experts"]), experts_per_tok=int(hf["num_experts_per_tok"]),
-                  moe_intermediate_size=kw["intermediate_size"], swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        kw.update(arch=MoEArch(Experts(num_experts=int(hf["num_local_experts"]),
+                                       experts_per_tok=int(hf["num_experts_per_tok"]),
+                                       moe_intermediate_size=kw["intermediate_size"],
+                                       swiglu_limit=float(hf.get("swiglu_limit", 7.0)))),
                   attention_bias=True, qk_norm=False)
         sliding_from_hf(model_type, hf, kw)
 
     def config_to_hf(self, cfg, out):
         Family.config_to_hf(self, cfg, out)
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_tok,
-                   intermediate_size=cfg.moe_intermediate_size, swiglu_limit=cfg.swiglu_limit,
+        ex = cfg.arch.experts
+        out.update(num_local_experts=ex.num_experts, num_experts_per_tok=ex.experts_per_tok,
+                   intermediate_size=ex.moe_intermediate_size, swiglu_limit=ex.swiglu_limit,
                    swiglu_alpha=SWIGLU_ALPHA, attention_bias=True, sliding_window=cfg.sliding_window,
                    layer_types=[f"{k}_attention" for k in cfg.layer_kinds()])
         if cfg.rope_scaling is not None:
@@ -201,7 +226,7 @@ class GptOss(MoE):
     def layer_specs(self, cfg, num_layers):
         from pdecode.model.transformer import ParamSpec
 
-        L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        L, D, E, F = num_layers, cfg.hidden_size, cfg.arch.experts.num_experts, cfg.arch.experts.moe_intermediate_size
         s = super().stacked_specs(cfg, num_layers)
         s.update({
             "bo": ParamSpec((L, D), ("layers", None), "zeros"),

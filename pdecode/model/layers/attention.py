@@ -135,7 +135,7 @@ def self_attention(cfg: ModelConfig, lp: Params, h: jax.Array, att: Attention, c
     else:
         k = jnp.swapaxes(k, 2, 3)  # [B, KV, hd, T]
     fam = family_of(cfg)
-    a = attend(q, k, v, mask, impl=cfg.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+    a = attend(q, k, v, mask, impl=cfg.run.attention_impl, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
                sinks=lp["sinks"] if fam.attention_sinks else None)
     if fused:  # decode layout: wo [H*hd, D]
         out = linear(a.reshape(b, t, -1), lp["wo"])

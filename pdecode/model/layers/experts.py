@@ -4,6 +4,8 @@ run three ways by the number of token-expert pairs (gathered weights, grouped ma
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -12,26 +14,79 @@ from pdecode.model.layers.linear import linear
 from pdecode.model.layers.mlp import activation, glu_mlp
 
 
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """The mixture of experts of a family's arch section (`pdecode.config.Arch.experts`): every sparse layer's MLP is
+    ``num_experts`` experts of ``moe_intermediate_size``, ``experts_per_tok`` per token.
+
+    Routing: softmax over all experts, the top k, renormalised to sum 1 when ``norm_topk_prob``; or DeepSeek's
+    (``router_score="sigmoid"``): sigmoid scores, the top k by score + a learned bias among the best
+    ``groups_per_tok`` of ``expert_groups`` groups, weights the chosen scores x ``routed_scale``. A shared expert of
+    ``shared_expert_size`` runs beside the routed ones (gated in Qwen2-MoE, plain in DeepSeek). gpt-oss's experts clamp
+    their SwiGLU at ``swiglu_limit``. The first ``dense_layers`` layers and those in ``dense_layer_ids`` (Qwen-MoE's
+    mlp_only_layers) have a dense MLP of intermediate_size instead."""
+
+    num_experts: int
+    experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_size: int = 0
+    norm_topk_prob: bool = True
+    swiglu_limit: float | None = None
+    router_score: str = "softmax"
+    expert_groups: int = 1
+    groups_per_tok: int = 1
+    routed_scale: float = 1.0
+    dense_layers: int = 0
+    dense_layer_ids: tuple[int, ...] = ()
+
+    def problems(self, num_layers: int) -> list[str]:
+        out = []
+        if not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            out.append(f"a mixture of experts needs 0 < experts_per_tok <= num_experts and moe_intermediate_size > 0 "
+                       f"(got {self.experts_per_tok}, {self.num_experts}, {self.moe_intermediate_size})")
+        if self.router_score not in ("softmax", "sigmoid"):
+            out.append(f"router_score must be 'softmax' or 'sigmoid' (got {self.router_score!r})")
+        if self.num_experts % max(self.expert_groups, 1) or not 0 < self.groups_per_tok <= self.expert_groups:
+            out.append(f"expert_groups ({self.expert_groups}) must divide num_experts ({self.num_experts}) and "
+                       f"0 < groups_per_tok ({self.groups_per_tok}) <= expert_groups")
+        if not 0 <= self.dense_layers <= num_layers:
+            out.append(f"dense_layers must be in 0..{num_layers} (got {self.dense_layers})")
+        if list(self.dense_layer_ids) != sorted(set(self.dense_layer_ids)) or \
+                any(not 0 <= i < num_layers for i in self.dense_layer_ids):
+            out.append(f"dense_layer_ids must be increasing layer indices in 0..{num_layers - 1} "
+                       f"(got {self.dense_layer_ids})")
+        return out
+
+    def sparse(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is this mixture (else a dense MLP of intermediate_size)."""
+        return i >= self.dense_layers and i not in self.dense_layer_ids
+
+    def for_drafter(self) -> "Experts":
+        """A drafter's experts: every block sparse (DeepSeek-V3's MTP layer is)."""
+        return dataclasses.replace(self, dense_layers=0, dense_layer_ids=())
+
+
 def route(cfg, router_DE: jax.Array, x_ND: jax.Array, bias_E: jax.Array | None = None):
     """(weights [N, k] in x's dtype, expert ids [N, k]) as the references route: softmax over all E then the top k
     (renormalised when ``norm_topk_prob``); with a router bias (gpt-oss), the top k logits then a softmax over
     them."""
+    ex = cfg.arch.experts
     logits = linear(x_ND, router_DE)
     if bias_E is not None:
-        top, idx = jax.lax.top_k(logits + bias_E, cfg.experts_per_tok)
+        top, idx = jax.lax.top_k(logits + bias_E, ex.experts_per_tok)
         return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x_ND.dtype), idx
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
-    if cfg.norm_topk_prob:
+    top, idx = jax.lax.top_k(probs, ex.experts_per_tok)
+    if ex.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top.astype(x_ND.dtype), idx
 
 
 def _glu(cfg, g, u):
     """The experts' gated unit: act(gate) * up, or gpt-oss's clamped SwiGLU (``swiglu_limit``)."""
-    if cfg.swiglu_limit is None:
+    lim = cfg.arch.experts.swiglu_limit
+    if lim is None:
         return activation(cfg, g) * u
-    lim = cfg.swiglu_limit
     g = jnp.minimum(g, lim)
     u = jnp.clip(u, -lim, lim)
     return (u + 1) * (g * jax.nn.sigmoid(g * SWIGLU_ALPHA))
@@ -106,12 +161,13 @@ def experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk):
 
 def run_experts(cfg, lp, x_ND, w_Nk, idx_Nk):
     """The routed experts' output for N tokens: gathered weights when N * k <= E (decode steps, short verifies),
-    else grouped matmuls (dense over every expert on CPU). Experts split over devices (``cfg.experts_sharded``)
+    else grouped matmuls (dense over every expert on CPU). Experts split over devices (``cfg.run.experts_sharded``)
     always run dense: each device runs its own experts on every token, and the weighted sum over experts is the one
     cross-device reduction (a gather of chosen experts' weights would copy them between devices every step)."""
-    if cfg.experts_sharded:
+    if cfg.run.experts_sharded:
         return experts_dense(cfg, lp, x_ND, w_Nk, idx_Nk)
-    if x_ND.shape[0] * cfg.experts_per_tok <= cfg.num_experts:
+    ex = cfg.arch.experts
+    if x_ND.shape[0] * ex.experts_per_tok <= ex.num_experts:
         run = experts_gathered
     else:
         run = experts_dense if jax.default_backend() == "cpu" else experts_grouped
@@ -123,7 +179,7 @@ def moe_mlp(cfg, lp, h_BTD: jax.Array, fused: bool) -> jax.Array:
     x = h_BTD.reshape(b * t, d)
     w, idx = route(cfg, lp["router"], x, lp["router_b"] if family_of(cfg).expert_biases else None)
     out = run_experts(cfg, lp, x, w, idx).reshape(b, t, d)
-    if cfg.shared_expert_size:
+    if cfg.arch.experts.shared_expert_size:
         gate = jax.nn.sigmoid(linear(h_BTD, lp["shared_gate"]))
         out = out + gate * glu_mlp(cfg, lp, h_BTD, fused)
     return out
@@ -133,19 +189,19 @@ def route_grouped(cfg, lp, x_ND: jax.Array):
     """(weights [N, k] in x's dtype, expert ids [N, k]) by DeepSeek-V3's rule: sigmoid scores in float32, the top k
     of score + correction bias within the best ``groups_per_tok`` groups, weighted by their scores (renormalised
     when ``norm_topk_prob``) x ``routed_scale``."""
-    n = x_ND.shape[0]
-    e, g = cfg.num_experts, cfg.expert_groups
+    n, ex = x_ND.shape[0], cfg.arch.experts
+    e, g = ex.num_experts, ex.expert_groups
     logits = jnp.matmul(x_ND.astype(jnp.float32), lp["router"].astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     choice = scores + lp["router_corr"].astype(jnp.float32)
     if g > 1:
         per = choice.reshape(n, g, e // g)
         group_score = jnp.sum(jax.lax.top_k(per, min(2, e // g))[0], axis=-1)  # [N, G]
-        _, best = jax.lax.top_k(group_score, cfg.groups_per_tok)
+        _, best = jax.lax.top_k(group_score, ex.groups_per_tok)
         keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], best].set(True)
         choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.experts_per_tok)
+    _, idx = jax.lax.top_k(choice, ex.experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
-    if cfg.norm_topk_prob:
+    if ex.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return (w * cfg.routed_scale).astype(x_ND.dtype), idx
+    return (w * ex.routed_scale).astype(x_ND.dtype), idx

@@ -4,6 +4,8 @@ once), whichever costs fewer FLOPs for the shapes (`mla_expanded`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -16,11 +18,33 @@ from pdecode.model.layers.norms import rms_norm
 from pdecode.model.layers.rope import apply_rope
 
 
+@dataclasses.dataclass(frozen=True)
+class Latent:
+    """Latent attention in a family's arch section (`pdecode.config.Arch.latent`): keys and values come from a
+    per-token latent of ``kv_lora_rank`` values plus one shared rotated key of the core's ``head_dim`` (the rope part
+    of each head: qk_rope_head_dim), which is all the cache holds; each head's query and key have ``qk_nope_dim``
+    more unrotated dims, its value ``v_head_dim``; queries through a ``q_lora_rank`` bottleneck (0: one
+    projection); ``rope_interleave``: the rotated dims are stored as interleaved pairs."""
+
+    kv_lora_rank: int
+    qk_nope_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+    rope_interleave: bool = False
+
+    def problems(self, cfg) -> list[str]:
+        if self.kv_lora_rank > 0 and self.qk_nope_dim > 0 and self.v_head_dim > 0 and cfg.num_kv_heads == 1:
+            return []
+        return [f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs kv_lora_rank, qk_nope_dim and v_head_dim "
+                f"> 0 and num_kv_heads 1 (got {self.qk_nope_dim}, {self.v_head_dim}, {cfg.num_kv_heads})"]
+
+
 def mla_expanded(cfg, t: int, s: int) -> bool:
     """Whether a pass of ``t`` queries over ``s`` keys costs fewer FLOPs with the keys and values decompressed
     (expanded) than absorbed: expanded pays r (dn + dv) per key to decompress and dn + dr + dv per (query, key);
     absorbed pays r (dn + dv) per query to fold W_uk / W_uv and 2r + dr per (query, key)."""
-    r, dn, dv, dr = cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim, cfg.head_dim
+    la = cfg.arch.latent
+    r, dn, dv, dr = la.kv_lora_rank, la.qk_nope_dim, la.v_head_dim, cfg.head_dim
     expanded = s * r * (dn + dv) + t * s * (dn + dr + dv)
     absorbed = t * r * (dn + dv) + t * s * (2 * r + dr)
     return expanded < absorbed
@@ -49,23 +73,24 @@ def _softmax_over(scores, mask):
 def latent_attention(cfg, lp, h, att, cache, i, write_at, form: str | None = None):
     """Latent attention of layer ``i`` on the normed input: (out [B,T,D], cache). ``form``: "absorbed" or
     "expanded" (default: the cheaper for these shapes, `mla_expanded`)."""
-    if cfg.attention_impl not in ("auto", "xla"):
-        raise ConfigError(f"attention impl {cfg.attention_impl!r}: latent attention (deepseek_v3) runs its own "
+    if cfg.run.attention_impl not in ("auto", "xla"):
+        raise ConfigError(f"attention impl {cfg.run.attention_impl!r}: latent attention (deepseek_v3) runs its own "
                           "XLA attention; use 'auto' or 'xla'")
     b, t, _ = h.shape
-    r, dn = cfg.kv_lora_rank, cfg.qk_nope_dim
+    la = cfg.arch.latent
+    r, dn = la.kv_lora_rank, la.qk_nope_dim
     rope, mask = att.for_layer(i)
     if isinstance(mask, CausalSelfMask):
         mask = mask.mask
-    if cfg.q_lora_rank:
+    if la.q_lora_rank:
         q = linear(rms_norm(linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps), lp["wq_b"],
                    "btr,rhk->bthk")
     else:
         q = linear(h, lp["wq"], "btd,dhk->bthk")
-    q_nope, q_rope = q[..., :dn], rope_pairs(q[..., dn:], rope, cfg.rope_interleave)
+    q_nope, q_rope = q[..., :dn], rope_pairs(q[..., dn:], rope, la.rope_interleave)
     ckv = linear(h, lp["wkv_a"])
     c = rms_norm(ckv[..., :r], lp["kv_a_norm"], cfg.rms_norm_eps)  # [B, T, r]
-    k_rope = rope_pairs(ckv[..., None, r:], rope, cfg.rope_interleave)  # [B, T, 1, dr]
+    k_rope = rope_pairs(ckv[..., None, r:], rope, la.rope_interleave)  # [B, T, 1, dr]
     if cache is not None:
         cache = kvc.write_layer(cache, layer_index(i), jnp.swapaxes(k_rope, 1, 2), c[:, None], write_at)
         kr, cs = cache.layer(layer_index(i))  # [B, 1, dr, S], [B, 1, S, r]

@@ -66,7 +66,7 @@ def with_rope_context(cfg: ModelConfig, context: int) -> ModelConfig:
     sc = cfg.rope_scaling_dict
     if not sc or sc["rope_type"] != "longrope":
         return cfg
-    return cfg.replace(rope_long_factors=int(context) > int(sc["original_max_position_embeddings"]))
+    return cfg.with_run(rope_long_factors=int(context) > int(sc["original_max_position_embeddings"]))
 
 
 def rope_long(cfg: ModelConfig, context: int) -> bool:
@@ -76,8 +76,8 @@ def rope_long(cfg: ModelConfig, context: int) -> bool:
     sc = cfg.rope_scaling_dict
     if not sc or sc["rope_type"] != "longrope":
         return False
-    if cfg.rope_long_factors is not None:  # decided by the generation's context, not this call's
-        return cfg.rope_long_factors
+    if cfg.run.rope_long_factors is not None:  # decided by the generation's context, not this call's
+        return cfg.run.rope_long_factors
     return context > int(sc["original_max_position_embeddings"])
 
 
@@ -88,9 +88,9 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     import numpy as np
 
     # the full-attention layers' rope (``scaled``): their head size, maybe part of it rotating
-    dim = (cfg.global_head_dim or cfg.head_dim) if scaled else cfg.head_dim
+    dim = cfg.arch.full_head_dim(cfg) if scaled else cfg.head_dim
     dim = cfg.rotary_dims or dim
-    rot = int((cfg.rope_fraction if scaled else 1.0) * dim // 2)
+    rot = int((cfg.arch.rope_fraction if scaled else 1.0) * dim // 2)
     inv = 1.0 / ((theta or cfg.rope_theta) ** (np.arange(0, 2 * rot, 2, dtype=np.float64) / dim))
     inv = np.concatenate([inv, np.zeros(dim // 2 - rot)])  # frequency 0: those pairs pass through
     sc = cfg.rope_scaling_dict if scaled else None
