@@ -54,6 +54,10 @@ def test_sections_validate_and_every_fault_is_named_once():
     with pytest.raises(ConfigError, match="every attention kind of the kv-shared layers needs an earlier layer"):
         ModelConfig(**CORE, family="gemma4_text", sliding_window=8, layer_types=("sliding",) * 3 + ("full",),
                     arch=Gemma4Arch(kv_shared_layers=1))
+    only = r"Gemma 4's experts take only .* \(got norm_topk_prob=False, dense_layers=1\)"
+    with pytest.raises(ConfigError, match=only):
+        ModelConfig(**CORE, family="gemma4_text", arch=Gemma4Arch(experts=Experts(4, 2, 16, norm_topk_prob=False,
+                                                                                  dense_layers=1)))
     with pytest.raises(ConfigError, match="needs kv_lora_rank, qk_nope_dim and v_head_dim > 0 and num_kv_heads 1"):
         ModelConfig(**CORE, family="deepseek_v3", arch=DeepseekArch(
             Experts(4, 2, 16), Latent(kv_lora_rank=16, qk_nope_dim=8, v_head_dim=8)))  # 2 kv heads
@@ -71,14 +75,13 @@ def test_per_layer_answers_come_from_the_section():
     kinds = ("sliding", "sliding", "full", "sliding", "sliding", "full")
     g = ModelConfig(**{**CORE, "num_layers": 6}, family="gemma4_text", sliding_window=8, layer_types=kinds,
                     arch=Gemma4Arch(global_head_dim=16, global_kv_heads=1, kv_shared_layers=2, per_layer_input_size=4,
-                                    per_layer_vocab=64, experts=Experts(4, 2, 16, dense_layers=1)))
+                                    per_layer_vocab=64, experts=Experts(4, 2, 16)))
     assert [g.layer_attention(i) for i in range(6)] == [(2, 8), (2, 8), (1, 16), (2, 8), (2, 8), (1, 16)]
     assert [g.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
-    assert [g.moe_layer(i) for i in range(6)] == [False] + [True] * 5
+    assert all(g.moe_layer(i) for i in range(6))
     d = g.with_layers(1)
     assert (d.num_layers, d.layer_types, d.sliding_window) == (1, None, None)
-    assert d.arch == dataclasses.replace(g.arch, kv_shared_layers=0, per_layer_input_size=0, per_layer_vocab=0,
-                                         experts=Experts(4, 2, 16))
+    assert d.arch == dataclasses.replace(g.arch, kv_shared_layers=0, per_layer_input_size=0, per_layer_vocab=0)
     assert d.layer_attention(0) == (1, 16) and d.kv_source(0) == 0 and d.moe_layer(0)
     plain = ModelConfig(**CORE)
     assert plain.layer_attention(3) == (2, 8) and plain.kv_source(3) == 3 and not plain.moe_layer(3)

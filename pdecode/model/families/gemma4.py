@@ -69,6 +69,13 @@ class Gemma4Arch(Arch):
                 out.append("every attention kind of the kv-shared layers needs an earlier layer of that kind")
         if self.experts is not None:
             out += self.experts.problems(cfg.num_layers)
+            # Gemma 4 runs its experts in every layer, softmax-routed and renormalised, beside the dense MLP
+            plain = Experts(self.experts.num_experts, self.experts.experts_per_tok, self.experts.moe_intermediate_size)
+            odd = [f.name for f in dataclasses.fields(Experts)
+                   if getattr(self.experts, f.name) != getattr(plain, f.name)]
+            if odd:
+                out.append(f"Gemma 4's experts take only num_experts, experts_per_tok and moe_intermediate_size (got "
+                           f"{', '.join(f'{k}={getattr(self.experts, k)!r}' for k in odd)})")
         return out
 
     def layer_attention(self, cfg, i):
