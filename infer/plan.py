@@ -25,7 +25,7 @@ from pdecode.model.families.moe import MoEArch
 from pdecode.model.family import config_from_hf
 from pdecode.model.layers.experts import Experts
 from pdecode.model.layers.latent import Latent
-from pdecode.model.transformer import active_params, num_params
+from pdecode.model.transformer import active_params, attention_width, num_params
 import time
 
 # name -> HF-style architecture (public configs of these models)
@@ -357,7 +357,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
     else:
         mem["weights_and_caches"] = held(cfg, params)
     if method == "diffusion":
-        kinds = [("denoise_canvas", cfg, params, cfg.arch.canvas_length), ("encode_canvas", cfg, params, cfg.arch.canvas_length)]
+        L = cfg.arch.canvas_length
+        kinds = [("denoise_canvas", cfg, params, L), ("encode_canvas", cfg, params, L)]
 
     def counted(c, w, k):
         """A step by count: every weight shard read once, the cache shards read at full length, 2 FLOPs per weight
@@ -366,10 +367,8 @@ def plan(config: str, devices: int, method: str = "ar", batch: int = 8, max_len:
         if method == "diffusion":  # a token runs through k of E experts (the other plans count every weight)
             n_w *= active_params(c) / num_params(c)
         heads_dev = c.num_heads / (model_ax if c.num_heads % model_ax == 0 else 1)
-        la = c.arch.latent
-        per_key = (2 * la.kv_lora_rank + c.head_dim) if la is not None else 2 * c.head_dim  # (latent: absorbed form)
         return {"flops": float(2 * n_w * batch / data * k + 2 * batch / data * k * c.num_layers * heads_dev
-                               * per_key * max_len), "bytes": float(held(c, w))}
+                               * attention_width(c) * max_len), "bytes": float(held(c, w))}
 
     # XLA:CPU's own counts count a layer stack under lax.scan once, not once per layer, and include the float32
     # copies XLA:CPU makes of bfloat16 matmul operands, which accelerators do not make: the projection uses the

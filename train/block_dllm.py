@@ -157,7 +157,8 @@ def main(argv=None):
 
     params = init_params(cfg, jax.random.PRNGKey(tc.seed))
     print(f"{NAME}: {num_params(cfg) / 1e6:.2f}M params ({active_params(cfg) / 1e6:.2f}M active), canvas "
-          f"{cfg.arch.canvas_length}, {tc.steps} steps of {bs} canvases after prefixes of up to {r.prefix}", file=sys.stderr)
+          f"{cfg.arch.canvas_length}, {tc.steps} steps of {bs} canvases after prefixes of up to {r.prefix}",
+          file=sys.stderr)
     t0 = time.perf_counter()
     params, hist = train(loss, params, None, batches.batch, tc, ckpt_dir=None, eval_fn=eval_fn, desc=NAME,
                          tokens_per_step=bs * (r.prefix + cfg.arch.canvas_length))

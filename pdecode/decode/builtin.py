@@ -584,7 +584,7 @@ def _diffusion_model(model, method):
     if model.cfg.causal:
         raise InputError(f"method {method!r} needs a masked-diffusion (bidirectional) model such as code-dllm; "
                          f"{model.name or 'this model'} is autoregressive")
-    if model.cfg.arch.canvas_length:  # (diffusion and dico handle block-diffusion models before asking for a mask token)
+    if model.cfg.arch.canvas_length:  # (diffusion and dico handle block-diffusion models before asking for a mask)
         raise InputError(f"method {method!r} needs a mask token; {model.name or 'this model'} is a block-diffusion "
                          "model (noise, not masks, in its canvases): use method='diffusion' or 'dico'")
     mask_id = model.cfg.mask_token_id
@@ -699,8 +699,8 @@ def _prepare_dico(model, draft, opts, samp, max_new=None):
     from pdecode.decode import dico
 
     if model.cfg.arch.canvas_length:  # DiffusionGemma: divide / conquer / finalize inside each canvas
-        return _masked_canvas_plan(model, dico.DiCoOptions(gen_length=model.cfg.arch.canvas_length, shift=False, **opts),
-                                   "dico", _block_settings(model, {}), max_new)
+        o = dico.DiCoOptions(gen_length=model.cfg.arch.canvas_length, shift=False, **opts)
+        return _masked_canvas_plan(model, o, "dico", _block_settings(model, {}), max_new)
     mask_id = _diffusion_model(model, "dico")
     o = dico.DiCoOptions(gen_length=max_new, shift=model.cfg.diffusion_shift, **opts)
     return Plan(fn=dico.generate, params=model.params, static={"cfg": model.cfg, "opts": o, "mask_id": mask_id},

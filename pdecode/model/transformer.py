@@ -249,7 +249,8 @@ def run_layers(cfg: ModelConfig, layers, x_BTD: jax.Array, positions_BT: jax.Arr
     """Run a stack of blocks over embeddings. ``layers`` is the stacked dict of the canonical layout (run under
     `lax.scan`) or a `DecodeLayers` tuple of per-layer dicts (a plain loop; fused as it says). Returns
     (x, cache, layer_hidden). ``layer_inputs``: the family's per-forward inputs (`Family.layer_inputs`)."""
-    if cache is None and cfg.arch.kv_shared_layers:  # kv-shared layers read their sources' keys from a cache: this pass's
+    # kv-shared layers read their sources' keys from a cache: this pass's
+    if cache is None and cfg.arch.kv_shared_layers:
         c, w, m = pass_cache(cfg, layers, x_BTD, mask_BTS)
         x_BTD, _, hid = run_layers(cfg, layers, x_BTD, positions_BT, m, c, w, hidden_layers, rope_table, layer_inputs)
         return x_BTD, None, hid
@@ -525,12 +526,15 @@ def active_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     """Forward FLOPs for one token attending to ``context`` earlier tokens (2 per multiply-add)."""
     matmul = active_params(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    # scores and the weighted sum per key: q.k over the key's size, p.v over the value's (latent attention in
-    # its absorbed form reads the latent for both)
-    la = cfg.arch.latent
-    per_key = (2 * la.kv_lora_rank + cfg.head_dim) if la is not None else 2 * cfg.head_dim
-    attn = cfg.num_layers * cfg.num_heads * per_key * max(context, 1)
+    attn = cfg.num_layers * cfg.num_heads * attention_width(cfg) * max(context, 1)
     return 2.0 * (matmul + attn)
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """Multiply-adds per head per cached key of one query: q.k over the key's size, p.v over the value's (latent
+    attention in its absorbed form reads the latent for both)."""
+    la = cfg.arch.latent
+    return (2 * la.kv_lora_rank + cfg.head_dim) if la is not None else 2 * cfg.head_dim
 
 
 def layer_list(layers) -> list:
